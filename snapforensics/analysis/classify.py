@@ -1,0 +1,160 @@
+"""What made a block: its category, the FSDP path that made it, and the phase its stack shows.
+
+Classification keys on function and file names (FSDP2 at `torch/distributed/fsdp/_fully_shard/`
+since 2.6 and `torch/distributed/_composable/fsdp/` in 2.4-2.5, FSDP1 `_runtime_utils.py` /
+`_flat_param.py`), on record_function range names (`FSDP::all_gather (layers.3)`), whether they
+come as frames (CPU recordings) or as `external_annotations` open around the row (CUDA), and on
+`user_metadata`. It runs once per distinct (stack, open ranges) pair, never per row.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from snapforensics.snapshot.model import Frame
+
+# Categories (stable ids, used in JSON).
+ALL_GATHER = "fsdp.all_gather_buffer"
+UNSHARDED_PARAM = "fsdp.unsharded_param"
+REDUCE_SCATTER = "fsdp.reduce_scatter_buffer"
+SHARDED_GRAD = "fsdp.sharded_grad"
+UNSHARDED_GRAD = "fsdp.unsharded_grad"
+SHARDED_PARAM = "fsdp.sharded_param"
+OPTIMIZER_STATE = "optimizer_state"
+GRADIENT = "gradient"
+ACTIVATION = "activation"
+RECOMPUTE_ACTIVATION = "recompute_activation"
+PARAMETER = "parameter"
+OTHER = "other"
+CATEGORIES = (ALL_GATHER, UNSHARDED_PARAM, REDUCE_SCATTER, SHARDED_GRAD, UNSHARDED_GRAD,
+              SHARDED_PARAM, OPTIMIZER_STATE, GRADIENT, ACTIVATION, RECOMPUTE_ACTIVATION,
+              PARAMETER, OTHER)
+FSDP_CATEGORIES = {ALL_GATHER, UNSHARDED_PARAM, REDUCE_SCATTER, SHARDED_GRAD, UNSHARDED_GRAD,
+                   SHARDED_PARAM}
+
+# Phase hints (also the phase codes of phases.py).
+INIT, FORWARD, BACKWARD, RECOMPUTE, OPTIMIZER, UNKNOWN = range(6)
+PHASE_NAMES = ("init", "forward", "backward", "recompute", "optimizer", "unknown")
+
+# Unshard paths.
+PATHS = ("forward", "backward_pre_hook", "recompute", "prefetch", "explicit")
+
+_ALL_GATHER_FUNCS = {"foreach_all_gather", "all_gather_copy_in", "all_gather_copy_in_cuda",
+                     "all_gather_copy_in_npu", "_all_gather_flat_param",
+                     "c10d::_allgather_base_", "c10d::allgather_", "c10d::all_gather_into_tensor"}
+_UNSHARDED_FUNCS = {"foreach_all_gather_copy_out", "init_all_gather_outputs",
+                    "alloc_all_gather_outputs", "alloc_storage", "init_unsharded_param",
+                    "_alloc_padded_unsharded_flat_param", "_use_unsharded_flat_param"}
+_REDUCE_FUNCS = {"foreach_reduce", "foreach_reduce_scatter_copy_in", "_reduce_grad",
+                 "_reduce_grad_no_shard", "c10d::reduce_scatter_", "c10d::_reduce_scatter_base_",
+                 "c10d::reduce_scatter_tensor_coalesced_"}
+_UNSHARDED_GRAD_FUNCS = {"accumulate_unsharded_grad_if_needed", "to_accumulated_grad_if_needed"}
+_SHARDED_INIT_FUNCS = {"_init_sharded_param", "reset_sharded_param", "fully_shard",
+                       "_init_flat_param_and_metadata", "_init_param_handle_from_module",
+                       "_move_states_to_device"}
+_RECOMPUTE_FUNCS = {"unpack_hook", "recompute_fn", "_run_fn_with_dynamo_disabled",
+                    "unpack_hook_with_error_cb", "_checkpoint_hook"}
+_PREFETCH_FUNCS = {"_prefetch_unshard", "_backward_prefetch", "_prefetch_handle",
+                   "_forward_prefetch"}
+_PRE_BACKWARD_FUNCS = {"_pre_backward", "pre_backward", "_pre_backward_hook"}
+_PRE_FORWARD_FUNCS = {"_pre_forward", "pre_forward", "_pre_forward_unshard", "_root_pre_forward"}
+_BACKWARD_FUNCS = {"_engine_run_backward", "run_backward", "post_backward", "_post_backward_hook",
+                   "_root_post_backward_final_callback", "_post_backward_final_callback",
+                   "finalize_backward", "backward_hook"}
+_INIT_FUNCS = {"reset_parameters", "_apply", "to_empty", "__init__", "_materialize_module",
+               "_sync_module_params_and_buffers", "materialize_meta_module"}
+
+_FQN = re.compile(r"^FSDP::(\w+)(?: \((.*)\)| for (.*))?$")
+
+
+@dataclass(frozen=True)
+class StackInfo:
+    category: str
+    path: str | None  # how FSDP unsharded it (PATHS), for all-gather / unsharded-param blocks
+    phase: int  # phase hint from the stack alone, UNKNOWN if none
+    module: str | None  # FSDP module FQN, when a range or frame names it
+    has_frames: bool
+
+
+def _is_fsdp_file(f: Frame) -> bool:
+    fn = f.filename.replace("\\", "/")
+    return "/fsdp/" in fn or "_composable/fsdp" in fn
+
+
+def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
+    """Classify one stack (innermost first) with the record_function ranges open around it."""
+    names = [f.name for f in frames]
+    nameset = set(names)
+    files = [f.filename.replace("\\", "/") for f in frames]
+    rf = [f.name for f in frames if f.filename == "<record_function>"] + list(reversed(ranges))
+    rfkinds = {}
+    module = None
+    for r in rf:  # innermost first
+        m = _FQN.match(r)
+        if m:
+            rfkinds.setdefault(m.group(1), r)
+            if module is None:
+                module = m.group(2) or m.group(3)
+    rftext = " ".join(rf)
+
+    in_recompute = bool(nameset & _RECOMPUTE_FUNCS) or (
+        "backward" in nameset and "CheckpointFunction" in " ".join(names))
+    in_backward = in_recompute or bool(nameset & _BACKWARD_FUNCS) or any(
+        n == "backward" and (p.endswith("torch/_tensor.py") or p.endswith("autograd/__init__.py"))
+        for n, p in zip(names, files)) or "pre_backward" in rfkinds or any(
+        k.startswith("post_backward") for k in rfkinds) or "root_post_backward_callback" in rfkinds
+    in_optim = any("/torch/optim/" in p for p in files) or "Optimizer." in rftext
+    in_forward = any(n in ("_call_impl", "_wrapped_call_impl") for n in names) or \
+        "pre_forward" in rfkinds or "forward" in nameset
+    in_init = bool(nameset & _INIT_FUNCS) or bool(nameset & _SHARDED_INIT_FUNCS)
+
+    if in_recompute:
+        phase = RECOMPUTE
+    elif in_backward:
+        phase = BACKWARD
+    elif in_optim:
+        phase = OPTIMIZER
+    elif in_forward:
+        phase = FORWARD
+    elif in_init:
+        phase = INIT
+    else:
+        phase = UNKNOWN
+
+    path = None
+    if nameset & _UNSHARDED_FUNCS or "all_gather_copy_out" in rfkinds:
+        category = UNSHARDED_PARAM
+    elif nameset & _ALL_GATHER_FUNCS or "all_gather" in rfkinds:
+        category = ALL_GATHER
+    elif nameset & _UNSHARDED_GRAD_FUNCS or "post_backward_accumulate" in rfkinds:
+        category = UNSHARDED_GRAD
+    elif nameset & _REDUCE_FUNCS or "post_backward_reduce" in rfkinds:
+        category = REDUCE_SCATTER
+    elif nameset & _SHARDED_INIT_FUNCS and any(_is_fsdp_file(f) for f in frames):
+        category = SHARDED_PARAM
+    elif phase == OPTIMIZER:
+        category = OPTIMIZER_STATE
+    elif phase == RECOMPUTE:
+        category = RECOMPUTE_ACTIVATION
+    elif phase == BACKWARD:
+        category = GRADIENT
+    elif phase == FORWARD:
+        category = ACTIVATION
+    elif phase == INIT:
+        category = PARAMETER
+    else:
+        category = OTHER
+    if category in (UNSHARDED_PARAM, ALL_GATHER):
+        if nameset & _PREFETCH_FUNCS or "forward_prefetch" in rfkinds or \
+                "backward_prefetch" in rfkinds:
+            path = "prefetch"
+        elif in_recompute:
+            path = "recompute"
+        elif nameset & _PRE_BACKWARD_FUNCS or "pre_backward" in rfkinds:
+            path = "backward_pre_hook"
+        elif nameset & _PRE_FORWARD_FUNCS or "pre_forward" in rfkinds:
+            path = "forward"
+        else:
+            path = "explicit"
+    return StackInfo(category, path, phase, module, bool(frames))

@@ -1,0 +1,131 @@
+"""One device's analysed trace: lifetimes, phases and the classification of every block.
+
+Built once per device in a single pass; every rule reads it and none re-walks the raw trace.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from snapforensics.analysis import lifetimes, phases
+from snapforensics.analysis.classify import (
+    BACKWARD,
+    CATEGORIES,
+    INIT,
+    PATHS,
+    PHASE_NAMES,
+    RECOMPUTE,
+    REDUCE_SCATTER,
+    SHARDED_GRAD,
+    StackInfo,
+    classify,
+)
+from snapforensics.snapshot.model import NO_STACK, Frame, Snapshot, Trace
+
+CAT_CODE = {c: i for i, c in enumerate(CATEGORIES)}
+PATH_CODE = {p: i for i, p in enumerate(PATHS)}
+
+# Frames that say nothing about what made a block (allocator / interpreter / wrappers).
+_NOISE = re.compile(
+    r"(^torch::|^c10::|^at::|^_Py|^Py[A-Z]|^_start$|^__libc|^std::|CapturedTraceback|"
+    r"^<unknown>$|^\?\?$|^_call_impl$|^_wrapped_call_impl$|^inner$|^_fn$|^wrapper$|"
+    r"^decorate_context$)")
+_NOISE_FILES = ("torch/nn/modules/module.py", "torch/_dynamo/eval_frame.py", "torch/_compile.py")
+
+
+def is_noise(f: Frame) -> bool:
+    fn = f.filename.replace("\\", "/")
+    return bool(_NOISE.search(f.name)) or fn in ("", "??") or fn.endswith(_NOISE_FILES)
+
+
+@dataclass
+class DeviceAnalysis:
+    snapshot: Snapshot
+    trace: Trace
+    lt: lifetimes.Lifetimes
+    tl: phases.Timeline
+    infos: list[StackInfo]  # distinct (stack, ranges) classifications
+    info: np.ndarray  # int32 per block: index into infos
+    category: np.ndarray  # int8 per block: index into CATEGORIES
+    path: np.ndarray  # int8 per block: index into PATHS, -1 none
+    phase: np.ndarray  # int8 per block: phase at its alloc row
+    iteration: np.ndarray  # int32 per block: iteration of its alloc row, -1 none
+
+    @property
+    def device(self) -> int:
+        return self.trace.device
+
+    @cached_property
+    def peak_row(self) -> int:
+        return int(np.argmax(self.lt.live)) if self.lt.rows else -1
+
+    @cached_property
+    def peak_bytes(self) -> int:
+        return int(self.lt.live[self.peak_row]) if self.lt.rows else 0
+
+    def module_of(self, block: int) -> str | None:
+        return self.infos[self.info[block]].module
+
+    def mask(self, *categories: str) -> np.ndarray:
+        codes = [CAT_CODE[c] for c in categories]
+        return np.isin(self.category, codes)
+
+    def stack_text(self, stack_id: int, limit: int = 12) -> list[str]:
+        frames = self.snapshot.stack_frames(stack_id)
+        kept = [f for f in frames if not is_noise(f)] or frames
+        return [str(f) for f in kept[:limit]]
+
+    def annotation_rows(self, pattern: re.Pattern) -> list[tuple[int, str]]:
+        """(row, name) of START annotations on this device whose name matches."""
+        return [(a.row, a.name) for a in self.snapshot.annotations
+                if a.device == self.device and a.stage == "START" and pattern.search(a.name)]
+
+    def phase_name(self, row: int) -> str:
+        return PHASE_NAMES[int(self.tl.phase[row])] if 0 <= row < len(self.tl.phase) else "init"
+
+
+def analyse(snapshot: Snapshot, trace: Trace) -> DeviceAnalysis:
+    lt = lifetimes.compute(snapshot, trace)
+    ctx, contexts = phases.range_context(snapshot.annotations, trace.device, len(trace))
+    # Classify each distinct (stack, ranges) pair once: rows first (phase hints), then blocks.
+    n_ctx = max(len(contexts), 1)
+    row_key = trace.stack.astype(np.int64) * n_ctx + ctx
+    blk_ctx = np.where(lt.alloc_row >= 0, ctx[np.clip(lt.alloc_row, 0, max(len(ctx) - 1, 0))]
+                       if len(ctx) else 0, 0)
+    blk_key = lt.stack.astype(np.int64) * n_ctx + blk_ctx
+    keys, inverse = np.unique(np.concatenate([row_key, blk_key]), return_inverse=True)
+    infos = []
+    for k in keys.tolist():
+        stack_id, c = divmod(k, n_ctx)
+        frames = snapshot.stack_frames(stack_id) if stack_id != NO_STACK else []
+        infos.append(classify(frames, contexts[c] if contexts else ()))
+    hint_of = np.array([i.phase for i in infos], np.int8)
+    row_info = inverse[: len(row_key)]
+    blk_info = inverse[len(row_key):].astype(np.int32)
+    tl = phases.assign(trace, hint_of[row_info], lt.live, ctx, contexts)
+
+    cat = np.array([CAT_CODE[i.category] for i in infos], np.int8)[blk_info] if len(infos) \
+        else np.zeros(0, np.int8)
+    path = np.array([PATH_CODE[i.path] if i.path else -1 for i in infos], np.int8)[blk_info] \
+        if len(infos) else np.zeros(0, np.int8)
+    born = lt.alloc_row >= 0
+    rows = np.clip(lt.alloc_row, 0, max(len(trace) - 1, 0))
+    phase = np.where(born, tl.phase[rows] if len(trace) else INIT, INIT).astype(np.int8)
+    iteration = np.where(born, tl.iteration[rows] if len(trace) else -1, -1).astype(np.int32)
+    d = DeviceAnalysis(snapshot, trace, lt, tl, infos, blk_info, cat, path, phase, iteration)
+    _split_sharded_grads(d)
+    return d
+
+
+def _split_sharded_grads(d: DeviceAnalysis) -> None:
+    """A reduce-scatter output that outlives its backward became `param.grad`: a sharded grad."""
+    rs = np.flatnonzero(d.category == CAT_CODE[REDUCE_SCATTER])
+    for b in rs.tolist():
+        it = d.tl.iteration_of(int(d.lt.alloc_row[b]))
+        end = it.backward_end if it and it.backward_end >= 0 else -1
+        if d.phase[b] in (BACKWARD, RECOMPUTE) and end >= 0 and d.lt.free_row[b] > end:
+            d.category[b] = CAT_CODE[SHARDED_GRAD]

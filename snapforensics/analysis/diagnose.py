@@ -1,0 +1,106 @@
+"""The facade: a loaded Snapshot in, one finished Diagnosis out."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from snapforensics import __version__
+from snapforensics.analysis.classify import BACKWARD, CATEGORIES, FORWARD, RECOMPUTE
+from snapforensics.analysis.context import DeviceAnalysis, analyse
+from snapforensics.analysis.diagnosis import Diagnosis, DeviceSummary
+from snapforensics.analysis.rules import RULES
+from snapforensics.analysis.rules.evidence import human, top_stacks
+from snapforensics.snapshot.model import Snapshot
+
+
+def diagnose(snapshot: Snapshot) -> Diagnosis:
+    analyses = [analyse(snapshot, t) for t in snapshot.active_traces]
+    findings = [f for d in analyses for rule in RULES for f in rule.check(d)]
+    warnings = list(snapshot.warnings)
+    summaries = [_summary(snapshot, d) for d in analyses]
+    for d in analyses:
+        if d.lt.truncated:
+            warnings.append(
+                f"device {d.device}: history is truncated (ring buffer wrapped or recording "
+                f"started mid-run): {d.lt.orphan_frees} frees with no alloc, {d.lt.unseen_live} "
+                f"blocks alive at dump with no alloc; {human(d.lt.baseline)} alive before the "
+                "first entry is counted from its start, with no stack for what made it")
+    seen = {d.device for d in analyses}
+    for dev in sorted({s.device for s in snapshot.segments} - seen):
+        summaries.append(_segments_only(snapshot, dev))
+    if not any(len(t) for t in snapshot.traces):
+        warnings.append("no allocation history in this snapshot (recorded without "
+                        "_record_memory_history, or a segments-only dump): figures come from the "
+                        "segments alive at dump time only")
+    return Diagnosis(source=snapshot.source, rank=snapshot.rank, format=snapshot.format,
+                     provenance=snapshot.provenance, warnings=warnings, devices=summaries,
+                     findings=findings, tool=f"snapforensics {__version__}")
+
+
+def _segment_totals(snapshot: Snapshot, device: int) -> dict[str, int]:
+    segs = [s for s in snapshot.segments if s.device == device]
+    return {
+        "count": len(segs),
+        "reserved_bytes": sum(s.total_size for s in segs),
+        "allocated_bytes": sum(b.size for s in segs for b in s.blocks if b.state != "inactive"),
+        "active_blocks": sum(1 for s in segs for b in s.blocks if b.state != "inactive"),
+    }
+
+
+def _summary(snapshot: Snapshot, d: DeviceAnalysis) -> DeviceSummary:
+    lt, tl = d.lt, d.tl
+    ph = tl.phase
+    fw = ph == FORWARD
+    bw = (ph == BACKWARD) | (ph == RECOMPUTE)
+    peaks = {
+        "forward_bytes": int(lt.live[fw].max()) if fw.any() else 0,
+        "backward_bytes": int(lt.live[bw].max()) if bw.any() else 0,
+        "overall_bytes": d.peak_bytes,
+    }
+    alive = np.flatnonzero(lt.alive_at(d.peak_row)) if d.peak_row >= 0 else np.zeros(0, int)
+    at_peak = {c: int(lt.size[alive][d.category[alive] == i].sum())
+               for i, c in enumerate(CATEGORIES)}
+    totals = {c: {"bytes": int(lt.size[d.category == i].sum()),
+                  "blocks": int((d.category == i).sum())} for i, c in enumerate(CATEGORIES)}
+    stacks = top_stacks(d, alive, 5)
+    for s, b in zip(stacks, _first_blocks(d, alive, stacks)):
+        s["category"] = CATEGORIES[d.category[b]]
+    return DeviceSummary(
+        device=d.device,
+        peaks=peaks,
+        peak_row=d.peak_row,
+        peak_phase=d.phase_name(d.peak_row),
+        iterations=[{"index": it.index, "forward_peak_bytes": it.forward_peak,
+                     "backward_peak_bytes": it.backward_peak, "start_row": it.start,
+                     "end_row": it.end} for it in tl.iterations],
+        categories_at_peak={k: v for k, v in at_peak.items() if v},
+        categories_total={k: v for k, v in totals.items() if v["blocks"]},
+        top_stacks_at_peak=stacks,
+        history={"rows": lt.rows, "allocations": int((lt.alloc_row >= 0).sum()),
+                 "orphan_frees": lt.orphan_frees, "unseen_live_blocks": lt.unseen_live,
+                 "truncated": lt.truncated, "baseline_bytes": lt.baseline},
+        segments=_segment_totals(snapshot, d.device),
+    )
+
+
+def _first_blocks(d: DeviceAnalysis, alive: np.ndarray, stacks: list[dict]) -> list[int]:
+    out = []
+    for s in stacks:
+        for b in alive.tolist():
+            if d.stack_text(int(d.lt.stack[b])) == s["stack"]:
+                out.append(b)
+                break
+    return out
+
+
+def _segments_only(snapshot: Snapshot, device: int) -> DeviceSummary:
+    seg = _segment_totals(snapshot, device)
+    return DeviceSummary(
+        device=device,
+        peaks={"forward_bytes": 0, "backward_bytes": 0, "overall_bytes": seg["allocated_bytes"]},
+        peak_row=-1, peak_phase="dump", iterations=[], categories_at_peak={},
+        categories_total={}, top_stacks_at_peak=[],
+        history={"rows": 0, "allocations": 0, "orphan_frees": 0, "unseen_live_blocks": 0,
+                 "truncated": False, "baseline_bytes": 0},
+        segments=seg,
+    )

@@ -1,0 +1,136 @@
+"""Phases per row (init, forward, backward, recompute inside backward, optimizer) and iterations.
+
+Each row gets the phase its stack and open record_function ranges show. Rows that show none (on
+CUDA the autograd thread runs backward ops with no Python frames) take the phase of the row
+before them; a frameless row right after recompute rows is backward, since recompute itself
+always runs Python (the checkpoint unpack hook). An iteration starts where forward follows
+backward or the optimizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from snapforensics.analysis.classify import (
+    BACKWARD,
+    FORWARD,
+    INIT,
+    OPTIMIZER,
+    RECOMPUTE,
+    UNKNOWN,
+)
+from snapforensics.snapshot.model import NO_STACK, Annotation, Trace
+
+
+@dataclass
+class Iteration:
+    index: int
+    start: int  # first row
+    end: int  # last row (inclusive)
+    backward_start: int  # -1 when the iteration has no backward
+    backward_end: int  # last backward/recompute row, -1 when none
+    forward_peak: int
+    backward_peak: int
+    forward_peak_row: int
+    backward_peak_row: int
+
+
+@dataclass
+class Timeline:
+    phase: np.ndarray  # int8 per row
+    iteration: np.ndarray  # int32 per row, -1 before the first forward
+    ctx: np.ndarray  # int32 per row: id into `contexts` of the ranges open at that row
+    contexts: list[tuple[str, ...]]
+    iterations: list[Iteration]
+
+    def iteration_of(self, row: int) -> Iteration | None:
+        if row < 0 or row >= len(self.iteration):
+            return None
+        i = int(self.iteration[row])
+        return self.iterations[i] if i >= 0 else None
+
+
+def range_context(annotations: list[Annotation], device: int, rows: int
+                  ) -> tuple[np.ndarray, list[tuple[str, ...]]]:
+    """For every row, the record_function ranges open around it (outermost first)."""
+    ctx = np.zeros(rows, np.int32)
+    contexts: list[tuple[str, ...]] = [()]
+    ids = {(): 0}
+    open_: list[str] = []
+    prev = 0
+    for a in annotations:
+        if a.device != device:
+            continue
+        row = min(max(a.row, 0), rows)
+        if row > prev:
+            key = tuple(open_)
+            if key not in ids:
+                ids[key] = len(contexts)
+                contexts.append(key)
+            ctx[prev:row] = ids[key]
+            prev = row
+        if a.stage == "START":
+            open_.append(a.name)
+        elif a.name in open_:
+            idx = len(open_) - 1 - open_[::-1].index(a.name)
+            del open_[idx]
+    if prev < rows:
+        key = tuple(open_)
+        if key not in ids:
+            ids[key] = len(contexts)
+            contexts.append(key)
+        ctx[prev:] = ids[key]
+    return ctx, contexts
+
+
+def assign(trace: Trace, hints: np.ndarray, live: np.ndarray,
+           ctx: np.ndarray, contexts: list[tuple[str, ...]]) -> Timeline:
+    """`hints` is the phase hint of each row (UNKNOWN where the row shows none)."""
+    n = len(trace)
+    phase = np.empty(n, np.int8)
+    iteration = np.full(n, -1, np.int32)
+    cur = prev = INIT
+    it = -1
+    seen_forward = False
+    no_stack = trace.stack == NO_STACK
+    hints_l = hints.tolist()
+    no_stack_l = no_stack.tolist()
+    for i in range(n):
+        h = hints_l[i]
+        if h == UNKNOWN or h == INIT and seen_forward:
+            if cur == RECOMPUTE and no_stack_l[i]:
+                cur = BACKWARD
+        else:
+            cur = h
+        if cur == FORWARD and (not seen_forward or prev in (BACKWARD, RECOMPUTE, OPTIMIZER)):
+            it += 1
+            seen_forward = True
+        prev = cur
+        phase[i] = cur
+        iteration[i] = it
+    iterations = []
+    for k in range(it + 1):
+        rows = np.flatnonzero(iteration == k)
+        start, end = int(rows[0]), int(rows[-1])
+        ph = phase[start:end + 1]
+        seg = live[start:end + 1]
+        bw = np.flatnonzero((ph == BACKWARD) | (ph == RECOMPUTE))
+        fw = np.flatnonzero(ph == FORWARD)
+        fpk = int(fw[np.argmax(seg[fw])]) if fw.size else -1
+        bpk = int(bw[np.argmax(seg[bw])]) if bw.size else -1
+        iterations.append(Iteration(
+            index=k, start=start, end=end,
+            backward_start=start + int(bw[0]) if bw.size else -1,
+            backward_end=start + int(bw[-1]) if bw.size else -1,
+            forward_peak=int(seg[fpk]) if fpk >= 0 else 0,
+            backward_peak=int(seg[bpk]) if bpk >= 0 else 0,
+            forward_peak_row=start + fpk if fpk >= 0 else -1,
+            backward_peak_row=start + bpk if bpk >= 0 else -1,
+        ))
+    return Timeline(phase, iteration, ctx, contexts, iterations)
+
+
+__all__ = ["Iteration", "Timeline", "range_context", "assign", "INIT", "FORWARD", "BACKWARD",
+           "RECOMPUTE", "OPTIMIZER", "UNKNOWN"]

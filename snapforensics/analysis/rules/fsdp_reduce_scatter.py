@@ -1,0 +1,36 @@
+"""Sharded gradients growing through backward: what FSDP is designed to cost (expected)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from snapforensics.analysis.classify import BACKWARD, RECOMPUTE, SHARDED_GRAD
+from snapforensics.analysis.context import DeviceAnalysis
+from snapforensics.analysis.diagnosis import EXPECTED, Finding
+from snapforensics.analysis.rules.evidence import by_module, human, top_stacks
+
+RULE = "fsdp.reduce_scatter_accumulation"
+
+
+def check(d: DeviceAnalysis) -> list[Finding]:
+    idx = np.flatnonzero(d.mask(SHARDED_GRAD) & np.isin(d.phase, [BACKWARD, RECOMPUTE]))
+    if not idx.size:
+        return []
+    per_iter: dict[int, int] = {}
+    for b in idx.tolist():
+        per_iter[int(d.iteration[b])] = per_iter.get(int(d.iteration[b]), 0) + int(d.lt.size[b])
+    worst = max(per_iter, key=per_iter.get)
+    blocks = idx[d.iteration[idx] == worst]
+    n_mod = len({d.module_of(b) for b in blocks.tolist()})
+    return [Finding(
+        rule=RULE, verdict=EXPECTED,
+        title="Reduce-scatter outputs (sharded gradients) accumulate through backward",
+        cause=(f"Each unit's gradient is reduce-scattered after its backward and the 1/world_size "
+               f"output is kept as the sharded param.grad until the optimizer step: "
+               f"{human(per_iter[worst])} in {len(blocks)} blocks over {n_mod} unit(s) grows "
+               "layer by layer through backward. This is what sharded gradients cost; it is "
+               "not a leak."),
+        bytes=per_iter[worst], blocks=int(len(blocks)), device=d.device,
+        evidence={"iteration": worst, "modules": by_module(d, blocks),
+                  "stacks": top_stacks(d, blocks, 1)},
+    )]

@@ -1,0 +1,110 @@
+"""FSDP parameters unsharded in backward (or recompute) and never resharded: the seed bug.
+
+With `reshard_after_backward=False` (or a recompute path that unshards with no matching
+reshard), every unit's parameters gathered during backward stay allocated after its backward
+ends, so live bytes climb one layer at a time and backward peaks far above forward.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from snapforensics.analysis.classify import ALL_GATHER, BACKWARD, PATHS, RECOMPUTE, REDUCE_SCATTER, \
+    SHARDED_GRAD, UNSHARDED_PARAM
+from snapforensics.analysis.context import DeviceAnalysis
+from snapforensics.analysis.diagnosis import ANOMALOUS, Finding
+from snapforensics.analysis.rules.evidence import by_module, human, replay_peaks, top_stacks
+
+RULE = "fsdp.unsharded_params_not_resharded"
+_POST_BACKWARD = re.compile(r"^FSDP::post_backward_(?:accumulate|reshard|reduce) \((.*)\)$")
+
+FIX = """\
+# after fully_shard(...) on each block (and on the root):
+for module in model.modules():
+    if isinstance(module, FSDPModule):
+        module.set_reshard_after_backward(True)
+# with gradient accumulation, only keep False on non-final micro-batches:
+#   model.set_reshard_after_backward(is_last_microbatch)"""
+
+
+def _reshard_rows(d: DeviceAnalysis, blocks: np.ndarray) -> np.ndarray:
+    """Where a reshard would have freed each block: its unit's post-backward.
+
+    Prefer the unit's own `FSDP::post_backward_* (fqn)` range; else the first reduce-scatter
+    allocated for that unit; else the first reduce-scatter after the block; else backward end.
+    """
+    post: dict[str, list[int]] = {}
+    for row, name in d.annotation_rows(_POST_BACKWARD):
+        post.setdefault(_POST_BACKWARD.match(name).group(1), []).append(row)
+    rs = np.flatnonzero(d.mask(REDUCE_SCATTER, SHARDED_GRAD))
+    rs_rows = np.sort(d.lt.alloc_row[rs])
+    rs_by_mod: dict[str, list[int]] = {}
+    for b in rs.tolist():
+        m = d.module_of(b)
+        if m:
+            rs_by_mod.setdefault(m, []).append(int(d.lt.alloc_row[b]))
+    out = d.lt.free_row[blocks].copy()
+    for k, b in enumerate(blocks.tolist()):
+        a = int(d.lt.alloc_row[b])
+        it = d.tl.iteration_of(a)
+        end = it.backward_end if it else d.lt.rows - 1
+        cands = post.get(d.module_of(b) or "", []) or sorted(rs_by_mod.get(d.module_of(b) or "", []))
+        nxt = [r for r in cands if r > a]
+        if not nxt and not cands:
+            nxt = rs_rows[rs_rows > a][:1].tolist()
+        target = nxt[0] if nxt and nxt[0] <= end else end + 1
+        out[k] = min(int(out[k]), target)
+    return out
+
+
+def check(d: DeviceAnalysis) -> list[Finding]:
+    cand = d.mask(UNSHARDED_PARAM, ALL_GATHER) & np.isin(d.phase, [BACKWARD, RECOMPUTE]) & \
+        (d.iteration >= 0)
+    idx = np.flatnonzero(cand)
+    if not idx.size:
+        return []
+    ends = np.array([d.tl.iterations[i].backward_end for i in d.iteration[idx]], np.int64)
+    leaked = idx[(ends >= 0) & (d.lt.free_row[idx] > ends)]
+    if not leaked.size:
+        return []
+    # Bytes left unsharded at the end of each backward; report the worst iteration.
+    per_iter: dict[int, int] = {}
+    for b in leaked.tolist():
+        per_iter[int(d.iteration[b])] = per_iter.get(int(d.iteration[b]), 0) + int(d.lt.size[b])
+    worst = max(per_iter, key=per_iter.get)
+    worst_blocks = leaked[d.iteration[leaked] == worst]
+    free_row = d.lt.free_row.copy()
+    free_row[leaked] = _reshard_rows(d, leaked)
+    before = {"overall_bytes": d.peak_bytes}
+    after = replay_peaks(d, free_row)
+    paths = {}
+    for b in worst_blocks.tolist():
+        p = PATHS[d.path[b]] if d.path[b] >= 0 else "unknown"
+        paths[p] = paths.get(p, 0) + int(d.lt.size[b])
+    n_mod = len({d.module_of(b) for b in worst_blocks.tolist()})
+    via = ", ".join(f"{p} ({human(v)})" for p, v in sorted(paths.items(), key=lambda x: -x[1]))
+    cause = (
+        f"FSDP parameters all-gathered during backward were never resharded: "
+        f"{human(per_iter[worst])} in {len(worst_blocks)} blocks across {n_mod} unit(s) "
+        f"was still unsharded when backward ended (iteration {worst}), unsharded via {via}. "
+        "Each unit's post-backward skipped its reshard (reshard_after_backward=False, or a "
+        "fully_shard unit nested in a checkpointed region re-unsharded by the recompute's "
+        "pre-forward / pre-backward hooks), so parameter memory climbs layer by layer through "
+        "backward instead of staying at one or two layers.")
+    return [Finding(
+        rule=RULE, verdict=ANOMALOUS,
+        title="Parameters unsharded in backward/recompute are not resharded",
+        cause=cause, bytes=per_iter[worst], blocks=int(len(worst_blocks)), device=d.device,
+        fix=FIX, predicted_peak_bytes=after["overall_bytes"],
+        saving_bytes=before["overall_bytes"] - after["overall_bytes"],
+        evidence={
+            "iteration": worst,
+            "per_iteration_bytes": {str(k): v for k, v in sorted(per_iter.items())},
+            "by_path": paths,
+            "modules": by_module(d, worst_blocks),
+            "stacks": top_stacks(d, worst_blocks),
+            "predicted_peaks": after,
+        },
+    )]

@@ -1,0 +1,337 @@
+"""A small FSDP2 + activation-checkpointing training run, in several layouts.
+
+Run it under torchrun or the recorder::
+
+    snapforensics record --nproc-per-node 2 -m snapforensics.examples.fsdp_ckpt --variant buggy
+    torchrun --nproc-per-node 2 -m snapforensics.examples.fsdp_ckpt --variant fixed
+
+or alone (``python -m snapforensics.examples.fsdp_ckpt``: a world of one, gloo, free port).
+
+It is an ordinary training loop (zero_grad, forward, backward, step) with no phase
+annotations of its own: what a recording shows comes from torch and FSDP only. CPU tensors
+and gloo when no CUDA device is visible, cuda and nccl otherwise. Seeded.
+
+Variants (``VARIANTS``; every one but ``full_init`` builds the model on the meta device, shards
+it, then ``to_empty`` + ``reset_parameters``):
+
+- ``buggy``: ``checkpoint_wrapper(block)``, ``fully_shard(block)``,
+  ``block.set_reshard_after_backward(False)``: parameters unsharded in backward and in the
+  recompute are never resharded (the seed bug).
+- ``fixed``: the same layout with ``set_reshard_after_backward(True)``.
+- ``nested``: ``fully_shard`` on each block's ``attn`` and ``mlp`` inside
+  ``checkpoint_wrapper(block)``; defaults, no prefetch lists.
+- ``noac``: ``fully_shard`` per block, no checkpointing (activations dominate).
+- ``reshard_after_forward_false``: ``fixed`` with ``fully_shard(block, reshard_after_forward=False)``.
+- ``prefetch_in_recompute``: ``nested`` plus ``set_modules_to_forward_prefetch`` from each inner
+  unit to the next one (attn -> mlp -> next block's attn).
+- ``no_grad_sync``: ``fixed`` with 2 micro-batches per step, gradient sync off on the first.
+- ``full_init``: ``fixed``, but the full model is materialized (fp32, on the device) before
+  sharding.
+- ``mixed_precision``: ``fixed`` with ``MixedPrecisionPolicy(param_dtype=bfloat16,
+  reduce_dtype=float32)``.
+- ``leak``: ``fixed``; the loop keeps every step's loss and a confidence statistic with their
+  autograd graphs in a list (the statistic's graph holds a batch x seq x vocab tensor).
+- ``no_rate_limit``: ``fixed`` with forward prefetch of 3 blocks ahead and backward prefetch of
+  3 blocks behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+# ---------------------------------------------------------------------------- model
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).unbind(2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, s, d))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = MLP(dim, 4 * dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(self.norm(h))
+
+
+# ---------------------------------------------------------------------------- layouts
+
+
+@dataclass
+class Plan:
+    """What a variant changes besides the sharding layout."""
+
+    full_init: bool = False  # build the full model on the device before sharding
+    micro_batches: int = 1
+    grad_sync_off_first: bool = False  # set_requires_gradient_sync(False) on non-final micro-batches
+    keep_graphs: bool = False  # the leak
+
+
+def _blocks(model: Transformer) -> list[nn.Module]:
+    return list(model.layers)
+
+
+def _per_block(model: Transformer, mesh, *, ac: bool = True, reshard_after_backward: bool = True,
+               mp: MixedPrecisionPolicy | None = None, **shard_kw) -> list[nn.Module]:
+    """checkpoint_wrapper(block) (if ac) then fully_shard(block); the root last."""
+    kw = {"mesh": mesh, **shard_kw}
+    if mp is not None:
+        kw["mp_policy"] = mp
+    units = []
+    for i, block in enumerate(_blocks(model)):
+        if ac:
+            block = checkpoint_wrapper(block)
+        fully_shard(block, **kw)
+        block.set_reshard_after_backward(reshard_after_backward)
+        model.layers[i] = block
+        units.append(block)
+    root_kw = {"mesh": mesh}
+    if mp is not None:
+        root_kw["mp_policy"] = mp
+    fully_shard(model, **root_kw)
+    return units
+
+
+def _nested(model: Transformer, mesh) -> list[nn.Module]:
+    """fully_shard(attn), fully_shard(mlp) inside checkpoint_wrapper(block); the root last."""
+    units = []
+    for i, block in enumerate(_blocks(model)):
+        fully_shard(block.attn, mesh=mesh)
+        fully_shard(block.mlp, mesh=mesh)
+        units += [block.attn, block.mlp]
+        model.layers[i] = checkpoint_wrapper(block)
+    fully_shard(model, mesh=mesh)
+    return units
+
+
+def v_buggy(model, mesh):
+    _per_block(model, mesh, reshard_after_backward=False)
+    return Plan()
+
+
+def v_fixed(model, mesh):
+    _per_block(model, mesh, reshard_after_backward=True)
+    return Plan()
+
+
+def v_nested(model, mesh):
+    _nested(model, mesh)
+    return Plan()
+
+
+def v_noac(model, mesh):
+    _per_block(model, mesh, ac=False)
+    return Plan()
+
+
+def v_reshard_after_forward_false(model, mesh):
+    _per_block(model, mesh, reshard_after_forward=False)
+    return Plan()
+
+
+def v_prefetch_in_recompute(model, mesh):
+    units = _nested(model, mesh)
+    for cur, nxt in zip(units, units[1:]):
+        cur.set_modules_to_forward_prefetch([nxt])
+    return Plan()
+
+
+def v_no_grad_sync(model, mesh):
+    _per_block(model, mesh)
+    return Plan(micro_batches=2, grad_sync_off_first=True)
+
+
+def v_full_init(model, mesh):
+    _per_block(model, mesh)
+    return Plan(full_init=True)
+
+
+def v_mixed_precision(model, mesh):
+    _per_block(model, mesh, mp=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                    reduce_dtype=torch.float32))
+    return Plan()
+
+
+def v_leak(model, mesh):
+    _per_block(model, mesh)
+    return Plan(keep_graphs=True)
+
+
+def v_no_rate_limit(model, mesh):
+    units = _per_block(model, mesh)
+    depth = 3
+    for i, unit in enumerate(units):
+        ahead = units[i + 1:i + 1 + depth]
+        if ahead:
+            unit.set_modules_to_forward_prefetch(ahead)
+        behind = units[max(0, i - depth):i][::-1]
+        if behind:
+            unit.set_modules_to_backward_prefetch(behind)
+    return Plan()
+
+
+VARIANTS: dict[str, Callable[[Transformer, object], Plan]] = {
+    "buggy": v_buggy,
+    "fixed": v_fixed,
+    "nested": v_nested,
+    "noac": v_noac,
+    "reshard_after_forward_false": v_reshard_after_forward_false,
+    "prefetch_in_recompute": v_prefetch_in_recompute,
+    "no_grad_sync": v_no_grad_sync,
+    "full_init": v_full_init,
+    "mixed_precision": v_mixed_precision,
+    "leak": v_leak,
+    "no_rate_limit": v_no_rate_limit,
+}
+
+
+# ---------------------------------------------------------------------------- run
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_dist() -> tuple[int, int, torch.device]:
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, rank=rank, world_size=world)
+    return rank, world, device
+
+
+def _reset_parameters(model: nn.Module) -> None:
+    for m in model.modules():
+        reset = getattr(m, "reset_parameters", None)
+        if callable(reset):
+            reset()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m snapforensics.examples.fsdp_ckpt",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--variant", default="fixed", choices=sorted(VARIANTS))
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank, world, device = _init_dist()
+    torch.manual_seed(args.seed)
+    try:
+        mesh = init_device_mesh(device.type, (world,))
+        apply = VARIANTS[args.variant]
+        if args.variant == "full_init":
+            with torch.device(device):
+                model = Transformer(args.vocab, args.dim, args.layers, args.heads)
+            plan = apply(model, mesh)
+        else:
+            with torch.device("meta"):
+                model = Transformer(args.vocab, args.dim, args.layers, args.heads)
+            plan = apply(model, mesh)
+            model.to_empty(device=device)
+            _reset_parameters(model)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        gen = torch.Generator(device="cpu").manual_seed(args.seed + 1000 + rank)
+        kept = []  # only the leak variant fills it
+        for step in range(args.steps):
+            optim.zero_grad()
+            for mb in range(plan.micro_batches):
+                last = mb == plan.micro_batches - 1
+                if plan.grad_sync_off_first:
+                    model.set_requires_gradient_sync(last)
+                tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
+                tokens = tokens.to(device)
+                logits = model(tokens[:, :-1])
+                loss = F.cross_entropy(logits.reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
+                loss.backward()
+                if plan.keep_graphs:
+                    confidence = logits.softmax(-1).amax(-1).mean()
+                    kept.append((loss, confidence))
+            optim.step()
+            if rank == 0:
+                print(f"[fsdp_ckpt:{args.variant}] step {step} loss {loss.item():.4f}", flush=True)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""The normalized, interned snapshot model every analysis reads.
+
+The loader (`loader.py`) is the only code that sees the raw pickle. Everything after it sees:
+frames interned once into a table, stacks as tuples of frame ids interned into a table, and
+each device's trace as parallel numpy arrays (one row per trace entry, oldest first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+# Trace actions, as small integer codes. Order is part of no contract; use the names.
+ACTIONS = (
+    "alloc",
+    "free_requested",
+    "free_completed",
+    "segment_alloc",
+    "segment_free",
+    "segment_map",
+    "segment_unmap",
+    "snapshot",
+    "oom",
+    "user_defined",
+    "annotate",
+    "workspace_snapshot",
+    "other",
+)
+A = {name: code for code, name in enumerate(ACTIONS)}
+ALLOC, FREE_REQUESTED, FREE_COMPLETED = A["alloc"], A["free_requested"], A["free_completed"]
+SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP = (
+    A["segment_alloc"], A["segment_free"], A["segment_map"], A["segment_unmap"])
+OOM, SNAPSHOT, WORKSPACE_SNAPSHOT = A["oom"], A["snapshot"], A["workspace_snapshot"]
+NO_STACK = -1
+
+
+class Frame(NamedTuple):
+    filename: str
+    line: int
+    name: str
+
+    def __str__(self) -> str:
+        if self.filename.startswith("<") and self.line == 0:
+            return f"{self.name}  [{self.filename.strip('<>')}]"
+        return f"{self.name}  {self.filename}:{self.line}"
+
+
+@dataclass
+class Trace:
+    """One device's ring buffer of trace entries as arrays (row i = entry i, oldest first)."""
+
+    device: int
+    action: np.ndarray  # int8 codes into ACTIONS
+    addr: np.ndarray  # uint64
+    size: np.ndarray  # int64, bytes
+    stream: np.ndarray  # int32 ids into Snapshot.streams
+    time_us: np.ndarray  # float64, NaN where the file has no time
+    stack: np.ndarray  # int32 ids into Snapshot.stacks, NO_STACK when the entry had no frames
+    meta: np.ndarray  # int32 ids into Snapshot.strings (user_metadata / compile_context), -1 none
+    device_free: dict[int, int] = field(default_factory=dict)  # row -> bytes free (oom rows)
+
+    def __len__(self) -> int:
+        return len(self.action)
+
+
+@dataclass
+class Block:
+    address: int
+    size: int
+    requested_size: int
+    state: str  # active_allocated | active_pending_free | inactive
+    stack: int
+
+
+@dataclass
+class Segment:
+    device: int
+    address: int
+    total_size: int
+    allocated_size: int
+    active_size: int
+    requested_size: int
+    stream: int
+    segment_type: str
+    pool_id: tuple
+    is_expandable: bool
+    stack: int
+    blocks: list[Block]
+
+
+@dataclass
+class Annotation:
+    """A record_function range edge, placed in its device's trace.
+
+    `row` is the index of the first trace row that happens after it (so rows >= row are
+    inside a START and rows < row are before it).
+    """
+
+    device: int
+    stage: str  # START | END
+    name: str
+    time_us: float
+    row: int
+
+
+@dataclass
+class Snapshot:
+    source: str
+    frames: list[Frame]
+    stacks: list[tuple[int, ...]]  # frame ids, innermost first
+    strings: list[str]
+    streams: list[int]
+    traces: list[Trace]  # one per device list in the file (empty ones included)
+    segments: list[Segment]
+    annotations: list[Annotation]
+    allocator_settings: dict
+    provenance: dict  # the recorder's "snapforensics" block, {} for foreign files
+    format: dict  # what the loader saw: era, backend, quirks
+    rank: int | None
+    warnings: list[str]
+
+    @property
+    def active_traces(self) -> list[Trace]:
+        return [t for t in self.traces if len(t)]
+
+    @property
+    def devices(self) -> list[int]:
+        found = {t.device for t in self.traces if len(t)} | {s.device for s in self.segments}
+        return sorted(found)
+
+    def stack_frames(self, stack_id: int) -> list[Frame]:
+        if stack_id < 0:
+            return []
+        return [self.frames[f] for f in self.stacks[stack_id]]
+
+    @property
+    def backend(self) -> str:
+        return self.format.get("backend", "unknown")
