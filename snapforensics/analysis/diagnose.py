@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from snapforensics import __version__
-from snapforensics.analysis.classify import BACKWARD, CATEGORIES, FORWARD, RECOMPUTE
+from snapforensics.analysis.classify import BACKWARD, CATEGORIES, FORWARD, PHASE_NAMES, RECOMPUTE
 from snapforensics.analysis.context import DeviceAnalysis, analyse
 from snapforensics.analysis.diagnosis import Diagnosis, DeviceSummary
 from snapforensics.analysis.rules import RULES
@@ -80,7 +80,21 @@ def _summary(snapshot: Snapshot, d: DeviceAnalysis) -> DeviceSummary:
                  "orphan_frees": lt.orphan_frees, "unseen_live_blocks": lt.unseen_live,
                  "truncated": lt.truncated, "baseline_bytes": lt.baseline},
         segments=_segment_totals(snapshot, d.device),
+        timeline=_timeline(d),
     )
+
+
+def _timeline(d: DeviceAnalysis, points: int = 1200) -> list[list]:
+    """Live bytes downsampled to at most `points` rows, each bucket keeping its max."""
+    live = d.lt.live
+    if not len(live):
+        return []
+    edges = np.unique(np.linspace(0, len(live), min(points, len(live)) + 1).astype(np.int64))
+    out = []
+    for a, b in zip(edges[:-1], edges[1:]):
+        r = int(a + np.argmax(live[a:b]))
+        out.append([r, int(live[r]), PHASE_NAMES[int(d.tl.phase[r])]])
+    return out
 
 
 def _first_blocks(d: DeviceAnalysis, alive: np.ndarray, stacks: list[dict]) -> list[int]:

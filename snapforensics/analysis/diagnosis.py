@@ -37,6 +37,8 @@ class DeviceSummary:
     top_stacks_at_peak: list[dict[str, Any]]
     history: dict[str, Any]
     segments: dict[str, int]
+    # live bytes over the trace, downsampled keeping each bucket's max: [row, bytes, phase]
+    timeline: list[list] = field(default_factory=list)
 
 
 @dataclass

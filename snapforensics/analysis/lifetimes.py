@@ -126,11 +126,14 @@ def compute(snapshot: Snapshot, trace: Trace) -> Lifetimes:
             if seg.device != trace.device:
                 continue
             for blk in seg.blocks:
-                if blk.state == "inactive" or blk.address in open_at:
+                # Pending-free blocks whose free request is in the trace are already closed.
+                if blk.state == "inactive" or blk.address in open_at or (
+                        blk.state == "active_pending_free" and blk.address in closed_last):
                     continue
                 unseen += 1
                 a_addr.append(blk.address)
-                a_size.append(blk.size)
+                # torch's viewer counts pre-existing blocks by requested size; so do we
+                a_size.append(blk.requested_size or blk.size)
                 a_stack.append(blk.stack if blk.stack is not None else NO_STACK)
                 a_alloc.append(-1)
                 a_free.append(n)

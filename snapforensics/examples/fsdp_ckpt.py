@@ -20,17 +20,19 @@ it, then ``to_empty`` + ``reset_parameters``):
 - ``fixed``: the same layout with ``set_reshard_after_backward(True)``.
 - ``nested``: ``fully_shard`` on each block's ``attn`` and ``mlp`` inside
   ``checkpoint_wrapper(block)``; defaults, no prefetch lists.
-- ``noac``: ``fully_shard`` per block, no checkpointing (activations dominate).
+- ``noac``: ``fully_shard`` per block, no checkpointing (activations dominate; batch 8 by default).
 - ``reshard_after_forward_false``: ``fixed`` with ``fully_shard(block, reshard_after_forward=False)``.
 - ``prefetch_in_recompute``: ``nested`` plus ``set_modules_to_forward_prefetch`` from each inner
-  unit to the next one (attn -> mlp -> next block's attn).
+  unit to the next two (attn_i -> mlp_i, attn_i+1; mlp_i -> attn_i+1, mlp_i+1): the recompute
+  re-gathers the next block's attention, which nothing frees until the end of backward.
 - ``no_grad_sync``: ``fixed`` with 2 micro-batches per step, gradient sync off on the first.
 - ``full_init``: ``fixed``, but the full model is materialized (fp32, on the device) before
   sharding.
 - ``mixed_precision``: ``fixed`` with ``MixedPrecisionPolicy(param_dtype=bfloat16,
   reduce_dtype=float32)``.
-- ``leak``: ``fixed``; the loop keeps every step's loss and a confidence statistic with their
-  autograd graphs in a list (the statistic's graph holds a batch x seq x vocab tensor).
+- ``leak``: ``fixed``; the loop keeps every step's loss, logits and a confidence statistic with
+  their autograd graphs in a list (logits and the softmax the statistic's graph saves: two
+  batch x seq x vocab fp32 tensors, 1 MiB a step by default).
 - ``no_rate_limit``: ``fixed`` with forward prefetch of 3 blocks ahead and backward prefetch of
   3 blocks behind.
 """
@@ -60,8 +62,8 @@ class Attention(nn.Module):
     def __init__(self, dim: int, heads: int):
         super().__init__()
         self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
@@ -74,8 +76,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.fc1 = nn.Linear(dim, hidden)
-        self.fc2 = nn.Linear(hidden, dim)
+        self.fc1 = nn.Linear(dim, hidden, bias=False)
+        self.fc2 = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x)))
@@ -84,9 +86,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, dim: int, heads: int):
         super().__init__()
-        self.ln1 = nn.LayerNorm(dim)
+        self.ln1 = nn.RMSNorm(dim)
         self.attn = Attention(dim, heads)
-        self.ln2 = nn.LayerNorm(dim)
+        self.ln2 = nn.RMSNorm(dim)
         self.mlp = MLP(dim, 4 * dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,7 +101,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.layers = nn.ModuleList(Block(dim, heads) for _ in range(layers))
-        self.norm = nn.LayerNorm(dim)
+        self.norm = nn.RMSNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -120,6 +122,7 @@ class Plan:
     micro_batches: int = 1
     grad_sync_off_first: bool = False  # set_requires_gradient_sync(False) on non-final micro-batches
     keep_graphs: bool = False  # the leak
+    batch: int | None = None  # default batch size for this variant (when --batch is not given)
 
 
 def _blocks(model: Transformer) -> list[nn.Module]:
@@ -176,7 +179,7 @@ def v_nested(model, mesh):
 
 def v_noac(model, mesh):
     _per_block(model, mesh, ac=False)
-    return Plan()
+    return Plan(batch=8)  # without checkpointing, 4x the tokens: activations dominate the peak
 
 
 def v_reshard_after_forward_false(model, mesh):
@@ -185,9 +188,13 @@ def v_reshard_after_forward_false(model, mesh):
 
 
 def v_prefetch_in_recompute(model, mesh):
+    # each inner unit prefetches the next two (attn_i -> mlp_i, attn_i+1; mlp_i -> attn_i+1, mlp_i+1).
+    # In backward the recompute of block i runs attn_i's full pre-forward (it is IDLE then), whose
+    # prefetch all-gathers attn_i+1 again, already done with its backward: one buffer per layer
+    # that only finalize_backward releases.
     units = _nested(model, mesh)
-    for cur, nxt in zip(units, units[1:]):
-        cur.set_modules_to_forward_prefetch([nxt])
+    for k, unit in enumerate(units[:-1]):
+        unit.set_modules_to_forward_prefetch(units[k + 1:k + 3])
     return Plan()
 
 
@@ -284,9 +291,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=None,
+                   help="sequences per micro-batch (default 2; noac: 8)")
+    p.add_argument("--seq", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -310,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             _reset_parameters(model)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
         gen = torch.Generator(device="cpu").manual_seed(args.seed + 1000 + rank)
+        batch = args.batch or plan.batch or 2
         kept = []  # only the leak variant fills it
         for step in range(args.steps):
             optim.zero_grad()
@@ -317,14 +326,14 @@ def main(argv: list[str] | None = None) -> int:
                 last = mb == plan.micro_batches - 1
                 if plan.grad_sync_off_first:
                     model.set_requires_gradient_sync(last)
-                tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
+                tokens = torch.randint(0, args.vocab, (batch, args.seq + 1), generator=gen)
                 tokens = tokens.to(device)
                 logits = model(tokens[:, :-1])
                 loss = F.cross_entropy(logits.reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
                 loss.backward()
-                if plan.keep_graphs:
+                if plan.keep_graphs:  # "for logging": never detached, never freed
                     confidence = logits.softmax(-1).amax(-1).mean()
-                    kept.append((loss, confidence))
+                    kept.append((loss, logits, confidence))
             optim.step()
             if rank == 0:
                 print(f"[fsdp_ckpt:{args.variant}] step {step} loss {loss.item():.4f}", flush=True)

@@ -60,6 +60,8 @@ class Trace:
     stack: np.ndarray  # int32 ids into Snapshot.stacks, NO_STACK when the entry had no frames
     meta: np.ndarray  # int32 ids into Snapshot.strings (user_metadata / compile_context), -1 none
     device_free: dict[int, int] = field(default_factory=dict)  # row -> bytes free (oom rows)
+    # int32 ids into Snapshot.pools (newest torch logs `pool_id` per entry), -1 = default/none
+    pool: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.action)
@@ -117,9 +119,10 @@ class Snapshot:
     annotations: list[Annotation]
     allocator_settings: dict
     provenance: dict  # the recorder's "snapforensics" block, {} for foreign files
-    format: dict  # what the loader saw: era, backend, quirks
+    format: dict  # what the loader saw: era, backend (+ backend_evidence), entries, quirks
     rank: int | None
     warnings: list[str]
+    pools: list[tuple[int, ...]] = field(default_factory=list)  # non-default memory pools
 
     @property
     def active_traces(self) -> list[Trace]:

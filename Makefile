@@ -1,0 +1,32 @@
+# One venv for everything. It sees the system's packages, so a machine that already has torch
+# keeps it; otherwise torch is installed pinned (an unpinned torch pulls a multi-GB CUDA build).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH := torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test test-fast bench clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv --system-site-packages $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(BIN)/snapforensics demo
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+bench: setup
+	$(BIN)/python benchmarks/bench_load.py
+
+clean:
+	rm -rf $(VENV) snapforensics-out .pytest_cache

@@ -1,0 +1,3 @@
+from snapforensics.cli import main
+
+main()

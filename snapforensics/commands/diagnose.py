@@ -1,0 +1,49 @@
+"""`snapforensics diagnose SNAPSHOT`: load, analyse, render."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from snapforensics.errors import EXIT_ANOMALY, SnapError
+from snapforensics.report import FORMATS
+
+
+@click.command("diagnose")
+@click.argument("snapshot", type=click.Path(path_type=Path))
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="terminal",
+              show_default=True, help="Report format.")
+@click.option("-o", "--output", type=click.Path(path_type=Path),
+              help="Write the report to FILE instead of stdout.")
+@click.option("--fail-on", type=click.Choice(["anomalous", "never"]), default="never",
+              show_default=True, help="Exit 1 when a finding with this verdict is found (CI gate).")
+def diagnose_command(snapshot: Path, fmt: str, output: Path | None, fail_on: str) -> int:
+    """Diagnose one memory snapshot (.pickle, .pkl, gzip'd too)."""
+    from snapforensics.analysis import diagnose
+    from snapforensics.snapshot import load
+
+    d = diagnose(load(snapshot))
+    write_report(d, fmt, output)
+    return EXIT_ANOMALY if fail_on == "anomalous" and d.anomalies else 0
+
+
+def write_report(d, fmt: str, output: Path | None) -> None:
+    from snapforensics.report import render_text
+
+    if output is None and fmt == "terminal":
+        from rich.console import Console
+
+        from snapforensics.report import terminal
+        terminal.render(d, Console())
+        return
+    text = render_text(d, fmt)
+    if output is None:
+        click.echo(text)
+        return
+    try:
+        tmp = output.with_name(output.name + ".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(output)
+    except OSError as e:
+        raise SnapError(f"cannot write {output}: {e.strerror or e}") from None

@@ -1,0 +1,59 @@
+"""`snapforensics record [OPTIONS] SCRIPT [ARGS]...` / `snapforensics record [OPTIONS] -m MODULE [ARGS]...`.
+
+Runs the training script unmodified (like ``python`` / ``torchrun``) under memory recording and
+writes ``OUT/rank{R}.pickle`` per rank. Exits with the script's own exit code. torch is imported
+only by the processes that run the script.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from snapforensics.errors import EXIT_RECORD_FAILED, SnapError
+
+_DEVICES = ["auto", "cuda", "npu", "cpu"]
+_STACKS = ["python", "all"]
+
+
+@click.command("record", context_settings={"ignore_unknown_options": True,
+                                           "allow_interspersed_args": False})
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Folder for rank{R}.pickle (default: a new snapforensics-out/record-TIME).")
+@click.option("--nproc-per-node", type=int, default=1, show_default=True,
+              help="Ranks to launch on this machine (through torch.distributed.run when > 1).")
+@click.option("--device", metavar="|".join(_DEVICES), default="auto", show_default=True,
+              help="auto: cuda if available, else npu (torch_npu), else the CPU allocator.")
+@click.option("--stacks", metavar="|".join(_STACKS), default="python", show_default=True,
+              help="python: Python frames only (fast); all: C++ frames too (slow to dump).")
+@click.option("--max-entries", type=int, default=1_000_000, show_default=True,
+              help="Trace ring buffer size: only the last N alloc/free entries are kept.")
+@click.option("-m", "--module", "module", is_flag=True,
+              help="SCRIPT is a module name, run as `python -m MODULE`.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress lines from the recorder.")
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED, metavar="SCRIPT|MODULE [ARGS]...")
+def record_command(out: Path | None, nproc_per_node: int, device: str, stacks: str,
+                   max_entries: int, module: bool, quiet: bool, script_args: tuple[str, ...]) -> None:
+    """Record a training run: one memory snapshot per rank.
+
+    \b
+      snapforensics record train.py --lr 1e-3
+      snapforensics record --nproc-per-node 2 -m snapforensics.examples.fsdp_ckpt --variant buggy
+
+    A `--` right after SCRIPT/MODULE is dropped. Inside a torchrun launch (one rank per process)
+    it records just this process.
+    """
+    from snapforensics.record import record
+
+    args = list(script_args)
+    if not args:
+        raise SnapError("missing SCRIPT (or -m MODULE) to record; see snapforensics record --help",
+                        exit_code=EXIT_RECORD_FAILED)
+    target, rest = args[0], args[1:]
+    if rest[:1] == ["--"]:
+        rest = rest[1:]
+    result = record(target, rest, module=module, out=out, nproc_per_node=nproc_per_node,
+                    device=device, stacks=stacks, max_entries=max_entries, quiet=quiet)
+    sys.exit(result.exit_code)

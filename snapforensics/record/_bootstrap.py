@@ -1,0 +1,323 @@
+"""Run a user's script unmodified under allocator recording, then dump the snapshot.
+
+``python -m snapforensics.record._bootstrap OPTIONS_JSON TARGET [ARGS...]`` (one process, or one
+rank under ``torch.distributed.run``). ``OPTIONS_JSON`` carries ``out``, ``device``, ``stacks``,
+``max_entries``, ``module``. The script sees ``sys.argv`` and ``sys.path[0]`` as under
+``python TARGET ARGS`` / ``python -m TARGET ARGS``.
+
+Whatever happens to the script (normal end, ``sys.exit(n)``, an exception, SIGTERM from the
+launcher, Ctrl-C), the snapshot is written to ``OUT/rank{RANK}.pickle`` (atomically, mode 0644)
+and a status file ``OUT/.rank{RANK}.status.json`` tells the launching ``snapforensics record``
+the script's exit code, the snapshot path, or why recording failed. The process exits with the
+script's exit code (``EXIT_RECORD_FAILED`` when recording could not start).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import json
+import os
+import runpy
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from snapforensics import __version__
+from snapforensics.errors import EXIT_RECORD_FAILED, SnapError
+from snapforensics.record._write import write_json, write_pickle
+
+
+def status_path(out: Path, rank: int) -> Path:
+    return Path(out) / f".rank{rank}.status.json"
+
+
+def snapshot_path(out: Path, rank: int) -> Path:
+    return Path(out) / f"rank{rank}.pickle"
+
+
+def oom_snapshot_path(out: Path, rank: int) -> Path:
+    return Path(out) / f"rank{rank}.oom.pickle"
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def _exit_code_of(exc: SystemExit) -> int:
+    """What ``python`` would exit with for an uncaught ``SystemExit``."""
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, bool):
+        return int(code)
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+_OWN_FILES = {os.path.abspath(__file__), getattr(runpy, "__file__", None)}
+
+
+def _print_script_traceback(exc: BaseException) -> None:
+    """The traceback as ``python script.py`` would print it: our frames and runpy's dropped."""
+    tb = exc.__traceback__
+    while tb is not None:
+        fn = tb.tb_frame.f_code.co_filename
+        if fn in _OWN_FILES or fn.startswith("<frozen runpy"):
+            tb = tb.tb_next
+        else:
+            break
+    traceback.print_exception(type(exc), exc, tb)
+    sys.stderr.flush()
+
+
+def _provenance(*, backend: str, torch_version: str, rank: int, world: int, local: int,
+                command: list[str], stacks: str, max_entries: int, exit_code: int | None,
+                started_at: str) -> dict:
+    return {
+        "recorder": f"snapforensics {__version__}",
+        "torch_version": torch_version,
+        "backend": backend,
+        "cpu_recorded": backend == "cpu",
+        "rank": rank,
+        "world_size": world,
+        "local_rank": local,
+        "command": [str(a) for a in command],
+        "stacks": stacks,
+        "max_entries": int(max_entries),
+        "script_exit_code": exit_code,
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+        "started_at": started_at,
+    }
+
+
+def _count_entries(snap: dict) -> int:
+    traces = snap.get("device_traces") or []
+    return sum(len(t) for t in traces if isinstance(t, list))
+
+
+class _TermAsExit:
+    """SIGTERM (the launcher stopping this rank) -> SystemExit(143) so the snapshot is written.
+
+    Only when SIGTERM has its default action and we are on the main thread. ``dumping()``
+    ignores SIGTERM while the snapshot is written (the launcher sends SIGKILL later anyway).
+    """
+
+    def __init__(self) -> None:
+        self.installed = False
+        self.previous: Any = None
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+                return
+            self.previous = signal.signal(signal.SIGTERM, self._handler)
+            self.installed = True
+        except (ValueError, OSError):
+            pass
+
+    @staticmethod
+    def _handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    def dumping(self) -> None:
+        if self.installed:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    def restore(self) -> None:
+        if self.installed:
+            signal.signal(signal.SIGTERM, self.previous)
+            self.installed = False
+
+
+def run_recorded(opts: dict, target: str, args: list[str]) -> dict:
+    """Record ``target`` in this process. Returns (and writes) the status dict.
+
+    Status keys: ``rank``, ``exit_code`` (the script's, or EXIT_RECORD_FAILED), ``snapshot``
+    (path or None), ``oom_snapshot``, ``entries``, ``bytes``, ``error`` (a one-line message
+    when recording failed), ``seconds`` (time spent converting and writing).
+    """
+    rank = _env_int("RANK", 0)
+    world = _env_int("WORLD_SIZE", 1)
+    local = _env_int("LOCAL_RANK", 0)
+    out = Path(opts["out"])
+    module = bool(opts.get("module"))
+    stacks = opts.get("stacks", "python")
+    max_entries = int(opts.get("max_entries", 1_000_000))
+    status: dict[str, Any] = {"rank": rank, "exit_code": None, "snapshot": None,
+                              "oom_snapshot": None, "entries": None, "bytes": None,
+                              "error": None, "seconds": None}
+
+    def finish() -> dict:
+        try:
+            write_json(status_path(out, rank), status)
+        except OSError as e:  # the launcher then reports the missing status
+            print(f"snapforensics record: cannot write status: {e}", file=sys.stderr)
+        return status
+
+    # ---- setup: everything that can fail before the script runs
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        try:
+            import torch
+        except Exception as e:  # ImportError, or a broken install
+            raise SnapError(f"torch is not importable in {sys.executable}: {e}",
+                            exit_code=EXIT_RECORD_FAILED) from None
+        from snapforensics.record.backends import make_backend, select_backend
+
+        backend_name = select_backend(opts.get("device", "auto"))
+        backend = make_backend(backend_name, stacks, max_entries)
+        if module:
+            command = ["-m", target, *args]
+            path_entry = os.getcwd()
+            saved_path0 = sys.path[0] if sys.path else None
+            if sys.path:
+                sys.path[0] = path_entry
+            else:
+                sys.path.insert(0, path_entry)
+            try:
+                spec = importlib.util.find_spec(target)
+            except (ImportError, ValueError) as e:
+                spec = None
+                why = f": {e}"
+            else:
+                why = ""
+            if spec is None:
+                if saved_path0 is not None:
+                    sys.path[0] = saved_path0
+                raise SnapError(f"no module named {target!r}{why}", exit_code=EXIT_RECORD_FAILED)
+            script_path = None
+        else:
+            command = [target, *args]
+            script_path = os.path.abspath(target)
+            if not os.path.exists(script_path):
+                raise SnapError(f"script not found: {target}", exit_code=EXIT_RECORD_FAILED)
+            path_entry = os.path.dirname(os.path.realpath(script_path)) if os.path.isfile(
+                script_path) else script_path
+            saved_path0 = sys.path[0] if sys.path else None
+            if sys.path:
+                sys.path[0] = path_entry
+            else:
+                sys.path.insert(0, path_entry)
+        if backend_name == "cuda" and "LOCAL_RANK" in os.environ:
+            # keep every rank's CUDA context off GPU 0 (what the script will do anyway)
+            try:
+                if local < torch.cuda.device_count():
+                    torch.cuda.set_device(local)
+            except Exception:
+                pass
+    except SnapError as e:
+        status["exit_code"] = e.exit_code
+        status["error"] = str(e)
+        return finish()
+    except OSError as e:
+        status["exit_code"] = EXIT_RECORD_FAILED
+        status["error"] = f"cannot create {out}: {e}"
+        return finish()
+
+    torch_version = str(getattr(torch, "__version__", "unknown"))
+    started_at = datetime.datetime.now(datetime.timezone.utc).astimezone().isoformat(
+        timespec="seconds")
+    prov = dict(backend=backend_name, torch_version=torch_version, rank=rank, world=world,
+                local=local, command=command, stacks=stacks, max_entries=max_entries,
+                started_at=started_at)
+
+    def on_oom(info: dict) -> None:
+        if status["oom_snapshot"]:
+            return  # the first OOM is the one that matters
+        try:
+            snap = info.pop("snapshot")
+            snap["snapforensics"] = {**_provenance(exit_code=None, **prov), "oom": info}
+            p = oom_snapshot_path(out, rank)
+            write_pickle(p, snap)
+            status["oom_snapshot"] = str(p)
+        except Exception as e:  # never turn an OOM into a different error
+            print(f"snapforensics record: OOM snapshot failed: {e}", file=sys.stderr)
+
+    saved_argv = sys.argv[:]
+    term = _TermAsExit()
+    code: int | None = None
+    try:
+        backend.start()
+    except Exception as e:
+        sys.argv[:] = saved_argv
+        if saved_path0 is not None:
+            sys.path[0] = saved_path0
+        status["exit_code"] = EXIT_RECORD_FAILED
+        status["error"] = f"cannot start {backend_name} recording: {type(e).__name__}: {e}"
+        return finish()
+    try:
+        backend.attach_oom(on_oom)
+    except Exception:
+        pass
+    term.install()
+    try:
+        sys.argv[:] = [target, *args]
+        try:
+            if module:
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(target, run_name="__main__")  # argv[0] as given
+            code = 0
+        except SystemExit as e:
+            code = _exit_code_of(e)
+        except KeyboardInterrupt as e:
+            _print_script_traceback(e)
+            code = 130
+        except BaseException as e:
+            _print_script_traceback(e)
+            code = 1
+    finally:
+        term.dumping()
+        sys.stdout.flush()
+        sys.argv[:] = saved_argv
+        if saved_path0 is not None and sys.path:
+            sys.path[0] = saved_path0
+        status["exit_code"] = code if code is not None else 1
+        t0 = time.perf_counter()
+        try:
+            snap = backend.snapshot()
+            extra = snap.get("snapforensics") if isinstance(snap.get("snapforensics"), dict) else {}
+            snap["snapforensics"] = {**_provenance(exit_code=status["exit_code"], **prov), **extra}
+            p = snapshot_path(out, rank)
+            write_pickle(p, snap)
+            status["snapshot"] = str(p)
+            status["entries"] = _count_entries(snap)
+            status["bytes"] = p.stat().st_size
+            status["timings"] = getattr(backend, "timings", None)
+        except BaseException as e:
+            traceback.print_exc()
+            status["error"] = f"rank {rank}: writing the snapshot failed: {type(e).__name__}: {e}"
+        status["seconds"] = round(time.perf_counter() - t0, 3)
+        term.restore()
+    return finish()
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) < 2:
+        print("usage: python -m snapforensics.record._bootstrap OPTIONS_JSON TARGET [ARGS...]",
+              file=sys.stderr)
+        sys.exit(EXIT_RECORD_FAILED)
+    opts = json.loads(argv[0])
+    status = run_recorded(opts, argv[1], list(argv[2:]))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(status["exit_code"])
+
+
+if __name__ == "__main__":
+    main()

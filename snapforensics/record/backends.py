@@ -1,0 +1,246 @@
+"""Recording backends: CUDA and NPU allocator history, or the CPU allocator through the profiler.
+
+Each backend is a small object with ``start()`` and ``snapshot() -> dict`` (which also stops
+recording), plus ``attach_oom(callback)`` where the device offers an out-of-memory observer.
+Everything imports torch lazily: this module is imported by the bootstrap only.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+from snapforensics.errors import EXIT_RECORD_FAILED, SnapError
+
+DEVICES = ("auto", "cuda", "npu", "cpu")
+STACKS = ("python", "all")
+
+
+def _npu_available() -> bool:
+    """torch_npu imports and reports a device. Any failure means no."""
+    try:
+        import torch
+        import torch_npu  # noqa: F401  (registers torch.npu)
+    except Exception:
+        return False
+    try:
+        return bool(torch.npu.is_available())  # type: ignore[attr-defined]
+    except Exception:
+        return False
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    try:
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def select_backend(device: str, *, cuda_available: Callable[[], bool] = _cuda_available,
+                   npu_available: Callable[[], bool] = _npu_available) -> str:
+    """``auto`` -> cuda if available, else npu if torch_npu has a device, else cpu.
+
+    An explicit ``cuda``/``npu`` that is not available is a user error (SnapError).
+    """
+    if device not in DEVICES:
+        raise SnapError(f"unknown --device {device!r} (choose from {', '.join(DEVICES)})",
+                        exit_code=EXIT_RECORD_FAILED)
+    if device == "cpu":
+        return "cpu"
+    if device == "cuda":
+        if not cuda_available():
+            raise SnapError("--device cuda: torch.cuda.is_available() is False on this machine "
+                            "(use --device cpu to record the CPU allocator)",
+                            exit_code=EXIT_RECORD_FAILED)
+        return "cuda"
+    if device == "npu":
+        if not npu_available():
+            raise SnapError("--device npu: torch_npu is not importable or has no device "
+                            "(use --device cpu to record the CPU allocator)",
+                            exit_code=EXIT_RECORD_FAILED)
+        return "npu"
+    if cuda_available():
+        return "cuda"
+    if npu_available():
+        return "npu"
+    return "cpu"
+
+
+def history_call(fn: Callable, *, stacks: str, max_entries: int,
+                 annotations: bool = True) -> tuple[tuple, dict]:
+    """The (args, kwargs) to start allocator history with ``fn`` = ``_record_memory_history``.
+
+    Keeps only the keywords ``fn`` accepts (older torch lacks ``global_record_annotations``,
+    torch_npu lacks it too); falls back to the legacy boolean form when ``fn`` only knows
+    ``trace_alloc_max_entries`` (torch < 2.1).
+    """
+    wanted = {"context": "all", "stacks": stacks, "max_entries": max_entries}
+    if annotations:
+        wanted["global_record_annotations"] = True
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: the documented core set
+        return ("all",), {k: v for k, v in wanted.items() if k != "global_record_annotations"}
+    names = set(params)
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if "trace_alloc_max_entries" in names and "max_entries" not in names:
+        kwargs = {"trace_alloc_max_entries": max_entries, "trace_alloc_record_context": True}
+        if "record_context_cpp" in names:
+            kwargs["record_context_cpp"] = stacks == "all"
+        return (True,), kwargs
+    if var_kw and names <= {"enabled", "args", "kwargs"}:
+        return ("all",), wanted
+    return ("all",), {k: v for k, v in wanted.items() if k in names}
+
+
+class CudaBackend:
+    name = "cuda"
+
+    def __init__(self, stacks: str, max_entries: int):
+        self.stacks = stacks
+        self.max_entries = max_entries
+
+    def _memory(self):
+        import torch.cuda.memory
+
+        return torch.cuda.memory
+
+    def start(self) -> None:
+        mem = self._memory()
+        args, kwargs = history_call(mem._record_memory_history, stacks=self.stacks,
+                                    max_entries=self.max_entries)
+        mem._record_memory_history(*args, **kwargs)
+
+    def snapshot(self) -> dict:
+        mem = self._memory()
+        snap = mem._snapshot()
+        try:
+            mem._record_memory_history(None)
+        except Exception:
+            pass
+        return _as_dict(snap)
+
+    def attach_oom(self, callback: Callable[[dict], None]) -> bool:
+        import torch
+
+        attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+        if attach is None:
+            return False
+
+        def observer(device, alloc, device_alloc, device_free):
+            callback({"device": device, "requested": alloc, "device_allocated": device_alloc,
+                      "device_free": device_free, "snapshot": _as_dict(self._memory()._snapshot())})
+
+        attach(observer)
+        return True
+
+
+class NpuBackend(CudaBackend):
+    """torch_npu mirrors the CUDA API under ``torch_npu.npu.memory``. Written to that contract;
+    not exercised here (no Ascend runtime)."""
+
+    name = "npu"
+
+    def _memory(self):
+        import torch_npu.npu.memory  # type: ignore[import-not-found]
+
+        return torch_npu.npu.memory
+
+    def attach_oom(self, callback: Callable[[dict], None]) -> bool:
+        try:
+            import torch_npu  # type: ignore[import-not-found]
+        except Exception:
+            return False
+        attach = getattr(getattr(torch_npu, "_C", None), "_npu_attach_out_of_memory_observer", None)
+        if attach is None:
+            return False
+
+        def observer(device, alloc, device_alloc, device_free):
+            callback({"device": device, "requested": alloc, "device_allocated": device_alloc,
+                      "device_free": device_free, "snapshot": _as_dict(self._memory()._snapshot())})
+
+        attach(observer)
+        return True
+
+
+class CpuBackend:
+    """The CPU allocator, through ``torch.profiler`` (memory events with Python stacks)."""
+
+    name = "cpu"
+
+    def __init__(self, stacks: str, max_entries: int):
+        self.stacks = stacks  # no C++ frames on this path: recorded in provenance only
+        self.max_entries = max_entries
+        self._prof = None
+        self.timings: dict[str, float] = {}
+
+    def start(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        from snapforensics.record import cpu  # noqa: F401  (import now, sys.path may change)
+
+        _warm_imports()
+
+        # (profile_all_threads=True would catch the frees made on gloo worker threads, but in
+        # torch 2.13 it drops every memory event: cpu.py infers those frees instead)
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True,
+                             with_stack=True, record_shapes=False)
+        self._prof.__enter__()
+
+    def snapshot(self) -> dict:
+        from snapforensics.record.cpu import profile_to_snapshot
+
+        import time
+
+        prof, self._prof = self._prof, None
+        if prof is None:
+            raise RuntimeError("CPU recording was not started")
+        t0 = time.perf_counter()
+        prof.__exit__(None, None, None)
+        t1 = time.perf_counter()
+        snap = profile_to_snapshot(prof, self.max_entries)
+        self.timings = {"profiler_stop_s": round(t1 - t0, 3),
+                        "convert_s": round(time.perf_counter() - t1, 3)}
+        return snap
+
+    def attach_oom(self, callback: Callable[[dict], None]) -> bool:
+        return False
+
+
+# Importing these under the profiler's Python tracer costs seconds and records nothing useful
+# (import-time allocations are tiny), so they are imported before profiling starts.
+_WARM = ("torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
+         "torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "torch.utils.checkpoint",
+         "torch.optim", "torch.nn.parallel")
+
+
+def _warm_imports() -> None:
+    import importlib
+
+    import torch
+
+    if not (hasattr(torch, "distributed") and torch.distributed.is_available()):
+        names = [n for n in _WARM if not n.startswith("torch.distributed")]
+    else:
+        names = list(_WARM)
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception:
+            pass
+
+
+BACKENDS = {"cuda": CudaBackend, "npu": NpuBackend, "cpu": CpuBackend}
+
+
+def make_backend(name: str, stacks: str, max_entries: int):
+    return BACKENDS[name](stacks, max_entries)
+
+
+def _as_dict(snap: Any) -> dict:
+    """``_snapshot()`` returns a dict; a bare segment list (very old torch) is wrapped."""
+    if isinstance(snap, dict):
+        return snap
+    return {"segments": list(snap), "device_traces": []}

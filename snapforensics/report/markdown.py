@@ -1,0 +1,55 @@
+"""Markdown: a report to paste into a bug ticket."""
+
+from __future__ import annotations
+
+from snapforensics.analysis.diagnosis import Diagnosis
+from snapforensics.report.common import finding_lines, headline, human, peak_line, \
+    provenance_line, verdict_order
+
+
+def render(d: Diagnosis) -> str:
+    out = [f"# snapforensics diagnosis: `{d.source}`", "",
+           f"**{headline(d)}**", "", f"- {peak_line(d)}", f"- {provenance_line(d)}"]
+    if d.provenance.get("command"):
+        out.append(f"- command: `{' '.join(map(str, d.provenance['command']))}`")
+    for w in d.warnings:
+        out.append(f"- ⚠ {w}")
+    out.append("")
+    for dev in d.devices:
+        out += [f"## Device {dev.device}", "",
+                f"Peak {human(dev.peaks['overall_bytes'])} in {dev.peak_phase}; "
+                f"segments reserved {human(dev.segments['reserved_bytes'])} at dump.", ""]
+        if dev.iterations:
+            out += ["| iteration | forward peak | backward peak |", "|---|---|---|"]
+            out += [f"| {it['index']} | {human(it['forward_peak_bytes'])} | "
+                    f"{human(it['backward_peak_bytes'])} |" for it in dev.iterations]
+            out.append("")
+        if dev.categories_at_peak:
+            out += ["| alive at peak, by what made it | bytes |", "|---|---|"]
+            out += [f"| {c} | {human(b)} |" for c, b in
+                    sorted(dev.categories_at_peak.items(), key=lambda x: -x[1])]
+            out.append("")
+        if dev.top_stacks_at_peak:
+            out += ["Top allocating stacks alive at the peak:", ""]
+            for s in dev.top_stacks_at_peak[:3]:
+                out.append(f"- {human(s['bytes'])} in {s['blocks']} blocks "
+                           f"({s.get('category', '?')})")
+                out += ["  ```", *[f"  {line}" for line in s["stack"][:8]], "  ```"]
+            out.append("")
+    out += ["## Findings", ""]
+    if not d.findings:
+        out += ["No findings.", ""]
+    for f in verdict_order(d.findings):
+        out += [f"### [{f.verdict.upper()}] {f.title}", "", f"`{f.rule}`", ""]
+        out += [f"- {line}" for line in finding_lines(f)]
+        out += ["", f.cause, ""]
+        mods = f.evidence.get("modules") or []
+        if mods:
+            out += ["| module | bytes | blocks |", "|---|---|---|"]
+            out += [f"| {m['module']} | {human(m['bytes'])} | {m['blocks']} |" for m in mods]
+            out.append("")
+        for s in (f.evidence.get("stacks") or [])[:1]:
+            out += ["Representative stack:", "", "```", *s["stack"], "```", ""]
+        if f.fix:
+            out += ["Fix:", "", "```python", f.fix, "```", ""]
+    return "\n".join(out)

@@ -1,0 +1,527 @@
+"""The recorder: real recordings of the bundled FSDP2 + checkpoint example (CPU, gloo, 2 ranks),
+exit codes, atomic output, the CPU profile converter, and the backend/launcher plumbing.
+
+Real runs: fixed and buggy (2 ranks, ~10 s each, shared with other test modules through
+`recordings`), plus a few one-rank runs of tiny scripts (~3 s each).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+
+from recordings import REPO, load_strict, recorded, replay_peak, run_cli
+from snapforensics.errors import EXIT_RECORD_FAILED, SnapError
+
+PROVENANCE_KEYS = {"recorder", "torch_version", "backend", "cpu_recorded", "rank", "world_size",
+                   "local_rank", "command", "stacks", "max_entries", "script_exit_code",
+                   "hostname", "pid", "started_at"}
+
+
+def _frame_names(entry) -> list[str]:
+    return [f["name"] for f in entry.get("frames", [])]
+
+
+def _only_snapshots(out: Path) -> None:
+    """Atomic output: nothing but rank*.pickle is left (no temp, no status files)."""
+    names = sorted(p.name for p in out.iterdir())
+    assert names and all(n.startswith("rank") and n.endswith(".pickle") for n in names), names
+
+
+# ----------------------------------------------------------------------------- real FSDP runs
+
+
+@pytest.fixture(scope="module")
+def fixed(tmp_path_factory):
+    pytest.importorskip("torch")
+    return recorded("fixed", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def buggy(tmp_path_factory):
+    pytest.importorskip("torch")
+    return recorded("buggy", tmp_path_factory)
+
+
+def test_fixed_two_ranks_snapshots_are_plain_and_complete(fixed):
+    assert [p.name for p in fixed] == ["rank0.pickle", "rank1.pickle"]
+    _only_snapshots(fixed[0].parent)
+    for rank, path in enumerate(fixed):
+        assert (path.stat().st_mode & 0o777) == 0o644
+        snap = load_strict(path)  # no pickle global anywhere
+        prov = snap["snapforensics"]
+        assert PROVENANCE_KEYS <= set(prov)
+        assert prov["backend"] == "cpu" and prov["cpu_recorded"] is True
+        assert (prov["rank"], prov["world_size"], prov["local_rank"]) == (rank, 2, rank)
+        assert prov["command"][:2] == ["-m", "snapforensics.examples.fsdp_ckpt"]
+        assert "--variant" in prov["command"] and "fixed" in prov["command"]
+        assert prov["script_exit_code"] == 0 and prov["stacks"] == "python"
+        assert prov["recorder"].startswith("snapforensics ")
+        trace = snap["device_traces"][0]
+        assert len(trace) > 1000
+        assert {e["action"] for e in trace} == {"alloc", "free_requested", "free_completed"}
+        times = [e["time_us"] for e in trace]
+        assert times == sorted(times) and isinstance(times[0], float)
+        assert all(e["frames"] for e in trace if e["action"] == "alloc")
+        for e in trace[:50]:
+            for f in e["frames"]:
+                assert set(f) == {"filename", "line", "name"}
+                assert isinstance(f["line"], int)
+        for seg in snap["segments"]:
+            assert seg["segment_type"] == "cpu" and seg["blocks"][0]["state"] == "active_allocated"
+        addrs = [s["address"] for s in snap["segments"]]
+        assert addrs == sorted(addrs)
+
+
+def test_fixed_run_carries_fsdp_frames_and_annotations(fixed):
+    snap = load_strict(fixed[0])
+    names = set()
+    for e in snap["device_traces"][0]:
+        names.update(_frame_names(e))
+    # all-gather, copy-out, reduce-scatter, recompute, optimizer, the ops and module frames
+    for expected in ("foreach_all_gather", "foreach_all_gather_copy_out", "foreach_reduce",
+                     "alloc_storage", "recompute_fn", "unpack_hook", "_pre_forward",
+                     "pre_backward", "post_backward", "c10d::_allgather_base_",
+                     "c10d::_reduce_scatter_base_", "aten::empty", "_init_group"):
+        assert expected in names, expected
+    assert any(n.startswith("FSDPCheckpointWrapper_") for n in names)
+    # no recorder frames above the script
+    assert not any("_bootstrap" in f["filename"] or f["filename"] == "<frozen runpy>"
+                   for e in snap["device_traces"][0] for f in e["frames"])
+    ann = snap["external_annotations"]
+    ann_names = {a["name"] for a in ann}
+    assert any(n.startswith("FSDP::pre_forward (layers.") for n in ann_names)
+    assert {"FSDP::root_pre_forward", "FSDP::root_post_backward_callback"} <= ann_names
+    assert any(n.startswith("FSDP::post_backward_reduce") for n in ann_names)
+    assert any(n.startswith("Optimizer.step#AdamW") for n in ann_names)
+    assert {a["stage"] for a in ann} == {"START", "END"}
+    assert sum(a["stage"] == "START" for a in ann) == sum(a["stage"] == "END" for a in ann)
+    assert [a["time_us"] for a in ann] == sorted(a["time_us"] for a in ann)
+    # interned: equal frames are one object, so the pickle memoizes them
+    by_key = {}
+    for e in snap["device_traces"][0][:2000]:
+        for f in e["frames"]:
+            k = (f["filename"], f["line"], f["name"])
+            assert by_key.setdefault(k, f) is f
+    assert fixed[0].stat().st_size < 200 * len(snap["device_traces"][0])
+
+
+def test_buggy_peak_is_clearly_above_fixed(fixed, buggy):
+    f, b = load_strict(fixed[0]), load_strict(buggy[0])
+    pf, pb = replay_peak(f), replay_peak(b)
+    assert pb > 1.2 * pf, (pb, pf)
+    # The difference is unsharded parameters (copy-out storage) kept through backward.
+    live, at_peak, cur = {}, None, 0
+    for e in b["device_traces"][0]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+            cur += e["size"]
+            if cur == pb:
+                at_peak = dict(live)
+        elif e["action"] == "free_completed":
+            live.pop(e["addr"], None)
+            cur -= e["size"]
+    unsharded = sum(e["size"] for e in at_peak.values()
+                    if "foreach_all_gather_copy_out" in _frame_names(e))
+    assert unsharded > 0.5 * (pb - pf)
+
+
+# ----------------------------------------------------------------------------- exit codes
+
+
+EXIT7 = """
+import sys
+import torch
+keep = [torch.ones(1000 * (i + 1)) for i in range(30)]
+del keep[::2]
+sys.exit(7)
+"""
+
+RAISES = """
+import torch
+x = torch.zeros(4096)
+def inner():
+    raise ValueError("boom from the script")
+inner()
+"""
+
+
+@pytest.fixture
+def scripts(tmp_path):
+    pytest.importorskip("torch")
+    d = tmp_path / "scripts"
+    d.mkdir()
+    (d / "exit7.py").write_text(textwrap.dedent(EXIT7))
+    (d / "raises.py").write_text(textwrap.dedent(RAISES))
+    return d
+
+
+def test_script_exit_code_is_kept_and_snapshot_written(scripts, tmp_path):
+    out = tmp_path / "out"
+    proc = run_cli(["record", "--device", "cpu", "--max-entries", "40", "--out", str(out),
+                    str(scripts / "exit7.py"), "--some", "arg"], cwd=tmp_path)
+    assert proc.returncode == 7, proc.stderr
+    _only_snapshots(out)
+    snap = load_strict(out / "rank0.pickle")
+    prov = snap["snapforensics"]
+    assert prov["script_exit_code"] == 7 and prov["max_entries"] == 40
+    assert prov["command"] == [str(scripts / "exit7.py"), "--some", "arg"]
+    assert (prov["rank"], prov["world_size"]) == (0, 1)
+    trace = snap["device_traces"][0]
+    assert len(trace) == 40  # ring buffer: only the last N entries
+    # the newest ones: the script's `del keep[::2]`, then its globals released after it exited
+    assert sum(any(f["filename"].endswith("exit7.py") for f in e["frames"]) for e in trace) >= 5
+    assert all(e["action"] != "alloc" for e in trace[-20:])
+
+
+def test_script_exception_exits_1_with_a_clean_traceback(scripts, tmp_path):
+    out = tmp_path / "out"
+    proc = run_cli(["record", "--device", "cpu", "--out", str(out), str(scripts / "raises.py")],
+                   cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "ValueError: boom from the script" in proc.stderr
+    assert "raises.py" in proc.stderr and "_bootstrap.py" not in proc.stderr
+    _only_snapshots(out)
+    snap = load_strict(out / "rank0.pickle")
+    assert snap["snapforensics"]["script_exit_code"] == 1
+    frames = {f["name"] for e in snap["device_traces"][0] for f in e["frames"]}
+    assert "<module>" in frames and "aten::zeros" in frames
+
+
+def test_inside_torchrun_records_in_process(scripts, tmp_path):
+    """With LOCAL_RANK + WORLD_SIZE set (as torchrun does) this process itself is recorded."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RANK": "0", "LOCAL_RANK": "0",
+           "WORLD_SIZE": "1"}
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "snapforensics", "record", "-q", "--device",
+                             "cpu", "--out", str(out), str(scripts / "exit7.py")],
+                            cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 7, err
+    _only_snapshots(out)
+    prov = load_strict(out / "rank0.pickle")["snapforensics"]
+    assert prov["pid"] == proc.pid  # the CLI process itself ran the script
+    assert prov["script_exit_code"] == 7 and prov["world_size"] == 1
+
+
+def test_user_errors_are_one_line_exit_3(tmp_path):
+    proc = run_cli(["record", "--out", str(tmp_path / "o"), str(tmp_path / "nope.py")], cwd=tmp_path)
+    assert proc.returncode == EXIT_RECORD_FAILED
+    assert "script not found" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_cli(["record", "--device", "tpu", "x.py"], cwd=tmp_path)
+    assert proc.returncode == EXIT_RECORD_FAILED and "tpu" in proc.stderr
+    proc = run_cli(["record", "-m", "no_such_module_here_xyz"], cwd=tmp_path)
+    assert proc.returncode == EXIT_RECORD_FAILED and "no_such_module_here_xyz" in proc.stderr
+
+
+def test_cuda_requested_without_cuda_is_a_user_error(scripts, tmp_path):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    out = tmp_path / "out"
+    proc = run_cli(["record", "--device", "cuda", "--out", str(out), str(scripts / "exit7.py")],
+                   cwd=tmp_path)
+    assert proc.returncode == EXIT_RECORD_FAILED
+    assert "torch.cuda.is_available() is False" in proc.stderr
+    assert not list(out.glob("*.pickle")) and not list(out.glob(".*"))
+
+
+# ----------------------------------------------------------------------------- converter
+
+
+def test_profile_to_snapshot_frames_annotations_and_ring_buffer():
+    torch = pytest.importorskip("torch")
+    from torch.profiler import ProfilerActivity, profile
+
+    from snapforensics.record.cpu import profile_to_snapshot
+
+    def allocate_some():
+        keep = []
+        with torch.profiler.record_function("user::range"):
+            for i in range(20):
+                keep.append(torch.empty(1024 * (i + 1)))
+        del keep[::2]
+        return keep
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True,
+                 record_shapes=False) as prof:
+        kept = allocate_some()
+    full = profile_to_snapshot(prof, 1_000_000)
+    short = profile_to_snapshot(prof, 7)
+    trace = full["device_traces"][0]
+    assert len(trace) >= 40 and len(short["device_traces"][0]) == 7
+    strip = [(e["action"], e["addr"], e["size"], e["time_us"]) for e in trace[-7:]]
+    assert strip == [(e["action"], e["addr"], e["size"], e["time_us"])
+                     for e in short["device_traces"][0]]
+    ours = [e for e in trace if e["action"] == "alloc" and "user::range" in _frame_names(e)]
+    assert len(ours) == 20
+    frames = ours[0]["frames"]
+    assert frames[0] == {"filename": "<op>", "line": 0, "name": "aten::empty"}
+    rf = next(f for f in frames if f["name"] == "user::range")
+    assert rf["filename"] == "<record_function>"
+    py = next(f for f in frames if f["name"] == "allocate_some")
+    assert py["filename"].endswith("test_record.py") and py["line"] > 0
+    assert ours[1]["frames"] is ours[0]["frames"]  # stacks interned too
+    freed = [e for e in trace if e["action"] == "free_completed" and e["size"] == 1024 * 4]
+    assert freed and _frame_names(freed[0])[0] != "user::range"
+    req = [e for e in trace if e["action"] == "free_requested"]
+    assert len(req) == len([e for e in trace if e["action"] == "free_completed"])
+    live = {s["address"] for s in full["segments"]}
+    assert {t.data_ptr() for t in kept} <= live
+    ann = [a for a in full["external_annotations"] if a["name"] == "user::range"]
+    assert [a["stage"] for a in ann] == ["START", "END"] and ann[0]["time_us"] < ann[1]["time_us"]
+    pickle.loads(pickle.dumps(full, protocol=4))
+
+
+def test_lost_frees_of_collective_buffers_are_inferred():
+    """A block freed on an untraced thread: its address comes back while it still looks live."""
+    from snapforensics.record.cpu import INFERRED_FREE_FRAME, _build_trace, _infer_lost_frees
+
+    cache = {}
+
+    def intern(*k):
+        return cache.setdefault(k, dict(zip(("filename", "line", "name"), k)))
+
+    c10d = [intern("<op>", 0, "aten::clone"), intern("<op>", 0, "c10d::_reduce_scatter_base_")]
+    other = [intern("x.py", 1, "f")]
+    allocs = [[100, 0, 0xA, 50, c10d, 1, []], [200, 1, 0xB, 10, other, 1, []],
+              [900, 2, 0xA, 70, other, 1, []],   # reuse of 0xA: its free was lost
+              [950, 3, 0xC, 30, c10d, 1, []]]     # never freed, never reused
+    events, n = _infer_lost_frees(allocs, [(150, 400), (960, 990)], intern)
+    trace, live = _build_trace(events)
+    assert n == 2
+    acts = [(e["action"], e["addr"], e["time_us"]) for e in trace]
+    assert acts.index(("free_completed", 0xA, 0.4)) < acts.index(("alloc", 0xA, 0.9))
+    assert ("free_completed", 0xC, 0.99) in acts
+    assert trace[2]["frames"][0]["name"] == INFERRED_FREE_FRAME[2]
+    assert set(live) == {0xA, 0xB}
+
+
+# ----------------------------------------------------------------------------- plumbing
+
+
+def test_write_pickle_is_atomic(tmp_path, monkeypatch):
+    from snapforensics.record import _write
+
+    target = tmp_path / "rank0.pickle"
+    _write.write_pickle(target, {"a": 1})
+    assert (target.stat().st_mode & 0o777) == 0o644
+
+    def broken(obj, f, protocol=None):
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(_write.pickle, "dump", broken)
+    with pytest.raises(OSError):
+        _write.write_pickle(target, {"a": 2})
+    assert [p.name for p in tmp_path.iterdir()] == ["rank0.pickle"]
+    assert pickle.loads(target.read_bytes()) == {"a": 1}
+
+
+def test_backend_selection():
+    from snapforensics.record.backends import select_backend
+
+    yes, no = (lambda: True), (lambda: False)
+    assert select_backend("auto", cuda_available=yes, npu_available=yes) == "cuda"
+    assert select_backend("auto", cuda_available=no, npu_available=yes) == "npu"
+    assert select_backend("auto", cuda_available=no, npu_available=no) == "cpu"
+    assert select_backend("cpu", cuda_available=yes, npu_available=yes) == "cpu"
+    assert select_backend("npu", cuda_available=yes, npu_available=yes) == "npu"
+    for dev, kw in (("cuda", dict(cuda_available=no, npu_available=yes)),
+                    ("npu", dict(cuda_available=yes, npu_available=no)),
+                    ("tpu", dict(cuda_available=yes, npu_available=yes))):
+        with pytest.raises(SnapError) as e:
+            select_backend(dev, **kw)
+        assert e.value.exit_code == EXIT_RECORD_FAILED
+
+
+def test_history_kwargs_follow_the_signature():
+    from snapforensics.record.backends import history_call
+
+    def new(enabled="all", context="all", stacks="all", max_entries=sys.maxsize, device=None,
+            clear_history=False, compile_context=False, global_record_annotations=False,
+            skip_actions=None):
+        pass
+
+    def older(enabled="all", context="all", stacks="all", max_entries=sys.maxsize, device=None):
+        pass
+
+    def legacy(enabled, record_context=True, trace_alloc_max_entries=1,
+               trace_alloc_record_context=False, device=None, record_context_cpp=False):
+        pass
+
+    def npu(enabled="all", context="all", stacks="all", max_entries=sys.maxsize):
+        pass
+
+    assert history_call(new, stacks="python", max_entries=5) == (
+        ("all",), {"context": "all", "stacks": "python", "max_entries": 5,
+                   "global_record_annotations": True})
+    for fn in (older, npu):
+        assert history_call(fn, stacks="all", max_entries=9) == (
+            ("all",), {"context": "all", "stacks": "all", "max_entries": 9})
+    assert history_call(legacy, stacks="python", max_entries=3) == (
+        (True,), {"trace_alloc_max_entries": 3, "trace_alloc_record_context": True,
+                  "record_context_cpp": False})
+    torch = pytest.importorskip("torch")
+    args, kw = history_call(torch.cuda.memory._record_memory_history, stacks="python",
+                            max_entries=7)
+    assert kw.get("global_record_annotations") is True and kw["max_entries"] == 7
+    inspect.signature(torch.cuda.memory._record_memory_history).bind(*args, **kw)
+
+
+def test_npu_and_cuda_backends_call_the_device_api(monkeypatch):
+    from snapforensics.record.backends import CudaBackend, NpuBackend
+
+    calls = []
+    snap = {"segments": [], "device_traces": [[]]}
+
+    def record_history(enabled="all", context="all", stacks="all", max_entries=sys.maxsize):
+        calls.append((enabled, context, stacks, max_entries))
+
+    memory = types.SimpleNamespace(_record_memory_history=record_history, _snapshot=lambda: snap)
+    fake = types.ModuleType("torch_npu")
+    fake.npu = types.SimpleNamespace(memory=memory)
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    monkeypatch.setitem(sys.modules, "torch_npu.npu", fake.npu)
+    monkeypatch.setitem(sys.modules, "torch_npu.npu.memory", memory)
+    b = NpuBackend("python", 123)
+    b.start()
+    assert b.snapshot() is snap
+    assert calls == [("all", "all", "python", 123), (None, "all", "all", sys.maxsize)]
+    assert b.attach_oom(lambda info: None) is False  # the fake has no observer hook
+
+    calls.clear()
+    monkeypatch.setattr(CudaBackend, "_memory", lambda self: memory)
+    c = CudaBackend("all", 5)
+    c.start()
+    assert c.snapshot() is snap and calls[0] == ("all", "all", "all", 5)
+
+
+def test_cli_parsing(monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    import snapforensics.record as rec
+    from snapforensics.commands.record import record_command
+
+    seen = {}
+
+    def fake_record(target, script_args, **kw):
+        seen.update(target=target, args=list(script_args), **kw)
+        return rec.RecordResult(exit_code=5, out_dir=tmp_path, snapshots=[])
+
+    monkeypatch.setattr(rec, "record", fake_record)
+    runner = CliRunner()
+    r = runner.invoke(record_command, ["--out", str(tmp_path), "--nproc-per-node", "2", "-m",
+                                       "pkg.mod", "--", "--variant", "buggy", "--out", "x"])
+    assert r.exit_code == 5, r.output
+    assert seen["target"] == "pkg.mod" and seen["module"] is True
+    assert seen["args"] == ["--variant", "buggy", "--out", "x"]
+    assert seen["nproc_per_node"] == 2 and seen["out"] == tmp_path
+    r = runner.invoke(record_command, ["--max-entries", "9", "train.py", "-h", "--lr", "1"])
+    assert r.exit_code == 5
+    assert (seen["target"], seen["args"], seen["module"]) == ("train.py", ["-h", "--lr", "1"], False)
+    assert seen["max_entries"] == 9 and seen["device"] == "auto" and seen["stacks"] == "python"
+
+
+def test_no_torch_import_at_import_time():
+    code = ("import sys; import snapforensics.commands.record, snapforensics.record, "
+            "snapforensics.record.cpu, snapforensics.record.backends, snapforensics.record._bootstrap;"
+            " assert 'torch' not in sys.modules, 'torch imported'; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_missing_torch_is_a_user_error(monkeypatch, tmp_path):
+    import snapforensics.record as rec
+
+    real = rec.importlib.util.find_spec
+    monkeypatch.setattr(rec.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torch" else real(name, *a))
+    script = tmp_path / "s.py"
+    script.write_text("pass\n")
+    with pytest.raises(SnapError) as e:
+        rec.record(str(script), [])
+    assert e.value.exit_code == EXIT_RECORD_FAILED and "torch is not importable" in str(e.value)
+
+
+def test_in_torchrun_detection(monkeypatch):
+    from snapforensics.record import in_torchrun
+
+    assert in_torchrun({"TORCHELASTIC_RUN_ID": "abc"})
+    assert in_torchrun({"LOCAL_RANK": "0", "WORLD_SIZE": "2"})
+    assert not in_torchrun({"LOCAL_RANK": "0"})
+    assert not in_torchrun({})
+
+
+def test_status_json_is_removed_and_parsed(tmp_path):
+    """_result maps per-rank statuses to the exit code: the first nonzero, in rank order."""
+    from snapforensics.record import _result
+
+    statuses = [{"rank": 0, "exit_code": 0, "snapshot": str(tmp_path / "rank0.pickle")},
+                {"rank": 1, "exit_code": 4, "snapshot": str(tmp_path / "rank1.pickle")}]
+    res = _result(statuses, tmp_path, expected=[0, 1], launcher_rc=1, quiet=True)
+    assert res.exit_code == 4 and [p.name for p in res.snapshots] == ["rank0.pickle", "rank1.pickle"]
+    res = _result(statuses[:1], tmp_path, expected=[0, 1], launcher_rc=-9, quiet=True)
+    assert res.exit_code == 137
+    with pytest.raises(SnapError):
+        _result([{"rank": 0, "exit_code": 3, "snapshot": None, "error": "no cuda"}], tmp_path,
+                expected=[0], launcher_rc=3, quiet=True)
+    json.dumps(statuses)
+
+
+def test_oom_observer_writes_its_own_snapshot(monkeypatch, tmp_path):
+    """The bootstrap with a fake device backend: an OOM reported by the observer is dumped to
+    rank{R}.oom.pickle, the final snapshot still to rank{R}.pickle."""
+    pytest.importorskip("torch")
+    import builtins
+
+    from snapforensics.record import _bootstrap, backends
+
+    class FakeDevice:
+        name = "cuda"
+
+        def __init__(self, stacks, max_entries):
+            self.started = False
+
+        def start(self):
+            self.started = True
+
+        def attach_oom(self, callback):
+            monkeypatch.setattr(builtins, "_sf_fire_oom", lambda: callback(
+                {"device": 0, "requested": 1 << 30, "device_allocated": 5, "device_free": 7,
+                 "snapshot": {"segments": [], "device_traces": [[{"action": "oom"}]]}}),
+                raising=False)
+            return True
+
+        def snapshot(self):
+            return {"segments": [], "device_traces": [[]]}
+
+    monkeypatch.setattr(backends, "select_backend", lambda device: "cuda")
+    monkeypatch.setattr(backends, "make_backend", lambda name, s, m: FakeDevice(s, m))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    script = tmp_path / "s.py"
+    script.write_text("import builtins, sys\nbuiltins._sf_fire_oom()\nsys.exit(3 + 4)\n")
+    argv, path0 = sys.argv[:], sys.path[0]
+    status = _bootstrap.run_recorded({"out": str(tmp_path / "out"), "device": "cuda"},
+                                     str(script), ["a"])
+    assert (sys.argv, sys.path[0]) == (argv, path0)  # restored
+    assert status["exit_code"] == 7 and status["error"] is None
+    oom = load_strict(tmp_path / "out" / "rank0.oom.pickle")
+    assert oom["device_traces"][0][0]["action"] == "oom"
+    assert oom["snapforensics"]["oom"]["requested"] == 1 << 30
+    assert oom["snapforensics"]["backend"] == "cuda" and oom["snapforensics"]["cpu_recorded"] is False
+    final = load_strict(tmp_path / "out" / "rank0.pickle")
+    assert final["snapforensics"]["script_exit_code"] == 7
+    assert json.loads((tmp_path / "out" / ".rank0.status.json").read_text())["oom_snapshot"]
