@@ -525,3 +525,53 @@ def test_oom_observer_writes_its_own_snapshot(monkeypatch, tmp_path):
     final = load_strict(tmp_path / "out" / "rank0.pickle")
     assert final["snapforensics"]["script_exit_code"] == 7
     assert json.loads((tmp_path / "out" / ".rank0.status.json").read_text())["oom_snapshot"]
+
+
+LOOP = """
+import pathlib, sys, time
+import torch
+keep = []
+pathlib.Path(sys.argv[1]).write_text("started")
+while True:
+    keep.append(torch.ones(1000))
+    keep = keep[-20:]
+    time.sleep(0.005)
+"""
+
+
+def test_sigterm_from_the_launcher_still_writes_the_snapshot(tmp_path):
+    """torchrun stops the surviving ranks with SIGTERM: the rank dumps and exits 143."""
+    pytest.importorskip("torch")
+    import shutil
+    import signal
+    import time
+
+    if shutil.which("pgrep") is None:
+        pytest.skip("needs pgrep to find the recorded process")
+    script = tmp_path / "loop.py"
+    script.write_text(textwrap.dedent(LOOP))
+    marker = tmp_path / "started"
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "snapforensics", "record", "-q", "--device",
+                             "cpu", "--out", str(out), str(script), str(marker)],
+                            cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while not marker.exists() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert marker.exists(), "the script never started"
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                  text=True).stdout.split()
+        assert children
+        os.kill(int(children[0]), signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err
+    _only_snapshots(out)
+    snap = load_strict(out / "rank0.pickle")
+    assert snap["snapforensics"]["script_exit_code"] == 143
+    assert any(f["filename"].endswith("loop.py") for e in snap["device_traces"][0]
+               for f in e["frames"])

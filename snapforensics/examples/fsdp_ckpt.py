@@ -11,6 +11,12 @@ It is an ordinary training loop (zero_grad, forward, backward, step) with no pha
 annotations of its own: what a recording shows comes from torch and FSDP only. CPU tensors
 and gloo when no CUDA device is visible, cuda and nccl otherwise. Seeded.
 
+Model (defaults): embedding (vocab 1024) -> 6 blocks [RMSNorm, attention (qkv, proj), RMSNorm,
+MLP 512 -> 2048 -> 512], no biases -> RMSNorm -> head; batch 2 x 64 tokens; AdamW (default
+for-loop implementation). About 3.1 M parameters (12.6 MB fp32) per block. Few parameter tensors
+on purpose: on CPU the recorder's profiler cost grows with the Python calls DTensor makes per
+parameter in the optimizer (foreach/fused AdamW over DTensors cost 3-9x more there).
+
 Variants (``VARIANTS``; every one but ``full_init`` builds the model on the meta device, shards
 it, then ``to_empty`` + ``reset_parameters``):
 

@@ -116,11 +116,18 @@ def _check_torch() -> None:
 def _run_child(cmd: list[str], env: dict[str, str]) -> int:
     """Run the launcher; Ctrl-C reaches the children through the process group: let them dump."""
     proc = subprocess.Popen(cmd, env=env)
+    interrupts = 0
     while True:
         try:
             return proc.wait()
         except KeyboardInterrupt:
-            continue  # the children got SIGINT too; wait for their snapshots
+            # the first Ctrl-C reached the children too: let them write their snapshots;
+            # a second one terminates the launcher, a third kills it
+            interrupts += 1
+            if interrupts == 2:
+                proc.terminate()
+            elif interrupts > 2:
+                proc.kill()
 
 
 def record(target: str, script_args: list[str], *, module: bool = False, out: Path | None = None,
