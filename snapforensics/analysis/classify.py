@@ -65,6 +65,10 @@ _BACKWARD_FUNCS = {"_engine_run_backward", "run_backward", "post_backward", "_po
 _INIT_FUNCS = {"reset_parameters", "_apply", "to_empty", "__init__", "_materialize_module",
                "_sync_module_params_and_buffers", "materialize_meta_module"}
 
+# Ranges FSDP2 names `KIND (fqn)`; the root unit's have no fqn.
+_PER_UNIT_RANGES = {"pre_forward", "post_forward", "pre_backward", "all_gather",
+                    "all_gather_copy_out", "post_backward_accumulate", "post_backward_reshard",
+                    "post_backward_reduce", "post_backward_rs_wait"}
 _FQN = re.compile(r"^FSDP::(\w+)(?: \((.*)\)| for (.*))?$")
 
 
@@ -95,7 +99,8 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
         if m:
             rfkinds.setdefault(m.group(1), r)
             if module is None:
-                module = m.group(2) or m.group(3)
+                module = m.group(2) or m.group(3) or (
+                    "(root)" if m.group(1) in _PER_UNIT_RANGES else None)
     rftext = " ".join(rf)
 
     in_recompute = bool(nameset & _RECOMPUTE_FUNCS) or (
@@ -104,7 +109,7 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
         n == "backward" and (p.endswith("torch/_tensor.py") or p.endswith("autograd/__init__.py"))
         for n, p in zip(names, files)) or "pre_backward" in rfkinds or any(
         k.startswith("post_backward") for k in rfkinds) or "root_post_backward_callback" in rfkinds
-    in_optim = any("/torch/optim/" in p for p in files) or "Optimizer." in rftext
+    in_optim = any(p.startswith("torch/optim/") or "/torch/optim/" in p for p in files) or "Optimizer." in rftext
     in_forward = any(n in ("_call_impl", "_wrapped_call_impl") for n in names) or \
         "pre_forward" in rfkinds or "forward" in nameset
     in_init = bool(nameset & _INIT_FUNCS) or bool(nameset & _SHARDED_INIT_FUNCS)

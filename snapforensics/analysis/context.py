@@ -13,7 +13,12 @@ import numpy as np
 
 from snapforensics.analysis import lifetimes, phases
 from snapforensics.analysis.classify import (
+    ACTIVATION,
     BACKWARD,
+    FORWARD,
+    GRADIENT,
+    OTHER,
+    RECOMPUTE_ACTIVATION,
     CATEGORIES,
     INIT,
     PATHS,
@@ -116,6 +121,11 @@ def analyse(snapshot: Snapshot, trace: Trace) -> DeviceAnalysis:
     rows = np.clip(lt.alloc_row, 0, max(len(trace) - 1, 0))
     phase = np.where(born, tl.phase[rows] if len(trace) else INIT, INIT).astype(np.int8)
     iteration = np.where(born, tl.iteration[rows] if len(trace) else -1, -1).astype(np.int32)
+    # A block with no frames and no FSDP range (on CUDA: made by a backward op on the autograd
+    # thread) is what its phase makes.
+    frameless = (lt.stack == NO_STACK) & (cat == CAT_CODE[OTHER])
+    for ph, c in ((FORWARD, ACTIVATION), (BACKWARD, GRADIENT), (RECOMPUTE, RECOMPUTE_ACTIVATION)):
+        cat[frameless & (phase == ph)] = CAT_CODE[c]
     d = DeviceAnalysis(snapshot, trace, lt, tl, infos, blk_info, cat, path, phase, iteration)
     _split_sharded_grads(d)
     return d

@@ -3,3 +3,15 @@
 from snapforensics.analysis.rules import fsdp_reduce_scatter, fsdp_reshard
 
 RULES = [fsdp_reshard, fsdp_reduce_scatter]
+
+# allocator / lifecycle rules (issue 3)
+from snapforensics.analysis.rules import (  # noqa: E402
+    activations_checkpointing,
+    allocator_fragmentation,
+    allocator_record_stream,
+    leak_iteration_growth,
+    oom_report,
+)
+
+RULES += [allocator_fragmentation, allocator_record_stream, leak_iteration_growth,
+          activations_checkpointing, oom_report]

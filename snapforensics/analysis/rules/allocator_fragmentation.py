@@ -1,0 +1,130 @@
+"""Allocator fragmentation: the allocator reserved far more than the program ever had allocated.
+
+The caching allocator keeps freed blocks for reuse; a block split from a segment can only serve
+requests that fit in the hole it left, on the same stream and pool. When the holes do not fit
+the next requests, the allocator reserves new segments although enough bytes are free in total:
+reserved memory (what nvidia-smi / npu-smi shows, and what runs out) climbs above the peak of
+allocated memory.
+
+Measured: reserved bytes after every row (reconstructed backwards from the dump's segments and
+the `segment_*` rows, see `allocator.reserved_series`) against the live bytes. The waste is the
+peak of reserved minus the peak of allocated: memory the job held but never needed at once.
+Significant when it is at least 20% of the allocated peak and more than two of the allocator's
+20 MiB large segments (below that it is the allocator's own rounding). CPU-recorded snapshots have
+no caching allocator and never get this finding.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from snapforensics.analysis.context import DeviceAnalysis
+from snapforensics.analysis.diagnosis import ANOMALOUS, INFO, Finding
+from snapforensics.analysis.rules.allocator import (
+    LARGE_SEGMENT,
+    alloc_conf,
+    caching_allocator,
+    device_segments,
+    expandable_fix,
+    expandable_on,
+    next_alloc_size,
+    reserved_series,
+)
+from snapforensics.analysis.rules.evidence import human
+from snapforensics.snapshot.model import SEGMENT_ALLOC, SEGMENT_MAP
+
+RULE = "allocator.fragmentation"
+MIN_RATIO = 0.20  # waste / allocated peak
+MIN_SEGMENTS = 2  # waste must exceed this many large segments
+
+
+def _dump_facts(d: DeviceAnalysis) -> dict:
+    segs = device_segments(d)
+    split_free = [b.size for s in segs if any(b.state != "inactive" for b in s.blocks)
+                  for b in s.blocks if b.state == "inactive"]
+    empty = [s.total_size for s in segs if all(b.state == "inactive" for b in s.blocks)]
+    free = [b.size for s in segs for b in s.blocks if b.state == "inactive"]
+    return {
+        "segments": len(segs),
+        "reserved_bytes": int(sum(s.total_size for s in segs)),
+        "allocated_bytes": int(sum(b.size for s in segs for b in s.blocks
+                                   if b.state != "inactive")),
+        "inactive_split_blocks": len(split_free),
+        "inactive_split_bytes": int(sum(split_free)),
+        "empty_segments_bytes": int(sum(empty)),
+        "largest_free_block_bytes": int(max(free, default=0)),
+    }
+
+
+def check(d: DeviceAnalysis) -> list[Finding]:
+    if not caching_allocator(d) or not d.lt.rows:
+        return []
+    reserved = reserved_series(d)
+    if reserved is None:
+        return []
+    live = d.lt.live
+    peak = int(live.max())
+    res_row = int(np.argmax(reserved))
+    res_peak = int(reserved[res_row])
+    waste = res_peak - peak
+    if peak <= 0 or waste < MIN_RATIO * peak or waste <= MIN_SEGMENTS * LARGE_SEGMENT:
+        return []
+    at_peak = int(reserved[d.peak_row])
+    # segment growth while the cache already held at least the request in free bytes
+    grew = np.flatnonzero(np.isin(d.trace.action, [SEGMENT_ALLOC, SEGMENT_MAP]))
+    grew = grew[grew > 0]
+    want = next_alloc_size(d, grew)
+    cached_free = reserved[grew - 1] - live[grew - 1]
+    while_free = grew[(want > 0) & (cached_free >= want)]
+    dump = _dump_facts(d)
+    var, conf = alloc_conf(d)
+    already = expandable_on(d)
+    evidence = {
+        "allocated_peak_bytes": peak,
+        "allocated_peak_row": d.peak_row,
+        "reserved_at_allocated_peak_bytes": at_peak,
+        "reserved_peak_bytes": res_peak,
+        "reserved_peak_row": res_row,
+        "reserved_peak_phase": d.phase_name(res_row),
+        "waste_ratio": round(waste / peak, 3),
+        "segment_growths": int(len(grew)),
+        "segment_growths_while_enough_was_free": int(len(while_free)),
+        "segment_bytes_grown_while_enough_was_free": int(d.trace.size[while_free].sum()),
+        "at_dump": dump,
+        "allocator_conf": {var: conf},
+        "expandable_segments": already,
+        "estimate": "reserved after each row = reserved at dump minus the segment_alloc/map "
+                    "and plus the segment_free/unmap rows after it; allocated = live bytes",
+    }
+    cause = (
+        f"The allocator reserved up to {human(res_peak)} (row {res_row}, "
+        f"{d.phase_name(res_row)}) while allocated memory never exceeded {human(peak)}: "
+        f"{human(waste)} ({waste / peak:.0%} of the allocated peak) was held as cached free "
+        f"space that did not fit the requests that came next. At the allocated peak "
+        f"{human(at_peak - int(live[d.peak_row]))} of the reserved memory was free. "
+        f"{len(while_free)} of {len(grew)} segment growths happened while the cache already "
+        f"held at least the requested bytes, in holes too small or on another stream/pool; "
+        f"at dump {dump['inactive_split_blocks']} free blocks "
+        f"({human(dump['inactive_split_bytes'])}) sit inside partly used segments, the largest "
+        f"free block is {human(dump['largest_free_block_bytes'])}.")
+    if already:
+        return [Finding(
+            rule=RULE, verdict=INFO,
+            title="Reserved memory well above allocated, even with expandable segments",
+            cause=cause + " Expandable segments are already on, so the remaining gap is "
+                          "memory cached per stream or in private pools (CUDA graphs), or "
+                          "pages mapped around long-lived blocks; torch.cuda.empty_cache() "
+                          "between phases returns it, at the cost of re-mapping.",
+            bytes=waste, blocks=dump["inactive_split_blocks"], device=d.device,
+            evidence=evidence)]
+    return [Finding(
+        rule=RULE, verdict=ANOMALOUS,
+        title="Allocator fragmentation: reserved far above allocated",
+        cause=cause + " Expandable segments let the allocator grow one mapping per stream "
+                      "instead of stranding fixed-size segments, so reserved tracks allocated.",
+        bytes=waste, blocks=dump["inactive_split_blocks"], device=d.device,
+        fix=expandable_fix(d),
+        saving_bytes=waste,
+        evidence=evidence | {"saving_is": "reserved bytes (upper bound: the waste above the "
+                                          "allocated peak); the allocated peak is unchanged"},
+    )]

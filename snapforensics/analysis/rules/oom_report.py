@@ -1,0 +1,114 @@
+"""Out of memory: what was alive when the allocator gave up, and how far the request was.
+
+An `oom` trace row carries the requested bytes (`size`) and what the driver still had free
+(`device_free`). Alive at that row: the live blocks (by category and stack); reserved: the
+allocator's segments then (reconstructed from the dump, see `allocator.reserved_series`). The
+request fits in `device_free + cached free` only if the cache's free bytes were usable
+(contiguous): when they would have been enough, it is fragmentation; otherwise `short_by` bytes
+of live memory must go.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from snapforensics.analysis.classify import (
+    ACTIVATION,
+    ALL_GATHER,
+    CATEGORIES,
+    GRADIENT,
+    OPTIMIZER_STATE,
+    PARAMETER,
+    UNSHARDED_PARAM,
+)
+from snapforensics.analysis.context import DeviceAnalysis
+from snapforensics.analysis.diagnosis import ANOMALOUS, Finding
+from snapforensics.analysis.rules.allocator import (
+    expandable_fix,
+    expandable_on,
+    reserved_series,
+    user_frame,
+)
+from snapforensics.analysis.rules.evidence import human, top_stacks
+from snapforensics.snapshot.model import OOM
+
+RULE = "oom.report"
+
+_FIXES = {
+    ACTIVATION: "# activations filled the device: checkpoint the repeated layers, or a smaller "
+                "micro-batch\n# with gradient accumulation\n"
+                "model.gradient_checkpointing_enable()            # Hugging Face\n"
+                "# apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))",
+    OPTIMIZER_STATE: "# optimizer state filled the device: shard it (FSDP / ZeRO), or a lighter "
+                     "optimizer\n# e.g. bitsandbytes.optim.AdamW8bit(model.parameters(), lr=...)",
+    PARAMETER: "# parameters filled the device: shard them (fully_shard / FSDP), load in "
+               "bf16,\n# or build on the meta device and materialize shard by shard",
+    GRADIENT: "# gradients filled the device: shard them (FSDP), free them early\n"
+              "optimizer.zero_grad(set_to_none=True)",
+    ALL_GATHER: "# gathered FSDP parameters filled the device: reshard after forward/backward,"
+                "\n# prefetch one unit ahead at most",
+    UNSHARDED_PARAM: "# gathered FSDP parameters filled the device: reshard after "
+                     "forward/backward,\n# prefetch one unit ahead at most",
+}
+
+
+def check(d: DeviceAnalysis) -> list[Finding]:
+    rows = np.flatnonzero(d.trace.action == OOM)
+    if not rows.size:
+        return []
+    row = int(rows[-1])  # the one the dump followed
+    lt = d.lt
+    want = int(d.trace.size[row])
+    free = d.trace.device_free.get(row)
+    alive = np.flatnonzero(lt.alive_at(row))
+    allocated = int(lt.live[row]) if lt.rows else 0
+    by_cat = np.bincount(d.category[alive], weights=lt.size[alive], minlength=len(CATEGORIES))
+    cats = {CATEGORIES[i]: int(v) for i, v in sorted(enumerate(by_cat), key=lambda x: -x[1]) if v}
+    reserved = reserved_series(d)
+    res = int(reserved[row]) if reserved is not None else None
+    cached = max(res - allocated, 0) if res is not None else None
+    short = want - (free or 0) - (cached or 0)
+    top = next(iter(cats), None)
+    evidence = {
+        "oom_rows": rows.tolist(),
+        "row": row,
+        "phase": d.phase_name(row),
+        "requested_bytes": want,
+        "device_free_bytes": free,
+        "allocated_bytes": allocated,
+        "reserved_bytes": res,
+        "reserved_unallocated_bytes": cached,
+        "short_by_bytes": short,
+        "device_total_at_least_bytes": (res + free) if res is not None and free is not None
+        else None,
+        "alive_by_category": cats,
+        "request_stack": d.stack_text(int(d.trace.stack[row])),
+        "request_user_code": user_frame(d, int(d.trace.stack[row])),
+        "stacks": top_stacks(d, alive, 5),
+    }
+    it = d.tl.iteration_of(row)
+    if it is not None:
+        evidence["iteration"] = it.index
+    frag = short <= 0
+    cause = (
+        f"Allocation of {human(want)} failed at row {row} ({d.phase_name(row)}): the driver had "
+        f"{human(free or 0)} free"
+        + (f" and the allocator's cache {human(cached)} of {human(res)} reserved" if res
+           is not None else "")
+        + f", with {human(allocated)} allocated in {alive.size} live blocks"
+        + (f", mostly {top} ({human(cats[top])})" if top else "") + ". "
+        + ("The free bytes would have covered it but not in one piece: fragmentation."
+           if frag else f"The request was {human(short)} from fitting: at least that much "
+                        "live memory must go (or the request shrink).")
+        + (f" {len(rows)} OOMs in this trace." if len(rows) > 1 else ""))
+    if frag and not expandable_on(d):
+        fix = expandable_fix(d)
+    else:
+        fix = _FIXES.get(top or "", "# reduce what the largest stacks in the evidence keep "
+                                     "alive, or the batch size")
+    return [Finding(
+        rule=RULE, verdict=ANOMALOUS,
+        title=f"Out of memory: {human(want)} requested, {human(free or 0)} free",
+        cause=cause, bytes=allocated, blocks=int(alive.size), device=d.device,
+        fix=fix, evidence=evidence,
+    )]
