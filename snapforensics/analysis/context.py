@@ -19,6 +19,7 @@ from snapforensics.analysis.classify import (
     GRADIENT,
     OTHER,
     RECOMPUTE_ACTIVATION,
+    UNTRACED,
     CATEGORIES,
     INIT,
     PATHS,
@@ -42,9 +43,13 @@ _NOISE = re.compile(
 _NOISE_FILES = ("torch/nn/modules/module.py", "torch/_dynamo/eval_frame.py", "torch/_compile.py")
 
 
+_NATIVE = (".c", ".cc", ".cpp", ".cxx", ".h", ".hpp", ".cu", ".so")
+
+
 def is_noise(f: Frame) -> bool:
     fn = f.filename.replace("\\", "/")
-    return bool(_NOISE.search(f.name)) or fn in ("", "??") or fn.endswith(_NOISE_FILES)
+    return bool(_NOISE.search(f.name)) or fn in ("", "??") or fn.endswith(_NOISE_FILES) or \
+        fn.endswith(_NATIVE)
 
 
 @dataclass
@@ -81,6 +86,8 @@ class DeviceAnalysis:
 
     def stack_text(self, stack_id: int, limit: int = 12) -> list[str]:
         frames = self.snapshot.stack_frames(stack_id)
+        if not frames:
+            return ["(no frames recorded for this allocation)"]
         kept = [f for f in frames if not is_noise(f)] or frames
         return [str(f) for f in kept[:limit]]
 
@@ -126,6 +133,8 @@ def analyse(snapshot: Snapshot, trace: Trace) -> DeviceAnalysis:
     frameless = (lt.stack == NO_STACK) & (cat == CAT_CODE[OTHER])
     for ph, c in ((FORWARD, ACTIVATION), (BACKWARD, GRADIENT), (RECOMPUTE, RECOMPUTE_ACTIVATION)):
         cat[frameless & (phase == ph)] = CAT_CODE[c]
+    # A free with no alloc only shows where it was freed; what made it is not in the file.
+    cat[(lt.alloc_row < 0) & ((lt.free_row < lt.rows) | (lt.stack == NO_STACK))] = CAT_CODE[UNTRACED]
     d = DeviceAnalysis(snapshot, trace, lt, tl, infos, blk_info, cat, path, phase, iteration)
     _split_sharded_grads(d)
     return d

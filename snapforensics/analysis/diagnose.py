@@ -63,8 +63,6 @@ def _summary(snapshot: Snapshot, d: DeviceAnalysis) -> DeviceSummary:
     totals = {c: {"bytes": int(lt.size[d.category == i].sum()),
                   "blocks": int((d.category == i).sum())} for i, c in enumerate(CATEGORIES)}
     stacks = top_stacks(d, alive, 5)
-    for s, b in zip(stacks, _first_blocks(d, alive, stacks)):
-        s["category"] = CATEGORIES[d.category[b]]
     return DeviceSummary(
         device=d.device,
         peaks=peaks,
@@ -94,16 +92,6 @@ def _timeline(d: DeviceAnalysis, points: int = 1200) -> list[list]:
     for a, b in zip(edges[:-1], edges[1:]):
         r = int(a + np.argmax(live[a:b]))
         out.append([r, int(live[r]), PHASE_NAMES[int(d.tl.phase[r])]])
-    return out
-
-
-def _first_blocks(d: DeviceAnalysis, alive: np.ndarray, stacks: list[dict]) -> list[int]:
-    out = []
-    for s in stacks:
-        for b in alive.tolist():
-            if d.stack_text(int(d.lt.stack[b])) == s["stack"]:
-                out.append(b)
-                break
     return out
 
 

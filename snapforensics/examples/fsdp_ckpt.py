@@ -41,6 +41,13 @@ it, then ``to_empty`` + ``reset_parameters``):
   batch x seq x vocab fp32 tensors, 1 MiB a step by default).
 - ``no_rate_limit``: ``fixed`` with forward prefetch of 3 blocks ahead and backward prefetch of
   3 blocks behind.
+- ``fsdp1``: FSDP1 (``FullyShardedDataParallel``) instead of ``fully_shard``: one unit per
+  block (``ModuleWrapPolicy({Block})``) and the root, ``FULL_SHARD``, ``use_orig_params=True``,
+  meta-device init materialized by FSDP (``reset_parameters``), then
+  ``apply_activation_checkpointing`` (non-reentrant) on each block inside its unit.
+- ``fsdp1_shard_grad_op``: ``fsdp1`` with ``ShardingStrategy.SHARD_GRAD_OP`` (parameters stay
+  unsharded from forward to backward) and ``MixedPrecision(param_dtype=bfloat16,
+  reduce_dtype=float32)`` (a low-precision ``_mp_shard`` per unshard, fp32 gradient reduction).
 """
 
 from __future__ import annotations
@@ -129,6 +136,8 @@ class Plan:
     grad_sync_off_first: bool = False  # set_requires_gradient_sync(False) on non-final micro-batches
     keep_graphs: bool = False  # the leak
     batch: int | None = None  # default batch size for this variant (when --batch is not given)
+    model: nn.Module | None = None  # the module to train when the variant wraps the model (FSDP1)
+    materialized: bool = False  # the variant already materialized the meta-device model
 
 
 def _blocks(model: Transformer) -> list[nn.Module]:
@@ -238,6 +247,35 @@ def v_no_rate_limit(model, mesh):
     return Plan()
 
 
+def _fsdp1(model: Transformer, mesh, strategy: str, mp: bool = False) -> Plan:
+    """FSDP1: FullyShardedDataParallel per block and the root, then checkpoint each block."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+    )
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    if mesh.device_type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:  # FSDP1 refuses CPU unless device_id names it
+        device = torch.device(mesh.device_type)
+    policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mp else None
+    wrapped = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}),
+                   sharding_strategy=ShardingStrategy[strategy], use_orig_params=True,
+                   device_id=device, mixed_precision=policy)
+    apply_activation_checkpointing(wrapped, check_fn=lambda m: isinstance(m, Block))
+    return Plan(model=wrapped, materialized=True)
+
+
+def v_fsdp1(model, mesh):
+    return _fsdp1(model, mesh, "FULL_SHARD")
+
+
+def v_fsdp1_shard_grad_op(model, mesh):
+    return _fsdp1(model, mesh, "SHARD_GRAD_OP", mp=True)
+
+
 VARIANTS: dict[str, Callable[[Transformer, object], Plan]] = {
     "buggy": v_buggy,
     "fixed": v_fixed,
@@ -250,6 +288,8 @@ VARIANTS: dict[str, Callable[[Transformer, object], Plan]] = {
     "mixed_precision": v_mixed_precision,
     "leak": v_leak,
     "no_rate_limit": v_no_rate_limit,
+    "fsdp1": v_fsdp1,
+    "fsdp1_shard_grad_op": v_fsdp1_shard_grad_op,
 }
 
 
@@ -320,8 +360,11 @@ def main(argv: list[str] | None = None) -> int:
             with torch.device("meta"):
                 model = Transformer(args.vocab, args.dim, args.layers, args.heads)
             plan = apply(model, mesh)
-            model.to_empty(device=device)
-            _reset_parameters(model)
+            if not plan.materialized:
+                model.to_empty(device=device)
+                _reset_parameters(model)
+        if plan.model is not None:
+            model = plan.model
         optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
         gen = torch.Generator(device="cpu").manual_seed(args.seed + 1000 + rank)
         batch = args.batch or plan.batch or 2

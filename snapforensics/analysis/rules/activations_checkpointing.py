@@ -65,7 +65,16 @@ def _layers(d: DeviceAnalysis, blocks: np.ndarray) -> tuple[int, int, int, np.nd
             by_count[c] += s
     if not by_count:
         return 0, 0, 0, blocks[:0]
-    L = max(by_count, key=by_count.get)
+    # A stack called twice per layer (two norms on one line) repeats 2L times: the layer count
+    # is the repeat count whose multiples carry the most bytes, among counts that carry a
+    # real share (>= 25%) of the repeating bytes on their own (so a stray 2 does not win).
+    total = sum(by_count.values())
+    cands = [c for c, b in by_count.items() if b >= 0.25 * total] or list(by_count)
+
+    def covered(c: int) -> int:
+        return sum(b for k, b in by_count.items() if k % c == 0)
+
+    L = max(cands, key=lambda c: (covered(c), c))
     rep = blocks[per_block_count % L == 0]
     layer = int(d.lt.size[rep].sum()) // L
     sizes = Counter(d.lt.size[rep].tolist())

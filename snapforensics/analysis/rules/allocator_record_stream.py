@@ -27,15 +27,25 @@ RULE = "allocator.record_stream_delay"
 MIN_HELD = 0.05  # of the peak: delayed memory held at some row
 MIN_PEAK = 0.05  # of the peak: the delays raise the peak this much -> anomalous
 
-FIX = """\
+NCCL = """\
 # c10d (NCCL) collectives: stash the tensors and free them after the work's wait() instead of
-# record_stream (set before init_process_group; default on in recent torch):
+# record_stream (set before init_process_group):
 export TORCH_NCCL_AVOID_RECORD_STREAMS=1
+"""
+OWN = """\
 # your own side streams: keep the tensor alive until the consumer waited, then drop it,
 # instead of tensor.record_stream(side_stream):
-done = torch.cuda.Event(); done.record(side_stream)
-torch.cuda.current_stream().wait_event(done)
+done = torch.{dev}.Event(); done.record(side_stream)
+torch.{dev}.current_stream().wait_event(done)
 del tensor"""
+
+
+def fix_for(d: DeviceAnalysis) -> str:
+    if d.snapshot.format.get("backend") == "npu":
+        # TORCH_NCCL_AVOID_RECORD_STREAMS is read by ProcessGroupNCCL only; HCCL has no
+        # verified equivalent here, so only the code change is suggested.
+        return OWN.format(dev="npu")
+    return NCCL + OWN.format(dev="cuda")
 
 
 def check(d: DeviceAnalysis) -> list[Finding]:
@@ -110,6 +120,6 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         "Frees delayed by record_stream (off the peak)",
         cause=cause if anomalous else cause + " The delays do not coincide with the peak.",
         bytes=held_max, blocks=int(idx.size), device=d.device,
-        fix=FIX, saving_bytes=cost if anomalous else None,
+        fix=fix_for(d), saving_bytes=cost if anomalous else None,
         evidence=evidence,
     )]

@@ -6,7 +6,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from snapforensics.analysis.classify import BACKWARD, FORWARD, RECOMPUTE
+from snapforensics.analysis.classify import BACKWARD, CATEGORIES, FORWARD, RECOMPUTE
 from snapforensics.analysis.context import DeviceAnalysis
 
 
@@ -31,8 +31,10 @@ def top_stacks(d: DeviceAnalysis, blocks: np.ndarray, limit: int = 3) -> list[di
     tot = np.bincount(inv, weights=sizes)
     cnt = np.bincount(inv)
     order = np.argsort(-tot)[:limit]
-    return [{"bytes": int(tot[i]), "blocks": int(cnt[i]), "stack": d.stack_text(int(uniq[i]))}
-            for i in order]
+    first = np.zeros(len(uniq), np.int64)
+    first[inv[::-1]] = blocks[::-1]  # some block of each stack
+    return [{"bytes": int(tot[i]), "blocks": int(cnt[i]), "stack": d.stack_text(int(uniq[i])),
+             "category": CATEGORIES[d.category[first[i]]]} for i in order]
 
 
 def replay_peaks(d: DeviceAnalysis, free_row: np.ndarray) -> dict[str, int]:

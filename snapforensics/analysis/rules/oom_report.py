@@ -67,7 +67,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     reserved = reserved_series(d)
     res = int(reserved[row]) if reserved is not None else None
     cached = max(res - allocated, 0) if res is not None else None
-    short = want - (free or 0) - (cached or 0)
+    short = want - free - (cached or 0) if free is not None else None
     top = next(iter(cats), None)
     evidence = {
         "oom_rows": rows.tolist(),
@@ -89,17 +89,18 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     it = d.tl.iteration_of(row)
     if it is not None:
         evidence["iteration"] = it.index
-    frag = short <= 0
+    frag = short is not None and short <= 0
     cause = (
         f"Allocation of {human(want)} failed at row {row} ({d.phase_name(row)}): the driver had "
-        f"{human(free or 0)} free"
+        f"{human(free) if free is not None else 'an unknown amount'} free"
         + (f" and the allocator's cache {human(cached)} of {human(res)} reserved" if res
            is not None else "")
         + f", with {human(allocated)} allocated in {alive.size} live blocks"
         + (f", mostly {top} ({human(cats[top])})" if top else "") + ". "
         + ("The free bytes would have covered it but not in one piece: fragmentation."
            if frag else f"The request was {human(short)} from fitting: at least that much "
-                        "live memory must go (or the request shrink).")
+                        "live memory must go (or the request shrink)." if short is not None
+           else "The file does not say what the driver had free.")
         + (f" {len(rows)} OOMs in this trace." if len(rows) > 1 else ""))
     if frag and not expandable_on(d):
         fix = expandable_fix(d)
@@ -108,7 +109,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
                                      "alive, or the batch size")
     return [Finding(
         rule=RULE, verdict=ANOMALOUS,
-        title=f"Out of memory: {human(want)} requested, {human(free or 0)} free",
+        title=f"Out of memory: {human(want)} requested"
+              + (f", {human(free)} free" if free is not None else ""),
         cause=cause, bytes=allocated, blocks=int(alive.size), device=d.device,
         fix=fix, evidence=evidence,
     )]
