@@ -68,9 +68,7 @@ def _summary(snapshot: Snapshot, d: DeviceAnalysis) -> DeviceSummary:
         peaks=peaks,
         peak_row=d.peak_row,
         peak_phase=d.phase_name(d.peak_row),
-        iterations=[{"index": it.index, "forward_peak_bytes": it.forward_peak,
-                     "backward_peak_bytes": it.backward_peak, "start_row": it.start,
-                     "end_row": it.end} for it in tl.iterations],
+        iterations=[_iteration(d, it) for it in tl.iterations],
         categories_at_peak={k: v for k, v in at_peak.items() if v},
         categories_total={k: v for k, v in totals.items() if v["blocks"]},
         top_stacks_at_peak=stacks,
@@ -80,6 +78,20 @@ def _summary(snapshot: Snapshot, d: DeviceAnalysis) -> DeviceSummary:
         segments=_segment_totals(snapshot, d.device),
         timeline=_timeline(d),
     )
+
+
+def _iteration(d: DeviceAnalysis, it) -> dict:
+    """One iteration: its peaks, and the peak and share of rows of each phase in it."""
+    ph = d.tl.phase[it.start:it.end + 1]
+    live = d.lt.live[it.start:it.end + 1]
+    phases = {}
+    for code, name in enumerate(PHASE_NAMES):
+        m = ph == code
+        if m.any():
+            phases[name] = {"peak_bytes": int(live[m].max()), "rows": int(m.sum())}
+    return {"index": it.index, "forward_peak_bytes": it.forward_peak,
+            "backward_peak_bytes": it.backward_peak, "start_row": it.start, "end_row": it.end,
+            "phases": phases}
 
 
 def _timeline(d: DeviceAnalysis, points: int = 1200) -> list[list]:

@@ -6,7 +6,7 @@ from snapforensics.analysis.diagnosis import Diagnosis, Finding
 from snapforensics.analysis.rules.evidence import human
 
 __all__ = ["human", "ratio", "headline", "peak_line", "provenance_line", "finding_lines",
-           "verdict_order"]
+           "phase_peaks", "verdict_order"]
 
 VERDICT_ORDER = {"anomalous": 0, "expected": 1, "info": 2}
 
@@ -51,6 +51,12 @@ def provenance_line(d: Diagnosis) -> str:
     if p.get("cpu_recorded"):
         parts.append("CPU-recorded (profiler allocator events, no caching allocator)")
     return ", ".join(x for x in parts if x)
+
+
+def phase_peaks(iteration: dict) -> list[str]:
+    """Recompute and optimizer peaks of one iteration ("-" where the phase did not occur)."""
+    ph = iteration.get("phases", {})
+    return [human(ph[p]["peak_bytes"]) if p in ph else "-" for p in ("recompute", "optimizer")]
 
 
 def finding_lines(f: Finding) -> list[str]:

@@ -16,7 +16,7 @@ from typing import Any, Iterable
 
 from snapforensics.report.json import dumps
 from snapforensics.analysis.diagnosis import Diagnosis, DeviceSummary, Finding
-from snapforensics.report.common import finding_lines, headline, human, peak_line, \
+from snapforensics.report.common import finding_lines, headline, human, peak_line, phase_peaks, \
     provenance_line, ratio, verdict_order
 
 PHASE_COLORS = {
@@ -347,9 +347,11 @@ def _device(dev: DeviceSummary) -> str:
                         f'<td class="n">{e(it.get("start_row", ""))}&ndash;'
                         f'{e(it.get("end_row", ""))}</td>'
                         f'<td class="n">{e(human(fw))}</td><td class="n">{e(human(bw))}</td>'
+                        + "".join(f'<td class="n">{e(p)}</td>' for p in phase_peaks(it)) +
                         f'<td class="n">{e(ratio(bw, fw)) if bw else "n/a"}</td></tr>')
         table = ('<table><tr><th>iteration</th><th class="n">rows</th>'
                  '<th class="n">forward peak</th><th class="n">backward peak</th>'
+                 '<th class="n">recompute peak</th><th class="n">optimizer peak</th>'
                  '<th class="n">backward/forward</th></tr>' + "".join(rows) + "</table>")
         if len(rows) > 20:
             table = (f"<details><summary>{len(rows)} iterations</summary>{table}</details>")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from snapforensics.analysis.diagnosis import Diagnosis
 from snapforensics.report.common import finding_lines, headline, human, peak_line, \
-    provenance_line, verdict_order
+    phase_peaks, provenance_line, verdict_order
 
 
 def render(d: Diagnosis) -> str:
@@ -18,11 +18,15 @@ def render(d: Diagnosis) -> str:
     for dev in d.devices:
         out += [f"## Device {dev.device}", "",
                 f"Peak {human(dev.peaks['overall_bytes'])} in {dev.peak_phase}; "
-                f"segments reserved {human(dev.segments['reserved_bytes'])} at dump.", ""]
+                + (f"{human(dev.segments['allocated_bytes'])} alive at dump (no caching "
+                   "allocator on CPU)." if d.format.get("backend") == "cpu" else
+                   f"segments reserved {human(dev.segments['reserved_bytes'])} at dump."), ""]
         if dev.iterations:
-            out += ["| iteration | forward peak | backward peak |", "|---|---|---|"]
+            out += ["| iteration | forward peak | backward peak | recompute peak | optimizer peak |",
+                    "|---|---|---|---|---|"]
             out += [f"| {it['index']} | {human(it['forward_peak_bytes'])} | "
-                    f"{human(it['backward_peak_bytes'])} |" for it in dev.iterations]
+                    f"{human(it['backward_peak_bytes'])} | {' | '.join(phase_peaks(it))} |"
+                    for it in dev.iterations]
             out.append("")
         if dev.categories_at_peak:
             out += ["| alive at peak, by what made it | bytes |", "|---|---|"]

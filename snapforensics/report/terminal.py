@@ -10,7 +10,7 @@ from rich.text import Text
 
 from snapforensics.analysis.diagnosis import Diagnosis
 from snapforensics.report.common import finding_lines, headline, human, peak_line, \
-    provenance_line, verdict_order
+    phase_peaks, provenance_line, verdict_order
 
 COLOR = {"anomalous": "bold red", "expected": "green", "info": "cyan"}
 
@@ -38,9 +38,11 @@ def render(d: Diagnosis, console: Console) -> None:
             it.add_column("iteration")
             it.add_column("forward peak", justify="right")
             it.add_column("backward peak", justify="right")
+            it.add_column("recompute peak", justify="right")
+            it.add_column("optimizer peak", justify="right")
             for i in dev.iterations:
                 it.add_row(str(i["index"]), human(i["forward_peak_bytes"]),
-                           human(i["backward_peak_bytes"]))
+                           human(i["backward_peak_bytes"]), *phase_peaks(i))
             console.print(it)
         elif not dev.categories_at_peak:
             console.print(f"device {dev.device}: {human(dev.segments['allocated_bytes'])} "
