@@ -247,7 +247,7 @@ def v_no_rate_limit(model, mesh):
     return Plan()
 
 
-def _fsdp1(model: Transformer, mesh, strategy: str, mp: bool = False) -> Plan:
+def _fsdp1(model: Transformer, mesh, strategy: str, mp: bool = False, ac: bool = True) -> Plan:
     """FSDP1: FullyShardedDataParallel per block and the root, then checkpoint each block."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         apply_activation_checkpointing,
@@ -264,8 +264,28 @@ def _fsdp1(model: Transformer, mesh, strategy: str, mp: bool = False) -> Plan:
     wrapped = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}),
                    sharding_strategy=ShardingStrategy[strategy], use_orig_params=True,
                    device_id=device, mixed_precision=policy)
-    apply_activation_checkpointing(wrapped, check_fn=lambda m: isinstance(m, Block))
+    if ac:
+        apply_activation_checkpointing(wrapped, check_fn=lambda m: isinstance(m, Block))
     return Plan(model=wrapped, materialized=True)
+
+
+class _ReentrantCheckpoint(nn.Module):
+    """HF-style gradient checkpointing: reentrant checkpoint around the (FSDP-wrapped) block."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.block, x, use_reentrant=True)
+
+
+def v_fsdp1_reentrant(model, mesh):
+    for i, block in enumerate(_blocks(model)):
+        model.layers[i] = _ReentrantCheckpoint(block)
+    return _fsdp1(model, mesh, "FULL_SHARD", ac=False)
 
 
 def v_fsdp1(model, mesh):
@@ -290,6 +310,7 @@ VARIANTS: dict[str, Callable[[Transformer, object], Plan]] = {
     "no_rate_limit": v_no_rate_limit,
     "fsdp1": v_fsdp1,
     "fsdp1_shard_grad_op": v_fsdp1_shard_grad_op,
+    "fsdp1_reentrant": v_fsdp1_reentrant,
 }
 
 

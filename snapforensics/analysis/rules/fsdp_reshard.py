@@ -11,7 +11,7 @@ import re
 
 import numpy as np
 
-from snapforensics.analysis.classify import ALL_GATHER, BACKWARD, PATHS, RECOMPUTE, REDUCE_SCATTER, \
+from snapforensics.analysis.classify import BACKWARD, PATHS, RECOMPUTE, REDUCE_SCATTER, \
     SHARDED_GRAD, UNSHARDED_PARAM
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import ANOMALOUS, Finding
@@ -59,20 +59,57 @@ def _reshard_rows(d: DeviceAnalysis, blocks: np.ndarray) -> np.ndarray:
     return out
 
 
-def check(d: DeviceAnalysis) -> list[Finding]:
-    cand = d.mask(UNSHARDED_PARAM, ALL_GATHER) & np.isin(d.phase, [BACKWARD, RECOMPUTE]) & \
-        (d.iteration >= 0)
-    idx = np.flatnonzero(cand)
+# A unit's parameters gathered for its backward are freed by its own post-backward. One other
+# unit's gradient reduction may happen meanwhile (the next unit is prefetched while the current
+# one finishes); living through more of them means nobody resharded it.
+MAX_FOREIGN_REDUCTIONS = 2
+
+
+def _leaked(d: DeviceAnalysis) -> np.ndarray:
+    """Unsharded-param blocks made in backward that outlive their unit's backward.
+
+    Either still alive when the iteration's backward ends (never resharded), or alive across
+    more than MAX_FOREIGN_REDUCTIONS other units' gradient reductions (released only by the
+    root's final callback, i.e. at the end of backward).
+    """
+    idx = np.flatnonzero(d.mask(UNSHARDED_PARAM) & np.isin(d.phase, [BACKWARD, RECOMPUTE]) &
+                         (d.iteration >= 0))
     if not idx.size:
-        return []
+        return idx
     ends = np.array([d.tl.iterations[i].backward_end for i in d.iteration[idx]], np.int64)
-    leaked = idx[(ends >= 0) & (d.lt.free_row[idx] > ends)]
+    past_end = (ends >= 0) & (d.lt.free_row[idx] > ends)
+    grads = np.flatnonzero(d.mask(SHARDED_GRAD, REDUCE_SCATTER))
+    order = np.argsort(d.lt.alloc_row[grads])
+    g_rows = d.lt.alloc_row[grads][order]
+    g_mod = [d.module_of(int(b)) for b in grads[order]]
+    lo = np.searchsorted(g_rows, d.lt.alloc_row[idx], side="right")
+    hi = np.searchsorted(g_rows, d.lt.free_row[idx], side="left")
+    foreign = np.zeros(len(idx), bool)
+    for k, b in enumerate(idx.tolist()):
+        if hi[k] - lo[k] > MAX_FOREIGN_REDUCTIONS:
+            own = d.module_of(b)
+            mods = {m for m in g_mod[lo[k]:hi[k]] if m is None or m != own}
+            # unknown modules: count reductions, two blocks (input, output) per reduction
+            n = len(mods) if None not in mods else (hi[k] - lo[k]) // 2
+            foreign[k] = n > MAX_FOREIGN_REDUCTIONS
+    return idx[past_end | foreign]
+
+
+def _max_alive(d: DeviceAnalysis, blocks: np.ndarray) -> int:
+    """Most bytes of `blocks` alive at once."""
+    rows = np.concatenate([d.lt.alloc_row[blocks], d.lt.free_row[blocks]])
+    delta = np.concatenate([d.lt.size[blocks], -d.lt.size[blocks]])
+    order = np.lexsort((delta, rows))  # frees before allocs on the same row
+    return int(np.cumsum(delta[order]).max())
+
+
+def check(d: DeviceAnalysis) -> list[Finding]:
+    leaked = _leaked(d)
     if not leaked.size:
         return []
-    # Bytes left unsharded at the end of each backward; report the worst iteration.
-    per_iter: dict[int, int] = {}
-    for b in leaked.tolist():
-        per_iter[int(d.iteration[b])] = per_iter.get(int(d.iteration[b]), 0) + int(d.lt.size[b])
+    # Most bytes left unsharded at once in each backward; report the worst iteration.
+    per_iter = {int(i): _max_alive(d, leaked[d.iteration[leaked] == i])
+                for i in np.unique(d.iteration[leaked])}
     worst = max(per_iter, key=per_iter.get)
     worst_blocks = leaked[d.iteration[leaked] == worst]
     free_row = d.lt.free_row.copy()
@@ -87,8 +124,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     via = ", ".join(f"{p} ({human(v)})" for p, v in sorted(paths.items(), key=lambda x: -x[1]))
     cause = (
         f"FSDP parameters all-gathered during backward were never resharded: "
-        f"{human(per_iter[worst])} in {len(worst_blocks)} blocks across {n_mod} unit(s) "
-        f"was still unsharded when backward ended (iteration {worst}), unsharded via {via}. "
+        f"up to {human(per_iter[worst])} from {len(worst_blocks)} blocks across {n_mod} unit(s) "
+        f"stayed unsharded past their unit's backward (iteration {worst}), unsharded via {via}. "
         "Each unit's post-backward skipped its reshard (reshard_after_backward=False, or a "
         "fully_shard unit nested in a checkpointed region re-unsharded by the recompute's "
         "pre-forward / pre-backward hooks), so parameter memory climbs layer by layer through "
