@@ -18,12 +18,18 @@ from snapforensics.report import FORMATS
               help="Write the report to FILE instead of stdout.")
 @click.option("--fail-on", type=click.Choice(["anomalous", "never"]), default="never",
               show_default=True, help="Exit 1 when a finding with this verdict is found (CI gate).")
-def diagnose_command(snapshot: Path, fmt: str, output: Path | None, fail_on: str) -> int:
+@click.option("--redact-paths", is_flag=True,
+              help="Keep only file names / package-relative paths (for public tickets).")
+def diagnose_command(snapshot: Path, fmt: str, output: Path | None, fail_on: str,
+                     redact_paths: bool) -> int:
     """Diagnose one memory snapshot (.pickle, .pkl, gzip'd too)."""
     from snapforensics.analysis import diagnose
     from snapforensics.snapshot import load
 
     d = diagnose(load(snapshot))
+    if redact_paths:
+        from snapforensics.report.redact import redact
+        d = redact(d)
     write_report(d, fmt, output)
     return EXIT_ANOMALY if fail_on == "anomalous" and d.anomalies else 0
 

@@ -1,0 +1,40 @@
+"""Path redaction for reports attached to public tickets: keep what code it was, not whose disk.
+
+Library paths keep their package-relative part (`torch/distributed/...`); every other absolute
+path keeps only its file name. User names, home folders and hostnames do not leave the machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+from snapforensics.analysis.diagnosis import Diagnosis
+
+_SITE = re.compile(r"(?:[A-Za-z]:)?[\\/][^\s:'\"]*?(?:site|dist)-packages[\\/]")
+_ABS = re.compile(r"(?:(?<![\w.])[A-Za-z]:|(?<![\w.]))[\\/](?:[^\s\\/:'\"]+[\\/])+(?=[^\s\\/]+)")
+_DROP = {"hostname", "pid"}
+
+
+def redact_text(s: str) -> str:
+    return _ABS.sub("…/", _SITE.sub("", s))
+
+
+def _walk(v: Any) -> Any:
+    if isinstance(v, str):
+        return redact_text(v)
+    if isinstance(v, list):
+        return [_walk(x) for x in v]
+    if isinstance(v, tuple):
+        return tuple(_walk(x) for x in v)
+    if isinstance(v, dict):
+        return {k: _walk(x) for k, x in v.items() if k not in _DROP}
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return dataclasses.replace(v, **{f.name: _walk(getattr(v, f.name))
+                                         for f in dataclasses.fields(v)})
+    return v
+
+
+def redact(d: Diagnosis) -> Diagnosis:
+    return _walk(d)
