@@ -77,3 +77,14 @@ def test_version_and_help():
     assert run("--version").returncode == 0
     r = run("--help")
     assert r.returncode == 0 and all(c in r.stdout for c in ("record", "diagnose", "demo"))
+
+
+def test_analyzer_needs_no_torch():
+    """diagnose with `import torch` made impossible: the analyzer never imports it."""
+    src = str(corpus_file("NiuHuangxiaozi_fwd_bwd_200_mixed.pickle"))
+    code = ("import sys; sys.modules['torch'] = None; sys.argv = ['snapforensics', 'diagnose', "
+            f"{src!r}, '--format', 'json']; from snapforensics.cli import main; main()")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["peaks"]["overall_bytes"] > 0

@@ -41,19 +41,31 @@ PHASE_NAMES = ("init", "forward", "backward", "recompute", "optimizer", "unknown
 # Unshard paths.
 PATHS = ("forward", "backward_pre_hook", "recompute", "prefetch", "explicit")
 
+# FSDP1 (`_runtime_utils.py`, `_flat_param.py`): the padded unsharded flat parameter is the
+# all-gather output itself (`_alloc_padded_unsharded_flat_param`), so it is an unsharded param;
+# with mixed precision `_use_low_precision_shard` makes the `_mp_shard` (all-gather input).
 _ALL_GATHER_FUNCS = {"foreach_all_gather", "all_gather_copy_in", "all_gather_copy_in_cuda",
                      "all_gather_copy_in_npu", "_all_gather_flat_param",
+                     "_use_low_precision_shard",
                      "c10d::_allgather_base_", "c10d::allgather_", "c10d::all_gather_into_tensor"}
 _UNSHARDED_FUNCS = {"foreach_all_gather_copy_out", "init_all_gather_outputs",
                     "alloc_all_gather_outputs", "alloc_storage", "init_unsharded_param",
-                    "_alloc_padded_unsharded_flat_param", "_use_unsharded_flat_param"}
+                    "_alloc_padded_unsharded_flat_param", "_use_unsharded_flat_param",
+                    "init_flat_param_attributes"}
 _REDUCE_FUNCS = {"foreach_reduce", "foreach_reduce_scatter_copy_in", "_reduce_grad",
                  "_reduce_grad_no_shard", "c10d::reduce_scatter_", "c10d::_reduce_scatter_base_",
                  "c10d::reduce_scatter_tensor_coalesced_"}
+# FSDP1's post-backward hook casts the unsharded grad to reduce_dtype before `_reduce_grad`.
+_FSDP1_REDUCE_HOOKS = {"_post_backward_hook"}
 _UNSHARDED_GRAD_FUNCS = {"accumulate_unsharded_grad_if_needed", "to_accumulated_grad_if_needed"}
 _SHARDED_INIT_FUNCS = {"_init_sharded_param", "reset_sharded_param", "fully_shard",
-                       "_init_flat_param_and_metadata", "_init_param_handle_from_module",
-                       "_move_states_to_device"}
+                       "_init_flat_param_and_metadata", "_init_param_handle_from_module"}
+# Init work that holds full (unsharded) parameters: FSDP1 materializing a meta module or moving
+# it to the device before flattening/sharding, FSDP2 moving a module's states to the mesh device.
+_FULL_INIT_FUNCS = {"_materialize_meta_module", "_materialize_with_param_init_fn",
+                    "_move_module_to_device", "_move_states_to_device", "flatten_tensors",
+                    "flatten_tensors_into_flat_param"}
+_SHARD_FUNCS = {"_get_shard", "shard", "_init_sharded_param", "reset_sharded_param"}
 _RECOMPUTE_FUNCS = {"unpack_hook", "recompute_fn", "_run_fn_with_dynamo_disabled",
                     "unpack_hook_with_error_cb", "_checkpoint_hook"}
 _PREFETCH_FUNCS = {"_prefetch_unshard", "_backward_prefetch", "_prefetch_handle",
@@ -71,6 +83,18 @@ _PER_UNIT_RANGES = {"pre_forward", "post_forward", "pre_backward", "all_gather",
                     "all_gather_copy_out", "post_backward_accumulate", "post_backward_reshard",
                     "post_backward_reduce", "post_backward_rs_wait"}
 _FQN = re.compile(r"^FSDP::(\w+)(?: \((.*)\)| for (.*))?$")
+# FSDP1 record_function ranges (no FQN), as the FSDP2 kind they correspond to.
+_FSDP1_RANGES = {
+    "FullyShardedDataParallel._root_pre_forward": "root_pre_forward",
+    "FullyShardedDataParallel._pre_forward": "pre_forward",
+    "FullyShardedDataParallel._pre_forward_prefetch": "forward_prefetch",
+    "FullyShardedDataParallel._post_forward": "post_forward",
+    "FullyShardedDataParallel._pre_backward_hook": "pre_backward",
+    "FullyShardedDataParallel._pre_backward_prefetch": "backward_prefetch",
+    "FullyShardedDataParallel._post_backward_prefetch": "backward_prefetch",
+    "FullyShardedDataParallel._post_backward_hook": "post_backward_hook",
+    "FullyShardedDataParallel._post_backward_hook_reshard_only": "post_backward_reshard",
+}
 
 
 @dataclass(frozen=True)
@@ -96,6 +120,9 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
     rfkinds = {}
     module = None
     for r in rf:  # innermost first
+        if r in _FSDP1_RANGES:
+            rfkinds.setdefault(_FSDP1_RANGES[r], r)
+            continue
         m = _FQN.match(r)
         if m:
             rfkinds.setdefault(m.group(1), r)
@@ -113,9 +140,17 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
     in_optim = any(p.startswith("torch/optim/") or "/torch/optim/" in p for p in files) or "Optimizer." in rftext
     in_forward = any(n in ("_call_impl", "_wrapped_call_impl") for n in names) or \
         "pre_forward" in rfkinds or "forward" in nameset
-    in_init = bool(nameset & _INIT_FUNCS) or bool(nameset & _SHARDED_INIT_FUNCS)
+    in_init = bool(nameset & _INIT_FUNCS) or bool(nameset & _SHARDED_INIT_FUNCS) or \
+        bool(nameset & _FULL_INIT_FUNCS)
 
-    if in_recompute:
+    # A collective backend's worker thread (a row whose only frames are `gloo:all_gather` and
+    # ops): the ranges open on the main thread do not say which phase it serves (a pre-forward
+    # range is open in a reentrant recompute too), so its phase is left to the rows around it.
+    worker_row = bool(frames) and any(n.startswith(("gloo:", "nccl:")) for n in names) and all(
+        f.filename.startswith("<") for f in frames)
+    if worker_row:
+        phase = UNKNOWN
+    elif in_recompute:
         phase = RECOMPUTE
     elif in_backward:
         phase = BACKWARD
@@ -135,8 +170,12 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
         category = ALL_GATHER
     elif nameset & _UNSHARDED_GRAD_FUNCS or "post_backward_accumulate" in rfkinds:
         category = UNSHARDED_GRAD
-    elif nameset & _REDUCE_FUNCS or "post_backward_reduce" in rfkinds:
+    elif nameset & _REDUCE_FUNCS or "post_backward_reduce" in rfkinds or \
+            "post_backward_hook" in rfkinds or any(
+                f.name in _FSDP1_REDUCE_HOOKS and _is_fsdp_file(f) for f in frames):
         category = REDUCE_SCATTER
+    elif nameset & _FULL_INIT_FUNCS and not nameset & _SHARD_FUNCS:
+        category = PARAMETER
     elif nameset & _SHARDED_INIT_FUNCS and any(_is_fsdp_file(f) for f in frames):
         category = SHARDED_PARAM
     elif phase == OPTIMIZER:
@@ -152,15 +191,48 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
     else:
         category = OTHER
     if category in (UNSHARDED_PARAM, ALL_GATHER):
-        if nameset & _PREFETCH_FUNCS or "forward_prefetch" in rfkinds or \
-                "backward_prefetch" in rfkinds:
-            path = "prefetch"
-        elif in_recompute:
-            path = "recompute"
-        elif nameset & _PRE_BACKWARD_FUNCS or "pre_backward" in rfkinds:
-            path = "backward_pre_hook"
-        elif nameset & _PRE_FORWARD_FUNCS or "pre_forward" in rfkinds:
-            path = "forward"
-        else:
-            path = "explicit"
+        path = _unshard_path(frames, ranges, in_recompute)
     return StackInfo(category, path, phase, module, bool(frames))
+
+
+def _unshard_path(frames: list[Frame], ranges: tuple[str, ...], in_recompute: bool) -> str:
+    """The FSDP hook that asked for this unshard: the innermost prefetch / pre-backward /
+    pre-forward entry of the stack (then of the open ranges). A pre-forward inside a recompute is
+    the recompute path; a pre-backward hook fired inside a reentrant checkpoint's backward is
+    still the pre-backward path."""
+    for kind in _entry_kinds(frames, ranges):
+        if kind == "prefetch":
+            return "prefetch"
+        if kind == "pre_backward":
+            return "backward_pre_hook"
+        if kind == "pre_forward":
+            return "recompute" if in_recompute else "forward"
+    return "recompute" if in_recompute else "explicit"
+
+
+def _entry_kinds(frames: list[Frame], ranges: tuple[str, ...]):
+    for f in frames:  # innermost first
+        name = f.name
+        if f.filename == "<record_function>":
+            m = _FQN.match(name)
+            name = _FSDP1_RANGES.get(name) or (m.group(1) if m else name)
+            if name in ("forward_prefetch", "backward_prefetch"):
+                yield "prefetch"
+            elif name in ("pre_backward", "pre_forward", "root_pre_forward"):
+                yield "pre_forward" if name == "root_pre_forward" else name
+            continue
+        if name in _PREFETCH_FUNCS:
+            yield "prefetch"
+        elif name in _PRE_BACKWARD_FUNCS:
+            yield "pre_backward"
+        elif name in _PRE_FORWARD_FUNCS:
+            yield "pre_forward"
+    for r in reversed(ranges):  # innermost open range first
+        m = _FQN.match(r)
+        kind = _FSDP1_RANGES.get(r) or (m.group(1) if m else None)
+        if kind in ("forward_prefetch", "backward_prefetch"):
+            yield "prefetch"
+        elif kind == "pre_backward":
+            yield "pre_backward"
+        elif kind in ("pre_forward", "root_pre_forward"):
+            yield "pre_forward"
