@@ -306,3 +306,17 @@ def test_corpus_without_fsdp_gets_a_diagnosis_and_no_fsdp_findings(corpus_dir):
                 assert f.bytes > 0 and f.evidence, (path.name, f.rule)
                 assert f.verdict != "anomalous" or f.fix, (path.name, f.rule)
     assert no_fsdp >= len(files) // 2
+
+
+def test_fragmentation_on_a_segments_only_file():
+    """No history at all: judged from the dump's segments (real corpus files)."""
+    from snapforensics.analysis import diagnose
+    from snapforensics.snapshot import load
+
+    holes = diagnose(load(corpus_file("Felixburton7_dump_snapshot_a.pickle")))
+    f = next(f for f in holes.findings if f.rule == "allocator.fragmentation")
+    assert f.evidence["at_dump"]["inactive_split_bytes"] == f.bytes > 0
+    assert "expandable_segments:True" in f.fix
+    # Maphsge4_10k reserves 10x what it allocates, but in wholly free segments: cache, not holes
+    cache = diagnose(load(corpus_file("Maphsge4_snapshot_10k.pickle")))
+    assert not [f for f in cache.findings if f.rule == "allocator.fragmentation"]

@@ -119,9 +119,12 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
     rf = [f.name for f in frames if f.filename == "<record_function>"] + list(reversed(ranges))
     rfkinds = {}
     module = None
+    # FSDP1 ranges name no unit and, unlike FSDP2's, are kept out of the phase: a
+    # `_pre_forward` range is also open around a reentrant recompute, and frameless rows (a
+    # collective's worker thread) would read it as forward. They only help category and path.
+    fsdp1kinds = {_FSDP1_RANGES[r] for r in rf if r in _FSDP1_RANGES}
     for r in rf:  # innermost first
         if r in _FSDP1_RANGES:
-            rfkinds.setdefault(_FSDP1_RANGES[r], r)
             continue
         m = _FQN.match(r)
         if m:
@@ -131,8 +134,11 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
                     "(root)" if m.group(1) in _PER_UNIT_RANGES else None)
     rftext = " ".join(rf)
 
+    # Reentrant checkpoint: the recompute runs inside CheckpointFunction.backward (on CUDA the
+    # autograd thread's stack starts there: no `CheckpointFunctionBackward` op frame).
     in_recompute = bool(nameset & _RECOMPUTE_FUNCS) or (
-        "backward" in nameset and "CheckpointFunction" in " ".join(names))
+        "backward" in nameset and "CheckpointFunction" in " ".join(names)) or any(
+        n == "backward" and p.endswith("utils/checkpoint.py") for n, p in zip(names, files))
     in_backward = in_recompute or bool(nameset & _BACKWARD_FUNCS) or any(
         n == "backward" and (p.endswith("torch/_tensor.py") or p.endswith("autograd/__init__.py"))
         for n, p in zip(names, files)) or "pre_backward" in rfkinds or any(
@@ -144,10 +150,12 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
         bool(nameset & _FULL_INIT_FUNCS)
 
     # A collective backend's worker thread (a row whose only frames are `gloo:all_gather` and
-    # ops): the ranges open on the main thread do not say which phase it serves (a pre-forward
-    # range is open in a reentrant recompute too), so its phase is left to the rows around it.
-    worker_row = bool(frames) and any(n.startswith(("gloo:", "nccl:")) for n in names) and all(
-        f.filename.startswith("<") for f in frames)
+    # ops) or a free the recorder inferred for such a thread (`<snapforensics>`): the ranges open
+    # on the main thread do not say which phase it serves (a pre-forward range is open inside a
+    # recompute too), so its phase is left to the rows around it.
+    worker_row = bool(frames) and all(f.filename.startswith("<") for f in frames) and (
+        any(n.startswith(("gloo:", "nccl:", "hccl:")) for n in names) or
+        any(f.filename == "<snapforensics>" for f in frames))
     if worker_row:
         phase = UNKNOWN
     elif in_recompute:
@@ -171,7 +179,7 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
     elif nameset & _UNSHARDED_GRAD_FUNCS or "post_backward_accumulate" in rfkinds:
         category = UNSHARDED_GRAD
     elif nameset & _REDUCE_FUNCS or "post_backward_reduce" in rfkinds or \
-            "post_backward_hook" in rfkinds or any(
+            "post_backward_hook" in fsdp1kinds or any(
                 f.name in _FSDP1_REDUCE_HOOKS and _is_fsdp_file(f) for f in frames):
         category = REDUCE_SCATTER
     elif nameset & _FULL_INIT_FUNCS and not nameset & _SHARD_FUNCS:

@@ -10,7 +10,7 @@ from snapforensics.analysis.context import DeviceAnalysis, analyse
 from snapforensics.analysis.diagnosis import Diagnosis, DeviceSummary
 from snapforensics.analysis.rules import RULES
 from snapforensics.analysis.rules.evidence import human, top_stacks
-from snapforensics.snapshot.model import Snapshot
+from snapforensics.snapshot.model import Snapshot, Trace
 
 
 def diagnose(snapshot: Snapshot) -> Diagnosis:
@@ -28,6 +28,9 @@ def diagnose(snapshot: Snapshot) -> Diagnosis:
     seen = {d.device for d in analyses}
     for dev in sorted({s.device for s in snapshot.segments} - seen):
         summaries.append(_segments_only(snapshot, dev))
+        d = analyse(snapshot, Trace.empty(dev))
+        findings += [f for rule in RULES if getattr(rule, "SEGMENTS_ONLY", False)
+                     for f in rule.check(d)]
     if not any(len(t) for t in snapshot.traces):
         warnings.append("no allocation history in this snapshot (recorded without "
                         "_record_memory_history, or a segments-only dump): figures come from the "

@@ -18,7 +18,8 @@ on purpose: on CPU the recorder's profiler cost grows with the Python calls DTen
 parameter in the optimizer (foreach/fused AdamW over DTensors cost 3-9x more there).
 
 Variants (``VARIANTS``; every one but ``full_init`` builds the model on the meta device, shards
-it, then ``to_empty`` + ``reset_parameters``):
+it, then ``to_empty`` + ``reset_parameters``; the FSDP1 ones let FSDP materialize the meta
+modules unit by unit):
 
 - ``buggy``: ``checkpoint_wrapper(block)``, ``fully_shard(block)``,
   ``block.set_reshard_after_backward(False)``: parameters unsharded in backward and in the
@@ -48,6 +49,10 @@ it, then ``to_empty`` + ``reset_parameters``):
 - ``fsdp1_shard_grad_op``: ``fsdp1`` with ``ShardingStrategy.SHARD_GRAD_OP`` (parameters stay
   unsharded from forward to backward) and ``MixedPrecision(param_dtype=bfloat16,
   reduce_dtype=float32)`` (a low-precision ``_mp_shard`` per unshard, fp32 gradient reduction).
+- ``fsdp1_reentrant``: FSDP1 ``FULL_SHARD`` per block with HF-style gradient checkpointing: a
+  *reentrant* ``checkpoint`` around each FSDP-wrapped block. The recompute re-runs the unit's
+  pre-forward (all-gather) and post-forward (reshard), then its pre-backward hook all-gathers it
+  again: two all-gathers per layer per backward (pytorch #105635), reproducible on torch 2.13.
 """
 
 from __future__ import annotations

@@ -99,7 +99,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     r = it.forward_peak_row
     alive = np.flatnonzero(d.lt.alive_at(r))
     by_cat = np.bincount(d.category[alive], weights=d.lt.size[alive], minlength=len(CATEGORIES))
-    act_blocks = alive[(d.category[alive] == CAT_CODE[ACTIVATION]) & (d.iteration[alive] == it.index)]
+    act_blocks = alive[(d.category[alive] == CAT_CODE[ACTIVATION]) &
+                       (d.iteration[alive] == it.index)]
     act = int(d.lt.size[act_blocks].sum())
     fwd = int(d.lt.live[r])
     if fwd <= 0 or act < MIN_SHARE * fwd or by_cat.argmax() != CAT_CODE[ACTIVATION]:

@@ -47,17 +47,20 @@ def reserved_series(d: DeviceAnalysis) -> np.ndarray | None:
     """Reserved bytes right after each row, reconstructed backwards from the dump's segments.
 
     None when the dump's segments cannot be the anchor of this trace (no segments for the
-    device, or reserved would fall below the live bytes: a synthetic or mismatched file).
+    device and no segment rows, or reserved would fall below the live bytes: a synthetic or
+    mismatched file).
     """
     segs = device_segments(d)
     n = len(d.trace)
-    if not segs or not n:
-        return None
     act = d.trace.action
-    size = d.trace.size.astype(np.int64)
-    delta = np.zeros(n, np.int64)
     up = (act == SEGMENT_ALLOC) | (act == SEGMENT_MAP)
     down = (act == SEGMENT_FREE) | (act == SEGMENT_UNMAP)
+    # no segments at dump is a valid anchor (0 reserved, e.g. after empty_cache) only when the
+    # trace shows segments coming and going; otherwise the file just has no segment list
+    if not n or (not segs and not (up.any() or down.any())):
+        return None
+    size = d.trace.size.astype(np.int64)
+    delta = np.zeros(n, np.int64)
     delta[up] = size[up]
     delta[down] = -size[down]
     later = np.cumsum(delta[::-1])[::-1] - delta  # sum of delta over rows after r

@@ -56,9 +56,36 @@ def _dump_facts(d: DeviceAnalysis) -> dict:
     }
 
 
-def check(d: DeviceAnalysis) -> list[Finding]:
-    if not caching_allocator(d) or not d.lt.rows:
+# Also run on devices with segments but no history (diagnose.py): judged at dump only.
+SEGMENTS_ONLY = True
+
+
+def _check_dump(d: DeviceAnalysis) -> list[Finding]:
+    """No history: only the dump's segments. Holes inside partly used segments are
+    fragmentation; wholly free segments are just the cache, not counted."""
+    dump = _dump_facts(d)
+    waste, alloc = dump["inactive_split_bytes"], dump["allocated_bytes"]
+    if alloc <= 0 or waste < MIN_RATIO * alloc or waste <= MIN_SEGMENTS * LARGE_SEGMENT:
         return []
+    already = expandable_on(d)
+    cause = (f"At dump {human(waste)} ({waste / alloc:.0%} of the {human(alloc)} allocated) is "
+             f"free space in {dump['inactive_split_blocks']} holes inside segments that still "
+             f"hold live blocks (largest free block {human(dump['largest_free_block_bytes'])}); "
+             f"{human(dump['reserved_bytes'])} reserved in {dump['segments']} segments. The "
+             "file has no allocation history, so this is the state at dump, not at the peak.")
+    return [Finding(
+        rule=RULE, verdict=INFO if already else ANOMALOUS,
+        title="Allocator fragmentation at dump: free holes inside used segments",
+        cause=cause, bytes=waste, blocks=dump["inactive_split_blocks"], device=d.device,
+        fix=None if already else expandable_fix(d), saving_bytes=None if already else waste,
+        evidence={"at_dump": dump, "expandable_segments": already})]
+
+
+def check(d: DeviceAnalysis) -> list[Finding]:
+    if not caching_allocator(d):
+        return []
+    if not d.lt.rows:
+        return _check_dump(d)
     reserved = reserved_series(d)
     if reserved is None:
         return []

@@ -6,8 +6,9 @@ alive from earlier iterations should be flat once the first step has created its
 
 Per allocating stack, the bytes alive at each iteration start that were allocated inside an
 iteration (init and pre-trace blocks excluded). A stack leaks when its bytes never decrease
-across the iteration starts, grew at least twice (three iterations or more), and grew after
-iteration 1 (so state created once in step 1 is not it). Significant when the growth per
+across the iteration starts, grew at least twice (three iterations or more), and still grew in
+the second half of the run, after iteration 1 at least (so state created once in step 1, or a
+cache that fills up and stops, is not it). Significant when the growth per
 iteration is at least 0.1% of the peak: at that rate the leak adds 10% of the peak every 100
 steps and runs out of memory eventually, however small one step looks.
 """
@@ -40,21 +41,27 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     if len(its) < 3 or not len(lt):
         return []
     starts = np.array([it.start for it in its], np.int64)
-    cand = np.flatnonzero((d.iteration >= 0) & (lt.alloc_row >= 0) &
-                          (lt.free_row >= starts[1]))
+    n = len(starts)
+    # Only blocks that cross an iteration start can be alive at one. A block is alive just
+    # before start j when alloc_row < start_j <= free_row: samples [first, last) in a row.
+    ok = (d.iteration >= 0) & (lt.alloc_row >= 0)
+    first = np.searchsorted(starts, lt.alloc_row, side="right")
+    last = np.searchsorted(starts, lt.free_row, side="right")
+    cand = np.flatnonzero(ok & (last > first) & (last > 1))
     if not cand.size:
         return []
-    # alive just before each iteration's first row
-    alive = (lt.alloc_row[cand, None] < starts[None, :]) & (lt.free_row[cand, None] >= starts[None, :])
     uniq, inv = np.unique(lt.stack[cand], return_inverse=True)
-    per = np.zeros((len(uniq), len(starts)), np.int64)
-    for j in range(len(starts)):
-        np.add.at(per[:, j], inv, np.where(alive[:, j], lt.size[cand], 0))
+    per = np.zeros((len(uniq), n + 1), np.int64)  # difference array over the samples
+    np.add.at(per, (inv, first[cand]), lt.size[cand])
+    np.add.at(per, (inv, last[cand]), -lt.size[cand])
+    per = np.cumsum(per, axis=1)[:, :n]
     steps = np.diff(per, axis=1)
-    grows = (steps >= 0).all(1) & ((steps > 0).sum(1) >= 2) & (per[:, -1] > per[:, 1])
+    # never shrinks, grew at least twice, and still grows in the second half of the run (after
+    # iteration 1 at least): state created once, or a cache that fills up and stops, is not it
+    half = max(1, (n - 1) // 2)
+    grows = (steps >= 0).all(1) & ((steps > 0).sum(1) >= 2) & (per[:, -1] > per[:, half])
     if not grows.any():
         return []
-    n = len(starts)
     growth = int((per[grows, -1] - per[grows, 1]).sum())
     rate = growth / (n - 2)
     live_at = lt.live[np.maximum(starts - 1, 0)]
@@ -67,7 +74,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     nxt = np.where(it_of + 1 < n, starts[np.minimum(it_of + 1, n - 1)], lt.rows)
     outlived = (it_of + 1 < n) & (lt.free_row[g_blocks] >= nxt)
     leaked = g_blocks[outlived]
-    retained = g_blocks[alive[np.searchsorted(cand, g_blocks), -1]]
+    retained = g_blocks[(first[g_blocks] <= n - 1) & (last[g_blocks] >= n)]
     # the iteration with the most leaked bytes, as the example the user reads
     one_it = int(np.bincount(d.iteration[leaked], weights=lt.size[leaked]).argmax()) \
         if leaked.size else 1

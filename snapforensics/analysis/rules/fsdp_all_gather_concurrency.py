@@ -1,0 +1,189 @@
+"""Too many all-gathers in flight at once: prefetching several units ahead, no rate limit.
+
+Signature: more than two units' all-gather outputs (FSDP2's flat all-gather buffer, FSDP1's
+unsharded flat parameter) alive at the same time during forward or backward. FSDP needs two
+(the unit computing, the next one being gathered); FSDP1 enforces that with
+`limit_all_gathers=True` (its `_FreeEventQueue` rate limiter), FSDP2 with its implicit
+prefetch of one unit. `set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch`
+lists longer than one unit (or `limit_all_gathers=False`) gather more units ahead, each a full
+unit of memory.
+
+Not counted: parameters held across forward/backward on purpose (the root,
+`reshard_after_forward=False`), those never resharded after backward (the seed bug's rule) and
+stale prefetches (`fsdp.stale_prefetch_all_gather`).
+
+Verdict `anomalous`: the gathers beyond two are removable (a prefetch depth of one unit hides
+the communication as well in practice). Predicted peak: the trace replayed with a rate limiter
+of two, each extra gather allocated when the oldest in flight is freed.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from snapforensics.analysis.classify import BACKWARD, FORWARD, PHASE_NAMES, RECOMPUTE, \
+    UNSHARDED_PARAM
+from snapforensics.analysis.context import CAT_CODE, DeviceAnalysis
+from snapforensics.analysis.diagnosis import ANOMALOUS, Finding
+from snapforensics.analysis.rules import fsdp_common as fc
+from snapforensics.analysis.rules.evidence import by_module, human, top_stacks
+
+RULE = "fsdp.too_many_concurrent_all_gathers"
+LIMIT = 2
+
+FIX = """\
+# FSDP2: prefetch one unit ahead (the default), not several
+for i, block in enumerate(blocks):
+    block.set_modules_to_forward_prefetch(blocks[i + 1:i + 2])
+    block.set_modules_to_backward_prefetch(blocks[i - 1:i] if i else [])
+# FSDP1: FullyShardedDataParallel(..., limit_all_gathers=True)  # the default"""
+
+
+def _in_flight(d: DeviceAnalysis, params: bool = False) -> np.ndarray:
+    """All-gather outputs (with `params`, also the unsharded parameters copied out of them)
+    made in forward/backward that are neither kept across phases nor stale."""
+    f = fc.facts(d)
+    stale = fc.stale_unshards(d)
+    what = f.primary | (d.category == CAT_CODE[UNSHARDED_PARAM]) if params else f.primary
+    m = what & ~stale & (d.lt.alloc_row >= 0) & (d.iteration >= 0) & \
+        np.isin(d.phase, [FORWARD, BACKWARD, RECOMPUTE])
+    idx = np.flatnonzero(m)
+    keep = []
+    for b in idx.tolist():
+        it = d.tl.iterations[int(d.iteration[b])]
+        fr = int(d.lt.free_row[b])
+        if d.phase[b] == FORWARD and it.backward_start >= 0 and fr > fc.forward_end(it):
+            continue  # kept from forward to backward on purpose
+        if it.backward_end >= 0 and fr > it.backward_end:
+            continue  # never resharded after backward
+        keep.append(b)
+    return np.array(keep, np.int64)
+
+
+def _effective_free(d: DeviceAnalysis, blocks: np.ndarray) -> dict[int, int]:
+    """When each all-gather output stops standing for its unit: once its unit copied the
+    parameters out of it, those parameters do (a buffer whose release the trace shows late,
+    e.g. dropped on a thread the recorder does not see, is not a unit still in flight)."""
+    f = fc.facts(d)
+    ev = f.event
+    events: dict[int, list[int]] = {}
+    for b in np.flatnonzero(ev >= 0).tolist():
+        events.setdefault(int(ev[b]), []).append(b)
+    starts = sorted((int(d.lt.alloc_row[v].min()), k) for k, v in
+                    ((k, np.array(v)) for k, v in events.items()))
+    rows = np.array([r for r, _ in starts], np.int64)
+    out = {}
+    for b in blocks.tolist():
+        if not f.primary[b] or f.fsdp1_flat[b]:
+            continue
+        a, fr, m = int(d.lt.alloc_row[b]), int(d.lt.free_row[b]), d.module_of(b)
+        size = int(d.lt.size[b])
+        for j in range(int(np.searchsorted(rows, a, side="right")), len(rows)):
+            r, k = starts[j]
+            if r > fr:
+                break
+            blk = np.array(events[k])
+            if m is not None:
+                same = fc.unit_of_event(d, blk) == m
+            else:
+                same = 0.9 * size <= int(d.lt.size[blk].sum()) <= size
+            if same:
+                out[b] = min(fr, int(d.lt.free_row[blk].max()))
+                break
+    return out
+
+
+def _max_concurrency(d: DeviceAnalysis, blocks: np.ndarray):
+    """(max distinct units alive at once, row, the blocks alive there)."""
+    if not blocks.size:
+        return 0, -1, blocks
+    eff = _effective_free(d, blocks)
+    ev = []
+    for b in blocks.tolist():
+        ev.append((int(d.lt.alloc_row[b]), 1, b))
+        ev.append((eff.get(b, int(d.lt.free_row[b])), 0, b))  # frees first at the same row
+    ev.sort()
+    alive: dict[int, None] = {}
+    best, best_row, best_set = 0, -1, []
+    for row, kind, b in ev:
+        if kind:
+            alive[b] = None
+            units = {d.module_of(x) or ("block", x) for x in alive}
+            if len(units) > best:
+                best, best_row, best_set = len(units), row, list(alive)
+        else:
+            alive.pop(b, None)
+    return best, best_row, np.array(best_set, np.int64)
+
+
+def _rate_limited(d: DeviceAnalysis, blocks: np.ndarray) -> np.ndarray:
+    """New alloc rows with at most LIMIT gathers in flight: a gather waits for the oldest."""
+    alloc = d.lt.alloc_row.copy()
+    order = blocks[np.argsort(d.lt.alloc_row[blocks], kind="stable")]
+    frees: list[int] = []  # heap of free rows of gathers in flight
+    for b in order.tolist():
+        a = int(alloc[b])
+        while frees and frees[0] <= a:
+            heapq.heappop(frees)
+        if len(frees) >= LIMIT:
+            a = min(max(a, heapq.heappop(frees)), int(d.lt.free_row[b]))
+            while frees and frees[0] <= a:
+                heapq.heappop(frees)
+        alloc[b] = a
+        heapq.heappush(frees, int(d.lt.free_row[b]))
+    return alloc
+
+
+def check(d: DeviceAnalysis) -> list[Finding]:
+    blocks = _in_flight(d)
+    if not blocks.size:
+        return []
+    # With unit names, a unit is in flight from its all-gather until its parameters are
+    # resharded; without, each all-gather output stands for its unit.
+    named = all(d.module_of(b) is not None for b in blocks.tolist())
+    counted = _in_flight(d, params=True) if named else blocks
+    per_phase = {}
+    for name, phases in (("forward", [FORWARD]), ("backward", [BACKWARD, RECOMPUTE])):
+        sel = counted[np.isin(d.phase[counted], phases)]
+        per_phase[name] = _max_concurrency(d, sel)
+    phase = max(per_phase, key=lambda k: per_phase[k][0])
+    n, row, alive = per_phase[phase]
+    if n <= LIMIT:
+        return []
+    alive_bytes = int(d.lt.size[alive].sum())
+    unit_bytes: dict = {}
+    for b in alive.tolist():
+        k = d.module_of(b) or ("block", b)
+        unit_bytes[k] = unit_bytes.get(k, 0) + int(d.lt.size[b])
+    excess = int(sum(sorted(unit_bytes.values(), reverse=True)[LIMIT:]))
+    alloc = _rate_limited(d, blocks)
+    after = fc.peaks(d, fc.replay(d, alloc_row=alloc))
+    it = int(d.iteration[alive[0]]) if alive.size else -1
+    cause = (
+        f"{n} FSDP units had their all-gathered parameters in flight at once during {phase} "
+        f"(row {row}, iteration {it}, {PHASE_NAMES[int(d.tl.phase[row])]}): "
+        f"{human(alive_bytes)} of all-gathered memory alive together, {human(excess)} of it "
+        f"beyond the {LIMIT} units FSDP needs (the one computing and the next). Prefetch lists "
+        "reaching several units ahead (set_modules_to_forward_prefetch / "
+        "set_modules_to_backward_prefetch), or FSDP1 limit_all_gathers=False, gather more "
+        "units before the earlier ones are freed.")
+    return [Finding(
+        rule=RULE, verdict=ANOMALOUS,
+        title=f"{n} all-gathers in flight at once (more than {LIMIT}): no rate limit",
+        cause=cause, bytes=alive_bytes, blocks=int(len(alive)), device=d.device, fix=FIX,
+        predicted_peak_bytes=after["overall_bytes"],
+        saving_bytes=max(d.peak_bytes - after["overall_bytes"], 0),
+        evidence={
+            "phase": phase,
+            "row": row,
+            "iteration": it,
+            "max_in_flight": n,
+            "max_in_flight_by_phase": {k: v[0] for k, v in per_phase.items()},
+            "excess_bytes": excess,
+            "modules": by_module(d, alive),
+            "stacks": top_stacks(d, alive, 1),
+            "predicted_peaks": after,
+        },
+    )]

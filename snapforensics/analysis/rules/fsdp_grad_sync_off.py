@@ -1,0 +1,125 @@
+"""Gradient synchronization turned off across micro-batches: unsharded gradients held.
+
+Signature: an iteration (micro-batch) of an FSDP run whose backward made no reduce-scatter at
+all, while gradients it produced (autograd's unsharded grads, FSDP2's accumulated unsharded grads)
+stay alive past its backward into the next micro-batch. That is FSDP2
+`set_requires_gradient_sync(False)` / FSDP1 `no_sync()`: each rank keeps full, unsharded
+gradients (the whole model's, in the gradient dtype) until the micro-batch that syncs.
+
+Verdict `expected`: gradient accumulation without sync trades this memory for fewer
+reduce-scatters. Fix: sync every micro-batch (the grads are reduce-scattered and only the
+1/world_size shards accumulate), or accept the cost. Predicted peak with sync: each held gradient
+freed at its unit's post-backward (where the unit's parameters are resharded), a 1/world_size
+sharded gradient kept instead.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from snapforensics.analysis.classify import (
+    BACKWARD,
+    GRADIENT,
+    RECOMPUTE,
+    REDUCE_SCATTER,
+    SHARDED_GRAD,
+    UNSHARDED_GRAD,
+    UNSHARDED_PARAM,
+)
+from snapforensics.analysis.context import CAT_CODE, DeviceAnalysis
+from snapforensics.analysis.diagnosis import EXPECTED, Finding
+from snapforensics.analysis.rules import fsdp_common as fc
+from snapforensics.analysis.rules.evidence import human, top_stacks
+
+RULE = "fsdp.gradient_sync_disabled"
+# Held gradients must reach this share of the parameters the iteration all-gathered (the full
+# model is ~1.0): a few small leftover tensors are not gradient accumulation.
+_MIN_SHARE_OF_PARAMS = 0.25
+
+FIX = """\
+# Reduce-scatter every micro-batch (only 1/world_size sharded grads accumulate):
+for mb, batch in enumerate(micro_batches):
+    model.set_requires_gradient_sync(True)   # FSDP2 (FSDP1: do not wrap in model.no_sync())
+    loss = model(batch).loss / len(micro_batches)
+    loss.backward()
+# or keep sync off on non-final micro-batches and accept holding unsharded grads."""
+
+
+def check(d: DeviceAnalysis) -> list[Finding]:
+    lt = d.lt
+    grads = d.mask(GRADIENT, UNSHARDED_GRAD) & np.isin(d.phase, [BACKWARD, RECOMPUTE]) & \
+        (d.iteration >= 0)
+    rs_iters = set(d.iteration[d.mask(REDUCE_SCATTER, SHARDED_GRAD)].tolist())
+    un = d.category == CAT_CODE[UNSHARDED_PARAM]
+    n_it = len(d.tl.iterations)
+    if not n_it:
+        return []
+    sel = un & (d.iteration >= 0)
+    gathered_by_it = np.bincount(d.iteration[sel], weights=lt.size[sel], minlength=n_it)
+    bw_end = np.array([it.backward_end for it in d.tl.iterations], np.int64)
+    cand = np.flatnonzero(grads)
+    cand = cand[(bw_end[d.iteration[cand]] >= 0) & (lt.free_row[cand] > bw_end[d.iteration[cand]])]
+    held_by_it: dict[int, list[int]] = {}
+    for b, i in zip(cand.tolist(), d.iteration[cand].tolist()):
+        held_by_it.setdefault(i, []).append(b)
+    found = {}
+    for i, blocks in held_by_it.items():
+        if i in rs_iters or i + 1 >= n_it:
+            continue
+        gathered = int(gathered_by_it[i])
+        if gathered <= 0:
+            continue  # no FSDP unshard in this iteration: not an FSDP micro-batch
+        held = np.array(blocks, np.int64)
+        nbytes = int(lt.size[held].sum())
+        if nbytes >= _MIN_SHARE_OF_PARAMS * gathered:
+            found[i] = (held, nbytes, gathered)
+    if not found:
+        return []
+    world = fc.world_size(d) or 1
+    # Counterfactual: free each held grad at the first reshard (unsharded-param free) after it,
+    # keep a 1/world sharded grad from there until the held grad's original free.
+    un_frees = np.sort(lt.free_row[un & np.isin(d.phase, [BACKWARD, RECOMPUTE])])
+    free_row = lt.free_row.copy()
+    extra = []
+    for k, (held, _, _) in found.items():
+        end = d.tl.iterations[k].backward_end
+        for b in held.tolist():
+            a = int(lt.alloc_row[b])
+            j = np.searchsorted(un_frees, a, side="right")
+            post = int(un_frees[j]) if j < len(un_frees) and un_frees[j] <= end else end
+            orig = int(lt.free_row[b])
+            free_row[b] = max(min(post, orig), a + 1)
+            if world > 1:
+                extra.append((int(free_row[b]), orig, int(lt.size[b]) // world))
+    after = fc.peaks(d, fc.replay(d, free_row=free_row, extra=extra))
+    worst = max(found, key=lambda i: found[i][1])
+    held, nbytes, gathered = found[worst]
+    it = d.tl.iterations[worst]
+    nxt = d.tl.iterations[worst + 1]
+    cause = (
+        f"Iteration {worst} (a micro-batch) ran backward with no reduce-scatter at all and kept "
+        f"{human(nbytes)} of unsharded gradients in {len(held)} blocks alive into the next "
+        f"micro-batch ({nbytes / gathered:.0%} of the {human(gathered)} of parameters it "
+        f"all-gathered), released only in iteration {nxt.index}'s synced backward. Gradient "
+        "sync was off (FSDP2 set_requires_gradient_sync(False), FSDP1 no_sync()): every rank "
+        "holds full-size gradients instead of 1/world_size shards while accumulating. Syncing "
+        f"every micro-batch would put the peak at {human(after['overall_bytes'])} instead of "
+        f"{human(d.peak_bytes)}, at the price of one reduce-scatter per micro-batch.")
+    return [Finding(
+        rule=RULE, verdict=EXPECTED,
+        title="Gradient sync off across micro-batches: unsharded gradients held",
+        cause=cause, bytes=nbytes, blocks=int(len(held)), device=d.device, fix=FIX,
+        predicted_peak_bytes=after["overall_bytes"],
+        saving_bytes=max(d.peak_bytes - after["overall_bytes"], 0),
+        evidence={
+            "iteration": worst,
+            "backward_end_row": it.backward_end,
+            "released_in_iteration": nxt.index,
+            "iterations_without_reduce_scatter": sorted(found),
+            "per_iteration_bytes": {str(k): v[1] for k, v in sorted(found.items())},
+            "gathered_param_bytes": gathered,
+            "world_size": world,
+            "stacks": top_stacks(d, held, 1),
+            "predicted_peaks": after,
+        },
+    )]

@@ -1,0 +1,176 @@
+"""Parameters kept unsharded from forward to backward: `reshard_after_forward=False` (FSDP2) or
+`ShardingStrategy.SHARD_GRAD_OP` (FSDP1).
+
+Signature: a unit's unsharded parameters allocated during forward are still alive when forward
+ends and are freed in that unit's post-backward, so the end of forward carries (almost) the whole
+model unsharded in param_dtype. FSDP keeps the *root* unit unsharded after forward by design
+(FSDP2 `reshard_after_forward=None` and FSDP1 FULL_SHARD both skip the root's post-forward
+reshard, since backward starts with it), so the root is never counted: by name when the trace
+carries FSDP2's ranges ("(root)"), else it is the first unit unsharded in forward that is still
+unsharded when forward ends (the root's pre-forward runs first). Nor is the last unit to run
+forward: its backward runs first, so keeping it is free (torchtitan does it on purpose).
+
+Verdict `expected`: it is what the setting is designed to cost (it trades memory for one fewer
+all-gather per unit in backward). The finding gives the cost and what `reshard_after_forward=True`
+on non-root units would save, predicted by replaying the trace with each kept unit freed at its
+post-forward and re-gathered for its backward (one unit of backward prefetch, FSDP's default).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from snapforensics.analysis.classify import FORWARD, UNSHARDED_PARAM
+from snapforensics.analysis.context import CAT_CODE, DeviceAnalysis
+from snapforensics.analysis.diagnosis import EXPECTED, Finding
+from snapforensics.analysis.rules import fsdp_common as fc
+from snapforensics.analysis.rules.evidence import human, top_stacks
+
+RULE = "fsdp.reshard_after_forward_disabled"
+
+# A kept unit counts when it holds at least this share of the iteration's forward unshards
+# (non-root): ignores a stray small module, not a real layer.
+_MIN_SHARE = 0.02
+
+FIX = """\
+# FSDP2: reshard every non-root unit after forward (the root stays unsharded by design)
+for block in model.layers:
+    fully_shard(block, reshard_after_forward=True)
+fully_shard(model)  # root: reshard_after_forward=None keeps it unsharded for backward
+# FSDP1: FullyShardedDataParallel(..., sharding_strategy=ShardingStrategy.FULL_SHARD)"""
+
+
+def _units(d: DeviceAnalysis, blocks: np.ndarray, ev: np.ndarray) -> dict:
+    """unit key -> blocks (forward unshards of one iteration), in first-allocation order."""
+    units: dict = {}
+    for b in blocks[np.argsort(d.lt.alloc_row[blocks], kind="stable")].tolist():
+        m = d.module_of(b)
+        key = m if m is not None else ("event", int(ev[b]))
+        units.setdefault(key, []).append(b)
+    return {k: np.array(v, np.int64) for k, v in units.items()}
+
+
+def _forward_unshards(d: DeviceAnalysis) -> dict[int, np.ndarray]:
+    """iteration -> unsharded-param blocks allocated in its forward."""
+    fw = np.flatnonzero((d.category == CAT_CODE[UNSHARDED_PARAM]) & (d.phase == FORWARD) &
+                        (d.iteration >= 0) & (d.lt.alloc_row >= 0))
+    out: dict[int, list[int]] = {}
+    for b, i in zip(fw.tolist(), d.iteration[fw].tolist()):
+        out.setdefault(i, []).append(b)
+    return {i: np.array(v, np.int64) for i, v in out.items()}
+
+
+def _kept(d: DeviceAnalysis, it, ev: np.ndarray, fw: np.ndarray | None):
+    """(kept non-root units {key: blocks}, all forward units in order, root key) for one iteration."""
+    if fw is None or not fw.size or it.backward_start < 0:
+        return {}, {}, None
+    units = _units(d, fw, ev)
+    end = fc.forward_end(it)
+    alive_keys = [k for k, v in units.items() if (d.lt.free_row[v] > end).any()]
+    if fc.ROOT in units:
+        root = fc.ROOT
+    elif alive_keys and all(not isinstance(k, str) for k in units):
+        root = alive_keys[0]  # unnamed units: the root's pre-forward unshards first
+    else:
+        root = None
+    # The last unit to run forward runs backward first: resharding it would re-gather it at
+    # once (torchtitan keeps the last block unsharded on purpose), so it is not counted either.
+    last = alive_keys[-1] if alive_keys and list(units)[-1] == alive_keys[-1] else None
+    total = sum(int(d.lt.size[v].sum()) for k, v in units.items() if k != root) or 1
+    kept = {}
+    for k, v in units.items():
+        if k == root or k == last:
+            continue
+        alive = v[d.lt.free_row[v] > end]
+        if alive.size and d.lt.size[alive].sum() >= _MIN_SHARE * total:
+            kept[k] = alive
+    return kept, units, root
+
+
+def _counterfactual(d: DeviceAnalysis, plans: list) -> tuple[np.ndarray, list]:
+    """Free each kept unit at its post-forward; re-gather it for its backward."""
+    free_row = d.lt.free_row.copy()
+    extra = []
+    for it, kept, units in plans:
+        order = list(units)  # forward order
+        end = fc.forward_end(it)
+        for k, blocks in kept.items():
+            i = order.index(k)
+            nxt = [int(d.lt.alloc_row[units[o]].min()) for o in order[i + 1:]]
+            post_forward = min(nxt) if nxt else end
+            free_row[blocks] = np.minimum(free_row[blocks], max(post_forward,
+                                                                int(d.lt.alloc_row[blocks].max()) + 1))
+        # backward order: by when each unit's kept params were freed (its post-backward)
+        bw = sorted(kept, key=lambda k: int(d.lt.free_row[kept[k]].min()))
+        need = [it.backward_start]
+        for k in bw[:-1]:
+            need.append(int(d.lt.free_row[kept[k]].min()))
+        for j, k in enumerate(bw):
+            gather = need[max(j - 1, 0)]  # prefetched while the previous unit runs backward
+            for b in kept[k].tolist():
+                fr = int(d.lt.free_row[b])
+                if fr > gather:
+                    extra.append((gather, fr, int(d.lt.size[b])))
+    return free_row, extra
+
+
+def check(d: DeviceAnalysis) -> list[Finding]:
+    f = fc.facts(d)
+    plans = []
+    per_iter = {}
+    fw = _forward_unshards(d)
+    for it in d.tl.iterations:
+        kept, units, root = _kept(d, it, f.event, fw.get(it.index))
+        if kept:
+            plans.append((it, kept, units))
+            per_iter[it.index] = (kept, root)
+    if not plans:
+        return []
+    worst = max(per_iter, key=lambda i: sum(int(d.lt.size[v].sum())
+                                            for v in per_iter[i][0].values()))
+    kept, root = per_iter[worst]
+    blocks = np.concatenate(list(kept.values()))
+    kept_bytes = int(d.lt.size[blocks].sum())
+    free_row, extra = _counterfactual(d, plans)
+    after = fc.peaks(d, fc.replay(d, free_row=free_row, extra=extra))
+    before = d.peak_bytes
+    named = [k for k in kept if isinstance(k, str)]
+    mods = [{"module": k if isinstance(k, str) else f"(unit {n})",
+             "bytes": int(d.lt.size[v].sum()), "blocks": int(len(v))}
+            for n, (k, v) in enumerate(kept.items())]
+    mods.sort(key=lambda r: -r["bytes"])
+    it = d.tl.iterations[worst]
+    share = kept_bytes / before if before else 0.0
+    root_txt = ("the root unit" if root == fc.ROOT else
+                "the first unit unsharded in forward and kept (taken as the root)" if root is not None
+                else "no root unit (none unsharded first by name)")
+    cause = (
+        f"{len(kept)} FSDP unit(s) kept their parameters unsharded from forward to backward: "
+        f"{human(kept_bytes)} in {len(blocks)} blocks was still unsharded when forward ended "
+        f"(iteration {worst}, {share:.0%} of the peak), each freed only in its unit's "
+        "post-backward. That is reshard_after_forward=False (FSDP2) or "
+        "ShardingStrategy.SHARD_GRAD_OP (FSDP1): it saves one all-gather per unit in backward "
+        f"at the cost of holding the model unsharded across the forward/backward boundary. "
+        f"Not counted: {root_txt}, which FSDP keeps unsharded after forward by design, and the "
+        "last unit to run forward (its backward runs first, keeping it costs nothing). "
+        f"With reshard_after_forward=True on the non-root units the peak is predicted at "
+        f"{human(after['overall_bytes'])} instead of {human(before)}.")
+    return [Finding(
+        rule=RULE, verdict=EXPECTED,
+        title="Parameters kept unsharded from forward to backward (reshard_after_forward=False "
+              "/ SHARD_GRAD_OP)",
+        cause=cause, bytes=kept_bytes, blocks=int(len(blocks)), device=d.device, fix=FIX,
+        predicted_peak_bytes=after["overall_bytes"],
+        saving_bytes=max(before - after["overall_bytes"], 0),
+        evidence={
+            "iteration": worst,
+            "forward_end_row": fc.forward_end(it),
+            "units_kept": len(kept),
+            "named_units": len(named),
+            "per_iteration_bytes": {str(i): int(sum(int(d.lt.size[v].sum()) for v in k.values()))
+                                    for i, (k, _) in sorted(per_iter.items())},
+            "modules": mods[:12],
+            "stacks": top_stacks(d, blocks, 1),
+            "predicted_peaks": after,
+        },
+    )]

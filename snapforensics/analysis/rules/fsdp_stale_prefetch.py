@@ -1,0 +1,90 @@
+"""All-gathers issued during backward that nothing used: forward prefetch inside the recompute,
+or a mistargeted backward prefetch.
+
+Signature (see `fsdp_common.stale_unshards`): a unit's all-gather output (FSDP1: its unsharded
+flat parameter) allocated during backward or recompute that no copy-out of that unit consumed and
+that stays alive until FSDP finalizes backward (`finalize_backward` / FSDP1
+`_catch_all_reshard`), i.e. freed after the backward's last reduce-scatter. Typical cause: a
+`fully_shard` unit inside a checkpointed region runs its full pre-forward in the recompute and
+its `set_modules_to_forward_prefetch` list all-gathers units whose backward already ran (or will
+be gathered again by their own pre-backward), one buffer per layer accumulating through backward.
+
+Verdict `anomalous`: the buffers are pure waste. Predicted peak: the trace replayed without them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from snapforensics.analysis.classify import PATHS
+from snapforensics.analysis.context import DeviceAnalysis
+from snapforensics.analysis.diagnosis import ANOMALOUS, Finding
+from snapforensics.analysis.rules import fsdp_common as fc
+from snapforensics.analysis.rules.evidence import by_module, human, top_stacks
+
+RULE = "fsdp.stale_prefetch_all_gather"
+
+FIX = """\
+# Prefetch lists only between units at the same level (whole blocks), never from a unit nested
+# inside a checkpointed block: the recompute re-runs its pre-forward and prefetches again.
+for i, block in enumerate(blocks):
+    block.set_modules_to_forward_prefetch(blocks[i + 1:i + 2])   # not attn/mlp inside blocks
+    block.set_modules_to_backward_prefetch(blocks[i - 1:i] if i else [])
+# Better: fully_shard the checkpointed block itself (AC inside, FSDP outside, torchtitan order):
+#   block = checkpoint_wrapper(block); fully_shard(block)
+# and use a torch with pytorch PR 164009 (recompute does not re-run FSDP's forward logic)."""
+
+
+def check(d: DeviceAnalysis) -> list[Finding]:
+    mask = fc.stale_unshards(d).copy()
+    if mask.any():
+        # FSDP1 flat parameters left for the final callback are also unsharded params the seed
+        # rule (fsdp.unsharded_params_not_resharded) reports: one finding per block.
+        from snapforensics.analysis.rules import fsdp_reshard
+        leaked = getattr(fsdp_reshard, "_leaked", None)
+        if leaked is not None:
+            mask[leaked(d)] = False
+    stale = np.flatnonzero(mask)
+    if not stale.size:
+        return []
+    per_iter: dict[int, int] = {}
+    for b in stale.tolist():
+        per_iter[int(d.iteration[b])] = per_iter.get(int(d.iteration[b]), 0) + int(d.lt.size[b])
+    worst = max(per_iter, key=per_iter.get)
+    blocks = stale[d.iteration[stale] == worst]
+    # Alive together at worst (they accumulate): the most bytes alive at once in that iteration.
+    rows = np.sort(np.concatenate([d.lt.alloc_row[blocks], d.lt.free_row[blocks]]))
+    at_once = max(int(d.lt.size[blocks][(d.lt.alloc_row[blocks] <= r) &
+                                        (d.lt.free_row[blocks] > r)].sum()) for r in rows.tolist())
+    free_row = d.lt.free_row.copy()
+    free_row[stale] = d.lt.alloc_row[stale]  # never allocated
+    after = fc.peaks(d, fc.replay(d, free_row=free_row))
+    paths: dict[str, int] = {}
+    for b in blocks.tolist():
+        p = PATHS[d.path[b]] if d.path[b] >= 0 else "unknown"
+        paths[p] = paths.get(p, 0) + int(d.lt.size[b])
+    via = ", ".join(f"{p} ({human(v)})" for p, v in sorted(paths.items(), key=lambda x: -x[1]))
+    cause = (
+        f"{len(blocks)} all-gather(s) issued during backward (iteration {worst}) were never "
+        f"used by their unit and were released only when FSDP finalized backward: "
+        f"{human(per_iter[worst])} in total, up to {human(at_once)} alive at once, made via "
+        f"{via}. A unit's forward prefetch fired inside the recompute (a fully_shard unit nested "
+        "in a checkpointed region runs its whole pre-forward again there) or a backward prefetch "
+        "targeted a unit that did not run next, so each such buffer sits until the end of "
+        "backward and they pile up layer by layer.")
+    return [Finding(
+        rule=RULE, verdict=ANOMALOUS,
+        title="Unused all-gather buffers from prefetch during backward, freed only at the end",
+        cause=cause, bytes=per_iter[worst], blocks=int(len(blocks)), device=d.device, fix=FIX,
+        predicted_peak_bytes=after["overall_bytes"],
+        saving_bytes=max(d.peak_bytes - after["overall_bytes"], 0),
+        evidence={
+            "iteration": worst,
+            "max_alive_bytes": at_once,
+            "per_iteration_bytes": {str(k): v for k, v in sorted(per_iter.items())},
+            "by_path": paths,
+            "modules": by_module(d, blocks),
+            "stacks": top_stacks(d, blocks, 1),
+            "predicted_peaks": after,
+        },
+    )]
