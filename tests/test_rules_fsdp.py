@@ -303,8 +303,7 @@ def test_fsdp1_shard_grad_op_is_classified_and_keeps_params(diag):
     # bf16 params, fp32 reduce: the cast of the grad to fp32 and the `_mp_shard` copies
     m = finding(d, MP)
     assert {"reduce_in_higher_precision", "low_precision_shard_copies"} <= set(m.evidence["parts"])
-    assert "_use_low_precision_shard" in str(m.evidence["stacks"]) or \
-        m.evidence["parts"]["low_precision_shard_copies"]["blocks"] > 0
+    assert m.evidence["parts"]["low_precision_shard_copies"]["blocks"] >= 7  # one per unshard
     assert not d.anomalies, [(x.rule, x.cause) for x in d.anomalies]
 
 

@@ -97,10 +97,6 @@ def _stack_flags(d: DeviceAnalysis, f: Facts) -> None:
             f.primary[b] = True
 
 
-def module(d: DeviceAnalysis, b: int) -> str | None:
-    return d.module_of(b)
-
-
 def _events(d: DeviceAnalysis, f: Facts) -> np.ndarray:
     """Group unsharded-param blocks into unshard events (see the module docstring)."""
     ev = np.full(len(d.lt), -1, np.int64)

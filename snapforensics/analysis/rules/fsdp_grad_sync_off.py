@@ -19,6 +19,7 @@ import numpy as np
 
 from snapforensics.analysis.classify import (
     BACKWARD,
+    FORWARD,
     GRADIENT,
     RECOMPUTE,
     REDUCE_SCATTER,
@@ -32,8 +33,8 @@ from snapforensics.analysis.rules import fsdp_common as fc
 from snapforensics.analysis.rules.evidence import human, top_stacks
 
 RULE = "fsdp.gradient_sync_disabled"
-# Held gradients must reach this share of the parameters the iteration all-gathered (the full
-# model is ~1.0): a few small leftover tensors are not gradient accumulation.
+# Held gradients must reach this share of the model's unsharded size as the iteration gathered it
+# (all of the model's gradients is ~1.0): a few leftover tensors are not gradient accumulation.
 _MIN_SHARE_OF_PARAMS = 0.25
 
 FIX = """\
@@ -54,8 +55,14 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     n_it = len(d.tl.iterations)
     if not n_it:
         return []
+    # The model's unsharded size as this iteration gathered it: its forward's or its backward's
+    # all-gathers (each gathers every unit once), whichever is larger.
     sel = un & (d.iteration >= 0)
-    gathered_by_it = np.bincount(d.iteration[sel], weights=lt.size[sel], minlength=n_it)
+    fw = sel & (d.phase == FORWARD)
+    bw = sel & np.isin(d.phase, [BACKWARD, RECOMPUTE])
+    gathered_by_it = np.maximum(
+        np.bincount(d.iteration[fw], weights=lt.size[fw], minlength=n_it),
+        np.bincount(d.iteration[bw], weights=lt.size[bw], minlength=n_it))
     bw_end = np.array([it.backward_end for it in d.tl.iterations], np.int64)
     cand = np.flatnonzero(grads)
     cand = cand[(bw_end[d.iteration[cand]] >= 0) & (lt.free_row[cand] > bw_end[d.iteration[cand]])]
@@ -99,8 +106,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     cause = (
         f"Iteration {worst} (a micro-batch) ran backward with no reduce-scatter at all and kept "
         f"{human(nbytes)} of unsharded gradients in {len(held)} blocks alive into the next "
-        f"micro-batch ({nbytes / gathered:.0%} of the {human(gathered)} of parameters it "
-        f"all-gathered), released only in iteration {nxt.index}'s synced backward. Gradient "
+        f"micro-batch ({nbytes / gathered:.0%} of the model's {human(gathered)} of unsharded "
+        f"parameters), released only in iteration {nxt.index}'s synced backward. Gradient "
         "sync was off (FSDP2 set_requires_gradient_sync(False), FSDP1 no_sync()): every rank "
         "holds full-size gradients instead of 1/world_size shards while accumulating. Syncing "
         f"every micro-batch would put the peak at {human(after['overall_bytes'])} instead of "

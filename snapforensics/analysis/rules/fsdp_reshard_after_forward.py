@@ -61,7 +61,8 @@ def _forward_unshards(d: DeviceAnalysis) -> dict[int, np.ndarray]:
 
 
 def _kept(d: DeviceAnalysis, it, ev: np.ndarray, fw: np.ndarray | None):
-    """(kept non-root units {key: blocks}, all forward units in order, root key) for one iteration."""
+    """(kept non-root units {key: blocks}, all forward units in order, root key) of one
+    iteration."""
     if fw is None or not fw.size or it.backward_start < 0:
         return {}, {}, None
     units = _units(d, fw, ev)
@@ -98,8 +99,8 @@ def _counterfactual(d: DeviceAnalysis, plans: list) -> tuple[np.ndarray, list]:
             i = order.index(k)
             nxt = [int(d.lt.alloc_row[units[o]].min()) for o in order[i + 1:]]
             post_forward = min(nxt) if nxt else end
-            free_row[blocks] = np.minimum(free_row[blocks], max(post_forward,
-                                                                int(d.lt.alloc_row[blocks].max()) + 1))
+            post_forward = max(post_forward, int(d.lt.alloc_row[blocks].max()) + 1)
+            free_row[blocks] = np.minimum(free_row[blocks], post_forward)
         # backward order: by when each unit's kept params were freed (its post-backward)
         bw = sorted(kept, key=lambda k: int(d.lt.free_row[kept[k]].min()))
         need = [it.backward_start]
@@ -142,8 +143,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     it = d.tl.iterations[worst]
     share = kept_bytes / before if before else 0.0
     root_txt = ("the root unit" if root == fc.ROOT else
-                "the first unit unsharded in forward and kept (taken as the root)" if root is not None
-                else "no root unit (none unsharded first by name)")
+                "the first unit unsharded in forward and kept (taken as the root)"
+                if root is not None else "no unit named as the root")
     cause = (
         f"{len(kept)} FSDP unit(s) kept their parameters unsharded from forward to backward: "
         f"{human(kept_bytes)} in {len(blocks)} blocks was still unsharded when forward ended "
