@@ -25,7 +25,7 @@ def freed_at_backward_end(path) -> tuple[dict, int]:
     raw, _ = read_raw(path)
     snap = normalize(raw)
     d = analyse(snap, snap.traces[0])
-    leaked = fsdp_reshard._leaked(d)
+    leaked = fsdp_reshard.leaked(d)
     trace = raw["device_traces"][0]
     moves = {}  # row of a free entry -> row it moves before
     for b in leaked.tolist():

@@ -6,7 +6,7 @@ Built once per device in a single pass; every rule reads it and none re-walks th
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
@@ -64,6 +64,13 @@ class DeviceAnalysis:
     path: np.ndarray  # int8 per block: index into PATHS, -1 none
     phase: np.ndarray  # int8 per block: phase at its alloc row
     iteration: np.ndarray  # int32 per block: iteration of its alloc row, -1 none
+    # facts several rules derive from the same analysis, computed once (see `memo`)
+    cache: dict = field(default_factory=dict, repr=False)
+
+    def memo(self, key: str, compute):
+        if key not in self.cache:
+            self.cache[key] = compute()
+        return self.cache[key]
 
     @property
     def device(self) -> int:

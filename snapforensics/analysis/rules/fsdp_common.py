@@ -52,13 +52,13 @@ class Facts:
 
 
 def facts(d: DeviceAnalysis) -> Facts:
-    f = getattr(d, "_fsdp_facts", None)
-    if f is None:
+    def compute() -> Facts:
         f = Facts()
         _stack_flags(d, f)
         f.event = _events(d, f)
-        d._fsdp_facts = f  # cached per device analysis (rules run one after another)
-    return f
+        return f
+
+    return d.memo("fsdp_facts", compute)
 
 
 def stack_names(d: DeviceAnalysis, stack_id: int, f: Facts | None = None) -> frozenset:

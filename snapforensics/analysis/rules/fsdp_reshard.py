@@ -65,7 +65,7 @@ def _reshard_rows(d: DeviceAnalysis, blocks: np.ndarray) -> np.ndarray:
 MAX_FOREIGN_REDUCTIONS = 2
 
 
-def _leaked(d: DeviceAnalysis) -> np.ndarray:
+def leaked(d: DeviceAnalysis) -> np.ndarray:
     """Unsharded-param blocks made in backward that outlive their unit's backward.
 
     Either still alive when the iteration's backward ends (never resharded), or alive across
@@ -104,16 +104,16 @@ def _max_alive(d: DeviceAnalysis, blocks: np.ndarray) -> int:
 
 
 def check(d: DeviceAnalysis) -> list[Finding]:
-    leaked = _leaked(d)
-    if not leaked.size:
+    blocks = leaked(d)
+    if not blocks.size:
         return []
     # Most bytes left unsharded at once in each backward; report the worst iteration.
-    per_iter = {int(i): _max_alive(d, leaked[d.iteration[leaked] == i])
-                for i in np.unique(d.iteration[leaked])}
+    per_iter = {int(i): _max_alive(d, blocks[d.iteration[blocks] == i])
+                for i in np.unique(d.iteration[blocks])}
     worst = max(per_iter, key=per_iter.get)
-    worst_blocks = leaked[d.iteration[leaked] == worst]
+    worst_blocks = blocks[d.iteration[blocks] == worst]
     free_row = d.lt.free_row.copy()
-    free_row[leaked] = _reshard_rows(d, leaked)
+    free_row[blocks] = _reshard_rows(d, blocks)
     before = {"overall_bytes": d.peak_bytes}
     after = replay_peaks(d, free_row)
     paths = {}

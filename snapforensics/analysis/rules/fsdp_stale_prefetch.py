@@ -18,6 +18,7 @@ import numpy as np
 
 from snapforensics.analysis.classify import PATHS
 from snapforensics.analysis.context import DeviceAnalysis
+from snapforensics.analysis.rules import fsdp_reshard
 from snapforensics.analysis.diagnosis import ANOMALOUS, Finding
 from snapforensics.analysis.rules import fsdp_common as fc
 from snapforensics.analysis.rules.evidence import by_module, human, top_stacks
@@ -40,10 +41,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     if mask.any():
         # FSDP1 flat parameters left for the final callback are also unsharded params the seed
         # rule (fsdp.unsharded_params_not_resharded) reports: one finding per block.
-        from snapforensics.analysis.rules import fsdp_reshard
-        leaked = getattr(fsdp_reshard, "_leaked", None)
-        if leaked is not None:
-            mask[leaked(d)] = False
+        mask[fsdp_reshard.leaked(d)] = False
     stale = np.flatnonzero(mask)
     if not stale.size:
         return []
