@@ -25,6 +25,7 @@ def cli() -> None:
 
 
 def _register() -> None:
+    from snapforensics.commands.compare import compare_command
     from snapforensics.commands.demo import demo_command
     from snapforensics.commands.diagnose import diagnose_command
     from snapforensics.commands.record import record_command
@@ -32,6 +33,7 @@ def _register() -> None:
     cli.add_command(record_command, "record")
     cli.add_command(diagnose_command, "diagnose")
     cli.add_command(demo_command, "demo")
+    cli.add_command(compare_command, "compare")
 
 
 _register()

@@ -54,15 +54,24 @@ class Lifetimes:
         """Mask of blocks alive right after `row`."""
         return (self.alloc_row <= row) & (self.free_row > row)
 
-    def replay(self, free_row: np.ndarray | None = None) -> np.ndarray:
-        """Live bytes per row, optionally with some blocks' free rows moved (counterfactual)."""
+    def replay(self, free_row: np.ndarray | None = None, alloc_row: np.ndarray | None = None,
+               size: np.ndarray | None = None, extra: list[tuple[int, int, int]] = ()
+               ) -> np.ndarray:
+        """Live bytes per row; with blocks' alloc/free rows or sizes changed, plus `extra`
+        (start_row, end_row, bytes) intervals, the live bytes of a counterfactual trace."""
         fr = self.free_row if free_row is None else free_row
+        ar = self.alloc_row if alloc_row is None else alloc_row
+        sz = self.size if size is None else size
         delta = np.zeros(self.rows + 1, np.int64)
-        born = self.alloc_row >= 0
-        np.add.at(delta, self.alloc_row[born], self.size[born])
+        born = ar >= 0
+        np.add.at(delta, ar[born], sz[born])
         dies = fr < self.rows
-        np.add.at(delta, fr[dies], -self.size[dies])
-        start = int(self.size[~born].sum())
+        np.add.at(delta, fr[dies], -sz[dies])
+        for s, e, n in extra:
+            if s < self.rows and e > s:
+                delta[max(s, 0)] += n
+                delta[min(e, self.rows)] -= n
+        start = int(sz[~born].sum())
         return start + np.cumsum(delta[: self.rows])
 
 

@@ -37,16 +37,19 @@ def top_stacks(d: DeviceAnalysis, blocks: np.ndarray, limit: int = 3) -> list[di
              "category": CATEGORIES[d.category[first[i]]]} for i in order]
 
 
-def replay_peaks(d: DeviceAnalysis, free_row: np.ndarray) -> dict[str, int]:
-    """Overall, forward and backward peaks of the trace replayed with moved frees."""
-    live = d.lt.replay(free_row)
-    out = {"overall_bytes": int(live.max()) if len(live) else 0}
+def peaks(d: DeviceAnalysis, live: np.ndarray) -> dict[str, int]:
+    """Overall, forward and backward peaks of a live-bytes series over this trace's phases."""
     ph = d.tl.phase
     fw = ph == FORWARD
     bw = (ph == BACKWARD) | (ph == RECOMPUTE)
-    out["forward_bytes"] = int(live[fw].max()) if fw.any() else 0
-    out["backward_bytes"] = int(live[bw].max()) if bw.any() else 0
-    return out
+    return {"overall_bytes": int(live.max()) if len(live) else 0,
+            "forward_bytes": int(live[fw].max()) if fw.any() else 0,
+            "backward_bytes": int(live[bw].max()) if bw.any() else 0}
+
+
+def replay_peaks(d: DeviceAnalysis, free_row: np.ndarray) -> dict[str, int]:
+    """Peaks of the trace replayed with moved frees."""
+    return peaks(d, d.lt.replay(free_row))
 
 
 def human(n: float) -> str:

@@ -19,7 +19,6 @@ import numpy as np
 from snapforensics.analysis.classify import (
     ALL_GATHER,
     BACKWARD,
-    FORWARD,
     RECOMPUTE,
     REDUCE_SCATTER,
     SHARDED_GRAD,
@@ -202,40 +201,6 @@ def stale_unshards(d: DeviceAnalysis) -> np.ndarray:
             out[b] = True
     f.stale = out
     return out
-
-
-def replay(d: DeviceAnalysis, free_row: np.ndarray | None = None,
-           alloc_row: np.ndarray | None = None, size: np.ndarray | None = None,
-           extra: list[tuple[int, int, int]] = ()) -> np.ndarray:
-    """Live bytes per row with blocks' alloc/free rows or sizes changed, plus extra
-    (start_row, end_row, bytes) intervals: the counterfactual trace."""
-    lt = d.lt
-    fr = lt.free_row if free_row is None else free_row
-    ar = lt.alloc_row if alloc_row is None else alloc_row
-    sz = lt.size if size is None else size
-    rows = lt.rows
-    delta = np.zeros(rows + 1, np.int64)
-    born = ar >= 0
-    np.add.at(delta, ar[born], sz[born])
-    dies = fr < rows
-    np.add.at(delta, fr[dies], -sz[dies])
-    for s, e, n in extra:
-        if s >= rows or e <= s:
-            continue
-        delta[max(s, 0)] += n
-        if e < rows:
-            delta[e] -= n
-    start = int(sz[~born].sum())
-    return start + np.cumsum(delta[:rows])
-
-
-def peaks(d: DeviceAnalysis, live: np.ndarray) -> dict[str, int]:
-    ph = d.tl.phase
-    fw = ph == FORWARD
-    bw = (ph == BACKWARD) | (ph == RECOMPUTE)
-    return {"overall_bytes": int(live.max()) if len(live) else 0,
-            "forward_bytes": int(live[fw].max()) if fw.any() else 0,
-            "backward_bytes": int(live[bw].max()) if bw.any() else 0}
 
 
 def forward_end(it) -> int:

@@ -22,7 +22,7 @@ from snapforensics.analysis.classify import PARAMETER, SHARDED_PARAM
 from snapforensics.analysis.context import CAT_CODE, DeviceAnalysis
 from snapforensics.analysis.diagnosis import ANOMALOUS, Finding
 from snapforensics.analysis.rules import fsdp_common as fc
-from snapforensics.analysis.rules.evidence import human, top_stacks
+from snapforensics.analysis.rules.evidence import peaks, human, top_stacks
 
 RULE = "fsdp.full_model_materialized_at_init"
 _SHARE_OF_FULL_MODEL = 0.5
@@ -73,8 +73,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         (d.category == CAT_CODE[PARAMETER])
     free_row = lt.free_row.copy()
     free_row[removed] = lt.alloc_row[removed]
-    new_live = fc.replay(d, free_row=free_row)
-    after = fc.peaks(d, new_live)
+    new_live = d.lt.replay(free_row=free_row)
+    after = peaks(d, new_live)
     new_init = int(new_live[:start].max())
     blocks = np.flatnonzero(transient_mask)
     training_peak = int(live[start:].max()) if start < lt.rows else 0

@@ -30,7 +30,7 @@ from snapforensics.analysis.classify import (
 from snapforensics.analysis.context import CAT_CODE, DeviceAnalysis
 from snapforensics.analysis.diagnosis import EXPECTED, Finding
 from snapforensics.analysis.rules import fsdp_common as fc
-from snapforensics.analysis.rules.evidence import human, top_stacks
+from snapforensics.analysis.rules.evidence import peaks, human, top_stacks
 
 RULE = "fsdp.gradient_sync_disabled"
 # Held gradients must reach this share of the model's unsharded size as the iteration gathered it
@@ -98,7 +98,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
             free_row[b] = max(min(post, orig), a + 1)
             if world > 1:
                 extra.append((int(free_row[b]), orig, int(lt.size[b]) // world))
-    after = fc.peaks(d, fc.replay(d, free_row=free_row, extra=extra))
+    after = peaks(d, d.lt.replay(free_row=free_row, extra=extra))
     worst = max(found, key=lambda i: found[i][1])
     held, nbytes, gathered = found[worst]
     it = d.tl.iterations[worst]

@@ -23,7 +23,7 @@ from snapforensics.analysis.classify import REDUCE_SCATTER, UNSHARDED_GRAD
 from snapforensics.analysis.context import CAT_CODE, DeviceAnalysis
 from snapforensics.analysis.diagnosis import EXPECTED, Finding
 from snapforensics.analysis.rules import fsdp_common as fc
-from snapforensics.analysis.rules.evidence import human, top_stacks
+from snapforensics.analysis.rules.evidence import peaks, human, top_stacks
 
 RULE = "fsdp.mixed_precision_extras"
 _RATIO = 1.5  # reduce-scatter input at least this many times the all-gather output
@@ -80,7 +80,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     if not parts:
         return []
     extra = (d.lt.size * scale).astype(np.int64)
-    live_extra = fc.replay(d, size=extra)
+    live_extra = d.lt.replay(size=extra)
     peak_row = d.peak_row
     at_peak = int(live_extra[peak_row]) if peak_row >= 0 else 0
     most = int(live_extra.max())
@@ -92,13 +92,13 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     for name in ("reduce_in_higher_precision", "fp32_accumulated_grads"):
         if name in parts:
             size[parts[name]] = (size[parts[name]] / r).astype(np.int64)
-    after = fc.peaks(d, fc.replay(d, size=size))
+    after = peaks(d, d.lt.replay(size=size))
     alive = d.lt.alive_at(peak_row) if peak_row >= 0 else np.zeros(len(d.lt), bool)
     by_part = {}
     for name, m in parts.items():
         by_part[name] = {
             "bytes_at_peak": int(extra[alive & m].sum()),
-            "max_alive_bytes": int(fc.replay(d, size=np.where(m, extra, 0)).max()),
+            "max_alive_bytes": int(d.lt.replay(size=np.where(m, extra, 0)).max()),
             "blocks": int(m.sum()),
         }
     blocks = np.flatnonzero(alive & (scale > 0))

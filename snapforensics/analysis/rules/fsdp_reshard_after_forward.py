@@ -24,7 +24,7 @@ from snapforensics.analysis.classify import FORWARD, UNSHARDED_PARAM
 from snapforensics.analysis.context import CAT_CODE, DeviceAnalysis
 from snapforensics.analysis.diagnosis import EXPECTED, Finding
 from snapforensics.analysis.rules import fsdp_common as fc
-from snapforensics.analysis.rules.evidence import human, top_stacks
+from snapforensics.analysis.rules.evidence import peaks, human, top_stacks
 
 RULE = "fsdp.reshard_after_forward_disabled"
 
@@ -133,7 +133,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     blocks = np.concatenate(list(kept.values()))
     kept_bytes = int(d.lt.size[blocks].sum())
     free_row, extra = _counterfactual(d, plans)
-    after = fc.peaks(d, fc.replay(d, free_row=free_row, extra=extra))
+    after = peaks(d, d.lt.replay(free_row=free_row, extra=extra))
     before = d.peak_bytes
     named = [k for k in kept if isinstance(k, str)]
     mods = [{"module": k if isinstance(k, str) else f"(unit {n})",

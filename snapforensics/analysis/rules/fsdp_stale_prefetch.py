@@ -21,7 +21,7 @@ from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.rules import fsdp_reshard
 from snapforensics.analysis.diagnosis import ANOMALOUS, Finding
 from snapforensics.analysis.rules import fsdp_common as fc
-from snapforensics.analysis.rules.evidence import by_module, human, top_stacks
+from snapforensics.analysis.rules.evidence import peaks, by_module, human, top_stacks
 
 RULE = "fsdp.stale_prefetch_all_gather"
 
@@ -56,7 +56,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
                                         (d.lt.free_row[blocks] > r)].sum()) for r in rows.tolist())
     free_row = d.lt.free_row.copy()
     free_row[stale] = d.lt.alloc_row[stale]  # never allocated
-    after = fc.peaks(d, fc.replay(d, free_row=free_row))
+    after = peaks(d, d.lt.replay(free_row=free_row))
     paths: dict[str, int] = {}
     for b in blocks.tolist():
         p = PATHS[d.path[b]] if d.path[b] >= 0 else "unknown"
