@@ -15,9 +15,6 @@ import pytest
 from snapforensics.analysis import diagnose
 from snapforensics.snapshot import normalize, read_raw
 
-pytest.importorskip("torch")
-pytestmark = pytest.mark.slow
-
 from recordings import recorded  # noqa: E402
 
 RESHARD = "fsdp.unsharded_params_not_resharded"
@@ -61,9 +58,11 @@ def cuda_shaped(raw: dict, annotations: bool = True) -> dict:
 
 @pytest.fixture(scope="module")
 def rank0(tmp_path_factory):
+    pytest.importorskip("torch")
     return {v: recorded(v, tmp_path_factory)[0] for v in ("buggy", "fixed")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("annotations", [True, False])
 def test_seed_bug_found_without_backward_frames(rank0, annotations):
     raw, _ = read_raw(rank0["buggy"])
