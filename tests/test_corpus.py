@@ -67,9 +67,12 @@ def replay(entries: list[dict], segments: list[dict], device: int) -> tuple[int,
     series = []
     before = 0  # bytes alive before the first entry
     orphans = 0
+    logs_requests = any(e["action"] == "free_requested" for e in entries)
     for e in entries:
         act, addr, size = e["action"], e.get("addr", 0), e.get("size", 0)
         if act == "alloc":
+            if addr in open_:  # the earlier block's free was lost: it ends here
+                delta -= open_.pop(addr)
             open_[addr] = size
             delta += size
         elif act in ("free_requested", "free_completed"):
@@ -79,6 +82,8 @@ def replay(entries: list[dict], segments: list[dict], device: int) -> tuple[int,
                     awaiting.add(addr)
             elif act == "free_completed" and addr in awaiting:
                 awaiting.discard(addr)
+            elif act == "free_completed" and logs_requests:
+                pass  # requested before the first entry: not live in the trace
             else:
                 orphans += 1
                 before += size

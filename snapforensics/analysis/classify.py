@@ -3,8 +3,8 @@
 Classification keys on function and file names (FSDP2 at `torch/distributed/fsdp/_fully_shard/`
 since 2.6 and `torch/distributed/_composable/fsdp/` in 2.4-2.5, FSDP1 `_runtime_utils.py` /
 `_flat_param.py`), on record_function range names (`FSDP::all_gather (layers.3)`), whether they
-come as frames (CPU recordings) or as `external_annotations` open around the row (CUDA), and on
-`user_metadata`. It runs once per distinct (stack, open ranges) pair, never per row.
+come as frames (CPU recordings) or as `external_annotations` open around the row (CUDA). It
+runs once per distinct (stack, open ranges) pair, never per row.
 """
 
 from __future__ import annotations

@@ -92,6 +92,9 @@ def compare_paths(paths: Sequence[str | Path], mode: str = AUTO) -> Comparison:
     if len(paths) < 2:
         raise SnapError("compare needs at least two snapshots (baseline first), "
                         f"got {len(paths)}")
+    missing = [str(p) for p in paths if not Path(p).exists()]
+    if missing:  # say so before spending time on the others
+        raise SnapError(f"{missing[0]}: no such file")
     cache: dict[str, Diagnosis] = {}
     diags = []
     for p in paths:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import numpy as np
 
 from snapforensics import __version__
-from snapforensics.analysis.classify import BACKWARD, CATEGORIES, FORWARD, PHASE_NAMES, RECOMPUTE
+from snapforensics.analysis.classify import CATEGORIES, PHASE_NAMES
 from snapforensics.analysis.context import DeviceAnalysis, analyse
 from snapforensics.analysis.diagnosis import Diagnosis, DeviceSummary
 from snapforensics.analysis.rules import RULES
 from snapforensics.analysis.rules.evidence import human, top_stacks
+from snapforensics.analysis.rules.evidence import peaks as phase_peaks  # noqa: I001
 from snapforensics.snapshot.model import Snapshot, Trace
 
 
@@ -19,6 +20,10 @@ def diagnose(snapshot: Snapshot) -> Diagnosis:
     warnings = list(snapshot.warnings)
     summaries = [_summary(snapshot, d) for d in analyses]
     for d in analyses:
+        if d.lt.reused_addresses:
+            warnings.append(f"device {d.device}: {d.lt.reused_addresses} allocations reuse an "
+                            "address whose block was never freed in the trace (lost free "
+                            "entries); each such block is taken as freed there")
         if d.lt.truncated:
             warnings.append(
                 f"device {d.device}: history is truncated (ring buffer wrapped or recording "
@@ -52,14 +57,7 @@ def _segment_totals(snapshot: Snapshot, device: int) -> dict[str, int]:
 
 def _summary(snapshot: Snapshot, d: DeviceAnalysis) -> DeviceSummary:
     lt, tl = d.lt, d.tl
-    ph = tl.phase
-    fw = ph == FORWARD
-    bw = (ph == BACKWARD) | (ph == RECOMPUTE)
-    peaks = {
-        "forward_bytes": int(lt.live[fw].max()) if fw.any() else 0,
-        "backward_bytes": int(lt.live[bw].max()) if bw.any() else 0,
-        "overall_bytes": d.peak_bytes,
-    }
+    peaks = phase_peaks(d, lt.live)
     alive = np.flatnonzero(lt.alive_at(d.peak_row)) if d.peak_row >= 0 else np.zeros(0, int)
     at_peak = {c: int(lt.size[alive][d.category[alive] == i].sum())
                for i, c in enumerate(CATEGORIES)}

@@ -42,6 +42,7 @@ class Lifetimes:
     baseline: int  # bytes alive before the first row (from orphans and unseen blocks)
     orphan_frees: int  # frees with no alloc in the trace
     unseen_live: int  # blocks alive at dump with no alloc in the trace
+    reused_addresses: int = 0  # allocs at an address whose block had no free: closed there
 
     @property
     def truncated(self) -> bool:
@@ -89,12 +90,18 @@ def compute(snapshot: Snapshot, trace: Trace) -> Lifetimes:
     a_done: list[int] = []
     closed_last: dict[int, int] = {}  # address -> block whose free_completed is pending
     orphans = 0
+    reused = 0
+    logs_requests = bool((action == FREE_REQUESTED).any())
     rows = np.flatnonzero((action == ALLOC) | (action == FREE_REQUESTED) | (action == FREE_COMPLETED))
     stack = trace.stack
     for i in rows.tolist():
         act = action[i]
         ad = int(addr[i])
         if act == ALLOC:
+            prev = open_at.get(ad)
+            if prev is not None:  # never freed in the trace, yet its memory was handed out again
+                a_free[prev] = i
+                reused += 1
             open_at[ad] = len(a_addr)
             a_addr.append(ad)
             a_size.append(int(size[i]))
@@ -115,6 +122,8 @@ def compute(snapshot: Snapshot, trace: Trace) -> Lifetimes:
             b = closed_last.pop(ad, None)
             if b is not None:
                 a_done[b] = i
+                continue
+            if logs_requests:  # its request came before the first row: not live in the trace
                 continue
             # a completed free with neither alloc nor request: alive before the first row
         elif act != FREE_REQUESTED:
@@ -160,6 +169,7 @@ def compute(snapshot: Snapshot, trace: Trace) -> Lifetimes:
         baseline=0,
         orphan_frees=orphans,
         unseen_live=unseen,
+        reused_addresses=reused,
     )
     lt.live = lt.replay()
     lt.baseline = int(lt.size[lt.alloc_row < 0].sum())

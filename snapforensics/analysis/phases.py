@@ -111,9 +111,10 @@ def assign(trace: Trace, hints: np.ndarray, live: np.ndarray,
         phase[i] = cur
         iteration[i] = it
     iterations = []
+    # iteration numbers only grow along the trace: each iteration is one contiguous slice
+    bounds = np.searchsorted(iteration, np.arange(it + 2))
     for k in range(it + 1):
-        rows = np.flatnonzero(iteration == k)
-        start, end = int(rows[0]), int(rows[-1])
+        start, end = int(bounds[k]), int(bounds[k + 1]) - 1
         ph = phase[start:end + 1]
         seg = live[start:end + 1]
         bw = np.flatnonzero((ph == BACKWARD) | (ph == RECOMPUTE))

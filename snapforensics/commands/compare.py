@@ -6,7 +6,6 @@ from pathlib import Path
 
 import click
 
-from snapforensics.errors import SnapError
 
 FORMATS = ("terminal", "markdown", "json")
 
@@ -39,10 +38,6 @@ def compare_command(snapshots: tuple[str, ...], fmt: str, output: Path | None,
     if output is None:
         click.echo(text)
         return 0
-    try:
-        tmp = output.with_name(output.name + ".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(output)
-    except OSError as e:
-        raise SnapError(f"cannot write {output}: {e.strerror or e}") from None
+    from snapforensics.report import write_file
+    write_file(output, text)
     return 0

@@ -54,7 +54,7 @@ def demo_command(out: Path | None, device: str, nproc_per_node: int | None, step
         console.print(f"{name:14} {human(a):>10} -> {human(b):>10}  "
                       f"({100 * (b - a) / a:+.0f}%)" if a else f"{name:14} n/a")
     pred = [f.predicted_peak_bytes for f in bug.anomalies if f.predicted_peak_bytes]
-    if pred:
+    if pred and fix.peaks["overall_bytes"]:
         measured = fix.peaks["overall_bytes"]
         console.print(f"predicted peak after the fix {human(pred[0])}, measured {human(measured)}"
                       f" (error {100 * (pred[0] - measured) / measured:+.1f}%)")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from snapforensics.errors import EXIT_ANOMALY, SnapError
+from snapforensics.errors import EXIT_ANOMALY
 from snapforensics.report import FORMATS
 
 
@@ -47,9 +47,5 @@ def write_report(d, fmt: str, output: Path | None) -> None:
     if output is None:
         click.echo(text)
         return
-    try:
-        tmp = output.with_name(output.name + ".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(output)
-    except OSError as e:
-        raise SnapError(f"cannot write {output}: {e.strerror or e}") from None
+    from snapforensics.report import write_file
+    write_file(output, text)

@@ -296,7 +296,10 @@ def read_raw(path: str | os.PathLike) -> tuple[Any, list[str]]:
 def load(path: str | os.PathLike) -> Snapshot:
     raw, warnings, info = read_raw_info(path)
     with _gc_paused():
-        return normalize(raw, source=str(path), warnings=warnings, file_info=info)
+        try:
+            return normalize(raw, source=str(path), warnings=warnings, file_info=info)
+        except SnapError as e:
+            raise SnapError(f"{path}: {e}", e.exit_code) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -593,12 +596,6 @@ def _time_column(col: list, where_dev: str) -> np.ndarray:
         raise SnapError(f"{where_dev}: time_us is out of range") from None
 
 
-def _empty_trace(device: int) -> Trace:
-    return Trace(device, np.zeros(0, np.int8), np.zeros(0, np.uint64), np.zeros(0, np.int64),
-                 np.zeros(0, np.int32), np.zeros(0, np.float64), np.zeros(0, np.int32),
-                 np.zeros(0, np.int32), {}, np.zeros(0, np.int32))
-
-
 def _trace(entries: Any, device: int, it: _Interner, inline_ann: list[Annotation],
            keys_seen: set) -> Trace:
     where_dev = f"device_traces[{device}]"
@@ -606,7 +603,7 @@ def _trace(entries: Any, device: int, it: _Interner, inline_ann: list[Annotation
         raise SnapError(f"{where_dev} must be a list, got {_tname(entries)}")
     n = len(entries)
     if n == 0:
-        return _empty_trace(device)
+        return Trace.empty(device)
     if set(map(type, entries)) != {dict}:
         i = next(i for i, e in enumerate(entries) if type(e) is not dict)
         raise SnapError(f"{where_dev}[{i}] is {_tname(entries[i])}, expected a dict")

@@ -71,7 +71,8 @@ class Trace:
         """A device with segments but no history."""
         z = np.zeros(0, np.int64)
         return cls(device, z.astype(np.int8), z.astype(np.uint64), z, z.astype(np.int32),
-                   z.astype(np.float64), z.astype(np.int32), z.astype(np.int32))
+                   z.astype(np.float64), z.astype(np.int32), z.astype(np.int32), {},
+                   z.astype(np.int32))
 
 
 @dataclass

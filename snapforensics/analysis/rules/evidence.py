@@ -6,7 +6,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from snapforensics.analysis.classify import BACKWARD, CATEGORIES, FORWARD, RECOMPUTE
+from snapforensics.analysis.classify import BACKWARD, CATEGORIES, FORWARD, PATHS, RECOMPUTE
 from snapforensics.analysis.context import DeviceAnalysis
 
 
@@ -35,6 +35,32 @@ def top_stacks(d: DeviceAnalysis, blocks: np.ndarray, limit: int = 3) -> list[di
     first[inv[::-1]] = blocks[::-1]  # some block of each stack
     return [{"bytes": int(tot[i]), "blocks": int(cnt[i]), "stack": d.stack_text(int(uniq[i])),
              "category": CATEGORIES[d.category[first[i]]]} for i in order]
+
+
+def per_iteration(d: DeviceAnalysis, blocks: np.ndarray) -> dict[int, int]:
+    """Bytes of `blocks` by the iteration that allocated them."""
+    its, inv = np.unique(d.iteration[blocks], return_inverse=True)
+    sums = np.bincount(inv, weights=d.lt.size[blocks]) if len(blocks) else []
+    return {int(i): int(v) for i, v in zip(its, sums)}
+
+
+def max_alive(d: DeviceAnalysis, blocks: np.ndarray) -> int:
+    """Most bytes of `blocks` alive at once."""
+    if not len(blocks):
+        return 0
+    rows = np.concatenate([d.lt.alloc_row[blocks], d.lt.free_row[blocks]])
+    delta = np.concatenate([d.lt.size[blocks], -d.lt.size[blocks]])
+    order = np.lexsort((delta, rows))  # frees before allocs on the same row
+    return int(np.cumsum(delta[order]).max())
+
+
+def by_path(d: DeviceAnalysis, blocks: np.ndarray) -> dict[str, int]:
+    """Bytes of `blocks` by the FSDP path that unsharded them."""
+    out: dict[str, int] = {}
+    for b in blocks.tolist():
+        p = PATHS[d.path[b]] if d.path[b] >= 0 else "unknown"
+        out[p] = out.get(p, 0) + int(d.lt.size[b])
+    return out
 
 
 def peaks(d: DeviceAnalysis, live: np.ndarray) -> dict[str, int]:

@@ -66,6 +66,12 @@ def _effective_free(d: DeviceAnalysis, blocks: np.ndarray) -> dict[int, int]:
     """When each all-gather output stops standing for its unit: once its unit copied the
     parameters out of it, those parameters do (a buffer whose release the trace shows late,
     e.g. dropped on a thread the recorder does not see, is not a unit still in flight)."""
+    return {b: fr for b, (fr, _) in _copy_outs(d, blocks).items()}
+
+
+def _copy_outs(d: DeviceAnalysis, blocks: np.ndarray) -> dict[int, tuple[int, np.ndarray]]:
+    """For each FSDP2 all-gather output: (the row its unit's copy-out is done with it, the
+    unshard event's blocks copied out of it). FSDP1's flat parameter is its own copy-out."""
     f = fc.facts(d)
     ev = f.event
     events: dict[int, list[int]] = {}
@@ -90,7 +96,7 @@ def _effective_free(d: DeviceAnalysis, blocks: np.ndarray) -> dict[int, int]:
             else:
                 same = 0.9 * size <= int(d.lt.size[blk].sum()) <= size
             if same:
-                out[b] = min(fr, int(d.lt.free_row[blk].max()))
+                out[b] = (min(fr, int(d.lt.free_row[blk].max())), blk)
                 break
     return out
 
@@ -119,7 +125,8 @@ def _max_concurrency(d: DeviceAnalysis, blocks: np.ndarray):
 
 
 def _rate_limited(d: DeviceAnalysis, blocks: np.ndarray) -> np.ndarray:
-    """New alloc rows with at most LIMIT gathers in flight: a gather waits for the oldest."""
+    """New alloc rows with at most LIMIT gathers in flight: a gather waits for the oldest, and
+    the unsharded parameters its unit copies out of it wait as many rows."""
     alloc = d.lt.alloc_row.copy()
     order = blocks[np.argsort(d.lt.alloc_row[blocks], kind="stable")]
     frees: list[int] = []  # heap of free rows of gathers in flight
@@ -133,6 +140,14 @@ def _rate_limited(d: DeviceAnalysis, blocks: np.ndarray) -> np.ndarray:
                 heapq.heappop(frees)
         alloc[b] = a
         heapq.heappush(frees, int(d.lt.free_row[b]))
+    shift = alloc[order] - d.lt.alloc_row[order]
+    delayed = order[shift > 0]
+    if delayed.size:
+        outs = _copy_outs(d, delayed)
+        for b, k in zip(delayed.tolist(), shift[shift > 0].tolist()):
+            blk = outs.get(b, (0, np.zeros(0, np.int64)))[1]
+            # never past the reshard: a copy-out moved beyond it is simply never alive
+            alloc[blk] = np.minimum(d.lt.alloc_row[blk] + k, d.lt.free_row[blk])
     return alloc
 
 

@@ -6,7 +6,8 @@ parameters built by the module's `__init__` / `reset_parameters` / `Module.to` /
 `_materialize_module` / `_move_module_to_device` / `flatten_tensors`, FSDP2
 `_move_states_to_device`. It fires when those transient bytes at the init peak reach half of the
 full model (`world_size` x the sharded parameters; world size from the recorder, else the
-reduce-scatter input/output ratio, else 2): a full model on every rank. Materializing one unit at a
+reduce-scatter input/output ratio): a full model on every rank. Only on traces with FSDP blocks
+and a known world size above one: the world size is never assumed. Materializing one unit at a
 time (FSDP1 with meta-device modules, a per-layer `param_init_fn`) stays far below.
 
 Verdict `anomalous`: meta-device init + `to_empty` + `reset_parameters` removes it. The full
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from snapforensics.analysis.classify import PARAMETER, SHARDED_PARAM
+from snapforensics.analysis.classify import FSDP_CATEGORIES, PARAMETER, SHARDED_PARAM
 from snapforensics.analysis.context import CAT_CODE, DeviceAnalysis
 from snapforensics.analysis.diagnosis import ANOMALOUS, Finding
 from snapforensics.analysis.rules import fsdp_common as fc
@@ -49,6 +50,11 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     start = d.tl.iterations[0].start
     if start <= 0:
         return []  # recording began in training: no init to judge
+    if not d.mask(*FSDP_CATEGORIES).any():
+        return []  # no FSDP: nothing was sharded
+    world = fc.world_size(d)
+    if world is None or world <= 1:
+        return []  # unknown or single-rank: no shard size to compare the init peak with
     live = d.lt.live
     peak_row = int(np.argmax(live[:start]))
     init_peak = int(live[peak_row])
@@ -61,8 +67,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     at_peak = lt.alive_at(peak_row)
     transient_mask = at_peak & (lt.free_row < start) & (lt.alloc_row >= 0)
     transient = int(lt.size[transient_mask].sum())
-    world = fc.world_size(d)
-    full_model = (world or 2) * sharded
+    full_model = world * sharded
     if transient < _SHARE_OF_FULL_MODEL * full_model:
         return []
     param_like = int(lt.size[transient_mask & d.mask(PARAMETER)].sum())
@@ -83,7 +88,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         f"only {human(sharded)} of sharded parameters into training: {human(transient)} in "
         f"{len(blocks)} blocks alive at that moment was freed before training began, "
         f"{transient / full_model:.0%} of the full model ({human(full_model)} = "
-        f"{world or '~2'} x the shards). The full model was built on the device and only then "
+        f"{world} x the shards). The full model was built on the device and only then "
         "sharded. It grows with the world size while the training peak does not: here the init "
         f"peak is {init_peak / max(training_peak, 1):.0%} of the training peak "
         f"({human(training_peak)}). With meta-device init the init peak is predicted at "

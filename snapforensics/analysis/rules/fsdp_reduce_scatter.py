@@ -7,7 +7,7 @@ import numpy as np
 from snapforensics.analysis.classify import BACKWARD, RECOMPUTE, SHARDED_GRAD
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import EXPECTED, Finding
-from snapforensics.analysis.rules.evidence import by_module, human, top_stacks
+from snapforensics.analysis.rules.evidence import by_module, human, per_iteration, top_stacks
 
 RULE = "fsdp.reduce_scatter_accumulation"
 
@@ -16,9 +16,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     idx = np.flatnonzero(d.mask(SHARDED_GRAD) & np.isin(d.phase, [BACKWARD, RECOMPUTE]))
     if not idx.size:
         return []
-    per_iter: dict[int, int] = {}
-    for b in idx.tolist():
-        per_iter[int(d.iteration[b])] = per_iter.get(int(d.iteration[b]), 0) + int(d.lt.size[b])
+    per_iter = per_iteration(d, idx)
     worst = max(per_iter, key=per_iter.get)
     blocks = idx[d.iteration[idx] == worst]
     n_mod = len({d.module_of(b) for b in blocks.tolist()})

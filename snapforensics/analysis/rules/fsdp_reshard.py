@@ -11,11 +11,12 @@ import re
 
 import numpy as np
 
-from snapforensics.analysis.classify import BACKWARD, PATHS, RECOMPUTE, REDUCE_SCATTER, \
+from snapforensics.analysis.classify import BACKWARD, RECOMPUTE, REDUCE_SCATTER, \
     SHARDED_GRAD, UNSHARDED_PARAM
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import ANOMALOUS, Finding
-from snapforensics.analysis.rules.evidence import by_module, human, replay_peaks, top_stacks
+from snapforensics.analysis.rules.evidence import by_module, by_path, human, max_alive, \
+    replay_peaks, top_stacks
 
 RULE = "fsdp.unsharded_params_not_resharded"
 _POST_BACKWARD = re.compile(r"^FSDP::post_backward_(?:accumulate|reshard|reduce) \((.*)\)$")
@@ -63,6 +64,7 @@ def _reshard_rows(d: DeviceAnalysis, blocks: np.ndarray) -> np.ndarray:
 # unit's gradient reduction may happen meanwhile (the next unit is prefetched while the current
 # one finishes); living through more of them means nobody resharded it.
 MAX_FOREIGN_REDUCTIONS = 2
+MIN_SHARE = 0.01  # of the peak: below it the leftover is noise, not a finding
 
 
 def leaked(d: DeviceAnalysis) -> np.ndarray:
@@ -95,31 +97,22 @@ def leaked(d: DeviceAnalysis) -> np.ndarray:
     return idx[past_end | foreign]
 
 
-def _max_alive(d: DeviceAnalysis, blocks: np.ndarray) -> int:
-    """Most bytes of `blocks` alive at once."""
-    rows = np.concatenate([d.lt.alloc_row[blocks], d.lt.free_row[blocks]])
-    delta = np.concatenate([d.lt.size[blocks], -d.lt.size[blocks]])
-    order = np.lexsort((delta, rows))  # frees before allocs on the same row
-    return int(np.cumsum(delta[order]).max())
-
-
 def check(d: DeviceAnalysis) -> list[Finding]:
     blocks = leaked(d)
     if not blocks.size:
         return []
     # Most bytes left unsharded at once in each backward; report the worst iteration.
-    per_iter = {int(i): _max_alive(d, blocks[d.iteration[blocks] == i])
+    per_iter = {int(i): max_alive(d, blocks[d.iteration[blocks] == i])
                 for i in np.unique(d.iteration[blocks])}
     worst = max(per_iter, key=per_iter.get)
+    if per_iter[worst] < MIN_SHARE * d.peak_bytes:
+        return []
     worst_blocks = blocks[d.iteration[blocks] == worst]
     free_row = d.lt.free_row.copy()
     free_row[blocks] = _reshard_rows(d, blocks)
     before = {"overall_bytes": d.peak_bytes}
     after = replay_peaks(d, free_row)
-    paths = {}
-    for b in worst_blocks.tolist():
-        p = PATHS[d.path[b]] if d.path[b] >= 0 else "unknown"
-        paths[p] = paths.get(p, 0) + int(d.lt.size[b])
+    paths = by_path(d, worst_blocks)
     n_mod = len({d.module_of(b) for b in worst_blocks.tolist()})
     via = ", ".join(f"{p} ({human(v)})" for p, v in sorted(paths.items(), key=lambda x: -x[1]))
     cause = (
