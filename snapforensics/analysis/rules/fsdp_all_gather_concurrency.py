@@ -13,7 +13,8 @@ Not counted: parameters held across forward/backward on purpose (the root,
 stale prefetches (`fsdp.stale_prefetch_all_gather`).
 
 Verdict `anomalous`: the gathers beyond two are removable (a prefetch depth of one unit hides
-the communication as well in practice). Predicted peak: the trace replayed with a rate limiter
+the communication as well in practice); `info` when the rate limit would lower the peak by less
+than 5% (the extra gathers are not where the peak is). Predicted peak: the trace replayed with a rate limiter
 of two, each extra gather allocated when the oldest in flight is freed.
 """
 
@@ -26,12 +27,13 @@ import numpy as np
 from snapforensics.analysis.classify import BACKWARD, FORWARD, PHASE_NAMES, RECOMPUTE, \
     UNSHARDED_PARAM
 from snapforensics.analysis.context import CAT_CODE, DeviceAnalysis
-from snapforensics.analysis.diagnosis import ANOMALOUS, Finding
+from snapforensics.analysis.diagnosis import ANOMALOUS, INFO, Finding
 from snapforensics.analysis.rules import fsdp_common as fc
 from snapforensics.analysis.rules.evidence import peaks, by_module, human, top_stacks
 
 RULE = "fsdp.too_many_concurrent_all_gathers"
 LIMIT = 2
+_MIN_SAVING = 0.05  # below this share of the peak the rate limit would not lower it: `info`
 
 FIX = """\
 # FSDP2: prefetch one unit ahead (the default), not several
@@ -175,6 +177,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     excess = int(sum(sorted(unit_bytes.values(), reverse=True)[LIMIT:]))
     alloc = _rate_limited(d, blocks)
     after = peaks(d, d.lt.replay(alloc_row=alloc))
+    saving = max(d.peak_bytes - after["overall_bytes"], 0)
+    verdict = ANOMALOUS if saving >= _MIN_SAVING * d.peak_bytes else INFO
     it = int(d.iteration[alive[0]]) if alive.size else -1
     cause = (
         f"{n} FSDP units had their all-gathered parameters in flight at once during {phase} "
@@ -183,13 +187,16 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         f"beyond the {LIMIT} units FSDP needs (the one computing and the next). Prefetch lists "
         "reaching several units ahead (set_modules_to_forward_prefetch / "
         "set_modules_to_backward_prefetch), or FSDP1 limit_all_gathers=False, gather more "
-        "units before the earlier ones are freed.")
+        "units before the earlier ones are freed." + (
+            "" if verdict == ANOMALOUS else
+            f" Rate-limiting them would lower the peak by only {human(saving)}: not what sets "
+            "the peak here."))
     return [Finding(
-        rule=RULE, verdict=ANOMALOUS,
+        rule=RULE, verdict=verdict,
         title=f"{n} all-gathers in flight at once (more than {LIMIT}): no rate limit",
         cause=cause, bytes=alive_bytes, blocks=int(len(alive)), device=d.device, fix=FIX,
         predicted_peak_bytes=after["overall_bytes"],
-        saving_bytes=max(d.peak_bytes - after["overall_bytes"], 0),
+        saving_bytes=saving,
         evidence={
             "phase": phase,
             "row": row,
