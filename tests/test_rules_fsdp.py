@@ -140,8 +140,11 @@ def test_forward_prefetch_in_recompute_leaves_stale_all_gathers(diag):
     measured = diag("nested")[1].peaks["overall_bytes"]
     assert f.predicted_peak_bytes < d.peaks["overall_bytes"]
     assert near(f.predicted_peak_bytes, measured), (f.predicted_peak_bytes, measured)
-    # Its prefetch lists reach two units ahead: three units in flight in forward.
-    assert finding(d, CONC).evidence["max_in_flight_by_phase"]["forward"] == 3
+    # Its prefetch lists reach two units ahead: three units in flight in forward, but rate
+    # limiting them would not lower the peak (the stale buffers set it): info, not anomalous.
+    c = finding(d, CONC)
+    assert c.evidence["max_in_flight_by_phase"]["forward"] == 3
+    assert c.verdict == "info" and c.saving_bytes < 0.05 * d.peaks["overall_bytes"], c.saving_bytes
     assert SEED not in rules(d) and DOUBLE not in rules(d)
 
 
@@ -228,6 +231,11 @@ def test_prefetching_three_units_ahead_is_too_many_all_gathers(diag):
     measured = diag("fixed")[1].peaks["overall_bytes"]
     assert f.predicted_peak_bytes < d.peaks["overall_bytes"]
     assert near(f.predicted_peak_bytes, measured), (f.predicted_peak_bytes, measured)
+    # The saving itself, not only the peak (a no-change prediction is within 10% of the peak):
+    # measured 207.3 -> 194.8 MiB; predicted 16.3 MiB (the replay frees units at the rows the
+    # trace shows, a little earlier than a rate-limited run would).
+    saving = d.peaks["overall_bytes"] - measured
+    assert near(f.saving_bytes, saving, 0.35), (f.saving_bytes, saving)
     assert not rules(d) & (NEW_RULES - {CONC})
 
 
@@ -249,6 +257,45 @@ def test_full_model_built_on_the_device_before_sharding(diag):
     fixed_init = int(dx.lt.live[:dx.tl.iterations[0].start].max())
     assert near(ev["predicted_init_peak_bytes"], fixed_init), (ev, fixed_init)
     assert not rules(d) & (NEW_RULES - {INIT_RULE})
+
+
+def _without_fsdp(path, world_size=None) -> dict:
+    """Edit a recording into a run with no FSDP: every torch.distributed / FSDP / c10d frame and
+    the range annotations removed, the recorder's world size replaced (None: unknown)."""
+    raw, _ = read_raw(path)
+    for tr in raw["device_traces"]:
+        for e in tr:
+            if "frames" in e:
+                e["frames"] = [fr for fr in e["frames"] if "distributed" not in fr["filename"]
+                               and "fsdp" not in fr["name"].lower() and "c10d" not in fr["name"]]
+    raw.pop("external_annotations", None)
+    raw.get("snapforensics", {}).pop("world_size", None)
+    if world_size is not None:
+        raw["snapforensics"]["world_size"] = world_size
+    return raw
+
+
+@slow
+def test_full_init_needs_fsdp_and_a_world_size_above_one(diag, tmp_path_factory):
+    # A real single-rank recording of `full_init` (FSDP over one rank): nothing is sharded away.
+    from recordings import recorded
+
+    one = recorded("full_init", tmp_path_factory, nproc=1)[0]
+    d = diagnose(load(one))
+    assert INIT_RULE not in rules(d), [(f.rule, f.cause) for f in d.findings]
+    # The same full-model init with no FSDP in the trace, world size unknown or one.
+    for path in (one, diag("full_init")[0], diag("fixed")[0]):
+        for ws in (None, 1):
+            d = diagnose(normalize(_without_fsdp(path, ws), source="no-fsdp.pickle"))
+            assert INIT_RULE not in rules(d), (path, ws, [(f.rule, f.cause) for f in d.findings])
+
+
+def test_full_init_silent_on_a_real_single_process_file():
+    from conftest import corpus_file
+
+    d = diagnose(load(corpus_file("NiuHuangxiaozi_fwd_bwd_200_mixed.pickle")))
+    assert INIT_RULE not in rules(d)
+    assert not rules(d) & NEW_RULES
 
 
 # ------------------------------------------------------------------ 5. mixed precision

@@ -14,8 +14,9 @@ stale prefetches (`fsdp.stale_prefetch_all_gather`).
 
 Verdict `anomalous`: the gathers beyond two are removable (a prefetch depth of one unit hides
 the communication as well in practice); `info` when the rate limit would lower the peak by less
-than 5% (the extra gathers are not where the peak is). Predicted peak: the trace replayed with a rate limiter
-of two, each extra gather allocated when the oldest in flight is freed.
+than 5% (the extra gathers are not where the peak is). Predicted peak: the trace replayed with
+a rate limiter of two, each extra gather allocated when the oldest unit in flight is resharded,
+its copied-out parameters no earlier than that.
 """
 
 from __future__ import annotations
@@ -127,11 +128,14 @@ def _max_concurrency(d: DeviceAnalysis, blocks: np.ndarray):
 
 
 def _rate_limited(d: DeviceAnalysis, blocks: np.ndarray) -> np.ndarray:
-    """New alloc rows with at most LIMIT gathers in flight: a gather waits for the oldest, and
-    the unsharded parameters its unit copies out of it wait as many rows."""
+    """New alloc rows with at most LIMIT units in flight (from the all-gather until the unit's
+    parameters are resharded): a gather waits for the oldest unit to reshard, and the unsharded
+    parameters copied out of it are made no earlier than the delayed gather (their unit still
+    copies them out when it runs: max of the two rows, never past their reshard)."""
     alloc = d.lt.alloc_row.copy()
     order = blocks[np.argsort(d.lt.alloc_row[blocks], kind="stable")]
-    frees: list[int] = []  # heap of free rows of gathers in flight
+    outs = _copy_outs(d, order)
+    frees: list[int] = []  # heap of rows where the units in flight are resharded
     for b in order.tolist():
         a = int(alloc[b])
         while frees and frees[0] <= a:
@@ -141,15 +145,12 @@ def _rate_limited(d: DeviceAnalysis, blocks: np.ndarray) -> np.ndarray:
             while frees and frees[0] <= a:
                 heapq.heappop(frees)
         alloc[b] = a
-        heapq.heappush(frees, int(d.lt.free_row[b]))
-    shift = alloc[order] - d.lt.alloc_row[order]
-    delayed = order[shift > 0]
-    if delayed.size:
-        outs = _copy_outs(d, delayed)
-        for b, k in zip(delayed.tolist(), shift[shift > 0].tolist()):
-            blk = outs.get(b, (0, np.zeros(0, np.int64)))[1]
-            # never past the reshard: a copy-out moved beyond it is simply never alive
-            alloc[blk] = np.minimum(d.lt.alloc_row[blk] + k, d.lt.free_row[blk])
+        blk = outs[b][1] if b in outs else None
+        if blk is not None and blk.size:
+            alloc[blk] = np.minimum(np.maximum(d.lt.alloc_row[blk], a), d.lt.free_row[blk])
+            heapq.heappush(frees, int(d.lt.free_row[blk].max()))
+        else:
+            heapq.heappush(frees, int(d.lt.free_row[b]))
     return alloc
 
 

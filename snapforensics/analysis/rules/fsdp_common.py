@@ -48,6 +48,7 @@ class Facts:
     event: np.ndarray | None = None  # int per block: unshard event id, -1 if none
     stale: np.ndarray | None = None  # bool per block: unshard made in backward, never used
     world: int | None = None
+    world_estimated: bool = False  # from reduce-scatter sizes near each other, not the recorder
 
 
 def facts(d: DeviceAnalysis) -> Facts:
@@ -122,7 +123,8 @@ def unit_of_event(d: DeviceAnalysis, blocks: np.ndarray) -> str | None:
 
 
 def world_size(d: DeviceAnalysis) -> int | None:
-    """The recorder's world size, else the reduce-scatter input/output ratio of one unit."""
+    """The recorder's world size, else the reduce-scatter input/output ratio of one unit: an
+    estimate (pairs found within a window of rows), flagged by `facts(d).world_estimated`."""
     f = facts(d)
     if f.world is not None:
         return f.world or None
@@ -145,6 +147,7 @@ def world_size(d: DeviceAnalysis) -> int | None:
             r = float(np.median(ratios))
             if r >= 1.5 and abs(r - round(r)) < 0.1:
                 w = int(round(r))
+                f.world_estimated = True
     f.world = w
     return w or None
 

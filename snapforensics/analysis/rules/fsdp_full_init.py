@@ -107,6 +107,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
             "sharded_param_bytes": sharded,
             "full_model_bytes": full_model,
             "world_size": world,
+            "world_size_estimated": fc.facts(d).world_estimated,
             "training_peak_bytes": training_peak,
             "stacks": top_stacks(d, blocks, 1),
             "predicted_peaks": after,

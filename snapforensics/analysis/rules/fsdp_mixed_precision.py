@@ -63,7 +63,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     f = fc.facts(d)
     ratio, per_unit = _ratio(d, f)
     wide = ratio is not None and ratio >= _RATIO
-    r = ratio if wide else 2.0
+    r = ratio if wide else None  # never assumed: without it the fp32-grad extra is not counted
     scale = np.zeros(len(d.lt))  # share of each block that is a mixed-precision extra
     parts: dict[str, np.ndarray] = {}
     if wide:
@@ -71,6 +71,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         scale[m] = 1 - 1 / r
         parts["reduce_in_higher_precision"] = m
     ug = d.category == CAT_CODE[UNSHARDED_GRAD]
+    if r is None:
+        ug = np.zeros(len(d.lt), bool)
     if ug.any():
         scale[ug] = 1 - 1 / r
         parts["fp32_accumulated_grads"] = ug
@@ -136,6 +138,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         else None,
         evidence={
             "reduce_to_param_dtype_ratio": round(ratio, 3) if ratio else None,
+            "fp32_accumulated_grads_counted": bool(ug.any()),
             "per_unit_ratio": {k: round(v, 3) for k, v in sorted(per_unit.items())[:12]},
             "parts": by_part,
             "max_alive_bytes": most,

@@ -68,6 +68,11 @@ MIN_SHARE = 0.01  # of the peak: below it the leftover is noise, not a finding
 
 
 def leaked(d: DeviceAnalysis) -> np.ndarray:
+    """Unsharded-param blocks made in backward that outlive their unit's backward (memoized)."""
+    return d.memo(RULE + ".leaked", lambda: _leaked(d))
+
+
+def _leaked(d: DeviceAnalysis) -> np.ndarray:
     """Unsharded-param blocks made in backward that outlive their unit's backward.
 
     Either still alive when the iteration's backward ends (never resharded), or alive across

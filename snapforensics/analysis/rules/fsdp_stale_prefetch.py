@@ -21,7 +21,7 @@ from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.rules import fsdp_reshard
 from snapforensics.analysis.diagnosis import ANOMALOUS, Finding
 from snapforensics.analysis.rules import fsdp_common as fc
-from snapforensics.analysis.rules.evidence import peaks, by_module, human, top_stacks
+from snapforensics.analysis.rules.evidence import by_module, human, max_alive, peaks, top_stacks
 
 RULE = "fsdp.stale_prefetch_all_gather"
 
@@ -51,9 +51,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     worst = max(per_iter, key=per_iter.get)
     blocks = stale[d.iteration[stale] == worst]
     # Alive together at worst (they accumulate): the most bytes alive at once in that iteration.
-    rows = np.sort(np.concatenate([d.lt.alloc_row[blocks], d.lt.free_row[blocks]]))
-    at_once = max(int(d.lt.size[blocks][(d.lt.alloc_row[blocks] <= r) &
-                                        (d.lt.free_row[blocks] > r)].sum()) for r in rows.tolist())
+    at_once = max_alive(d, blocks)
     free_row = d.lt.free_row.copy()
     free_row[stale] = d.lt.alloc_row[stale]  # never allocated
     after = peaks(d, d.lt.replay(free_row=free_row))
