@@ -122,10 +122,13 @@ class CudaBackend:
             pass
         return _as_dict(snap)
 
-    def attach_oom(self, callback: Callable[[dict], None]) -> bool:
+    def _oom_attach(self):
         import torch
 
-        attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+        return getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+
+    def attach_oom(self, callback: Callable[[dict], None]) -> bool:
+        attach = self._oom_attach()
         if attach is None:
             return False
 
@@ -148,21 +151,12 @@ class NpuBackend(CudaBackend):
 
         return torch_npu.npu.memory
 
-    def attach_oom(self, callback: Callable[[dict], None]) -> bool:
+    def _oom_attach(self):
         try:
             import torch_npu  # type: ignore[import-not-found]
         except Exception:
-            return False
-        attach = getattr(getattr(torch_npu, "_C", None), "_npu_attach_out_of_memory_observer", None)
-        if attach is None:
-            return False
-
-        def observer(device, alloc, device_alloc, device_free):
-            callback({"device": device, "requested": alloc, "device_allocated": device_alloc,
-                      "device_free": device_free, "snapshot": _as_dict(self._memory()._snapshot())})
-
-        attach(observer)
-        return True
+            return None
+        return getattr(getattr(torch_npu, "_C", None), "_npu_attach_out_of_memory_observer", None)
 
 
 class CpuBackend:
