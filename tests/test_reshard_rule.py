@@ -8,6 +8,8 @@ every leaked unsharded-parameter free is moved to the last row of its iteration'
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from snapforensics.analysis import diagnose
@@ -15,10 +17,10 @@ from snapforensics.analysis.context import analyse
 from snapforensics.analysis.rules import fsdp_reshard
 from snapforensics.snapshot import normalize, read_raw
 
-pytest.importorskip("torch")
-pytestmark = pytest.mark.slow
-
 from recordings import recorded  # noqa: E402
+from test_cuda_like import cuda_shaped  # noqa: E402
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
 def freed_at_backward_end(path) -> tuple[dict, int]:
@@ -52,7 +54,9 @@ def freed_at_backward_end(path) -> tuple[dict, int]:
     return raw, len(moves)
 
 
+@pytest.mark.slow
 def test_released_only_at_backward_end_is_still_anomalous(tmp_path_factory):
+    pytest.importorskip("torch")
     buggy, fixed = (recorded(v, tmp_path_factory)[0] for v in ("buggy", "fixed"))
     raw, moved = freed_at_backward_end(buggy)
     assert moved > 10
@@ -64,3 +68,19 @@ def test_released_only_at_backward_end_is_still_anomalous(tmp_path_factory):
     measured = diagnose(normalize(read_raw(fixed)[0])).peaks["overall_bytes"]
     assert abs(f.predicted_peak_bytes - measured) / measured < 0.10
     assert f.predicted_peak_bytes < d.peaks["overall_bytes"]
+
+
+def test_released_at_backward_end_without_unit_names():
+    """Same edit on the committed fixture, also CUDA-shaped with no annotations: no unit names,
+    so reductions are counted as runs of reduce-scatter allocations."""
+    raw, moved = freed_at_backward_end(FIXTURES / "fsdp2_ckpt_buggy_rank0.pickle.gz")
+    assert moved > 10
+    d = diagnose(normalize(cuda_shaped(raw, annotations=False)))
+    f = next((f for f in d.anomalies if f.rule == fsdp_reshard.RULE), None)
+    assert f is not None, [x.rule for x in d.findings]
+    assert {m["module"] for m in f.evidence["modules"]} == {"(unknown module)"}
+    fixed = diagnose(normalize(cuda_shaped(
+        read_raw(FIXTURES / "fsdp2_ckpt_fixed_rank0.pickle.gz")[0], annotations=False)))
+    assert not fixed.anomalies
+    measured = fixed.peaks["overall_bytes"]
+    assert abs(f.predicted_peak_bytes - measured) / measured < 0.10

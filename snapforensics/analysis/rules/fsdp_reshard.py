@@ -89,6 +89,10 @@ def _leaked(d: DeviceAnalysis) -> np.ndarray:
     order = np.argsort(d.lt.alloc_row[grads])
     g_rows = d.lt.alloc_row[grads][order]
     g_mod = [d.module_of(int(b)) for b in grads[order]]
+    # Without unit names, one reduction = one run of reduce-scatter allocations with no other
+    # allocation between them (input, output, casts: however many the version makes).
+    alloc_rank = np.searchsorted(np.sort(d.lt.alloc_row[d.lt.alloc_row >= 0]), g_rows)
+    g_event = np.concatenate([[0], np.cumsum(np.diff(alloc_rank) > 1)]) if len(g_rows) else g_rows
     lo = np.searchsorted(g_rows, d.lt.alloc_row[idx], side="right")
     hi = np.searchsorted(g_rows, d.lt.free_row[idx], side="left")
     foreign = np.zeros(len(idx), bool)
@@ -96,8 +100,7 @@ def _leaked(d: DeviceAnalysis) -> np.ndarray:
         if hi[k] - lo[k] > MAX_FOREIGN_REDUCTIONS:
             own = d.module_of(b)
             mods = {m for m in g_mod[lo[k]:hi[k]] if m is None or m != own}
-            # unknown modules: count reductions, two blocks (input, output) per reduction
-            n = len(mods) if None not in mods else (hi[k] - lo[k]) // 2
+            n = len(mods) if None not in mods else len(set(g_event[lo[k]:hi[k]].tolist()))
             foreign[k] = n > MAX_FOREIGN_REDUCTIONS
     return idx[past_end | foreign]
 
