@@ -18,7 +18,7 @@ import pytest
 
 from snapforensics.analysis import Finding, diagnose
 from snapforensics.report import FORMATS, render_text
-from snapforensics.report.common import human, peak_line
+from snapforensics.report.common import headline, human, peak_line
 from snapforensics.snapshot import load, normalize, read_raw
 
 REPO = Path(__file__).resolve().parents[1]
@@ -144,7 +144,14 @@ def embedded_json(p: StrictParser) -> object:
 def test_every_format_renders(name, fmt):
     d = diagnosed(name)
     out = render_text(d, fmt)
-    assert isinstance(out, str) and out.strip()
+    if fmt == "json":
+        assert json.loads(out)["findings"] == [dataclasses.asdict(f) for f in d.findings]
+        return
+    text = htmllib.unescape(out) if fmt == "html" else " ".join(out.split())
+    # every human format leads with the same headline and names every finding's rule
+    assert " ".join(headline(d).split()) in (text if fmt != "html" else " ".join(text.split()))
+    for f in d.findings:
+        assert f.rule in out
 
 
 @pytest.mark.parametrize("name", CASES)
