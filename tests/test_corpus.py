@@ -95,7 +95,8 @@ def replay(entries: list[dict], segments: list[dict], device: int) -> tuple[int,
               if b["state"] != "inactive" and b["address"] not in open_
               and not (b["state"] != "active_allocated" and b["address"] in awaiting)]
     before += sum(b.get("requested_size") or b["size"] for b in unseen)
-    return before + max(series), before + series[-1], orphans, len(unseen)
+    # the moment before the first entry counts too (a trace that opens with frees)
+    return before + max(0, max(series)), before + series[-1], orphans, len(unseen)
 
 
 def torch_flamegraph_totals(segments: list[dict]) -> dict[tuple[str, bool], int]:

@@ -82,7 +82,9 @@ class DeviceAnalysis:
 
     @cached_property
     def peak_bytes(self) -> int:
-        return int(self.lt.live[self.peak_row]) if self.lt.rows else 0
+        """Most bytes allocated at once, counting the moment before the first row (a truncated
+        trace that opens with frees was higher before it than anywhere in it)."""
+        return max(int(self.lt.live[self.peak_row]), self.lt.baseline) if self.lt.rows else 0
 
     def module_of(self, block: int) -> str | None:
         return self.infos[self.info[block]].module

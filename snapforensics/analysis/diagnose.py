@@ -24,6 +24,10 @@ def diagnose(snapshot: Snapshot) -> Diagnosis:
             warnings.append(f"device {d.device}: {d.lt.reused_addresses} allocations reuse an "
                             "address whose block was never freed in the trace (lost free "
                             "entries); each such block is taken as freed there")
+        if d.lt.rows and d.lt.baseline > int(d.lt.live.max()):
+            warnings.append(f"device {d.device}: memory was highest before the first trace "
+                            f"entry ({human(d.lt.baseline)} alive then); the trace shows only "
+                            "its decline, so the peak's makeup is unknown")
         if d.lt.truncated:
             warnings.append(
                 f"device {d.device}: history is truncated (ring buffer wrapped or recording "
@@ -57,7 +61,7 @@ def _segment_totals(snapshot: Snapshot, device: int) -> dict[str, int]:
 
 def _summary(snapshot: Snapshot, d: DeviceAnalysis) -> DeviceSummary:
     lt, tl = d.lt, d.tl
-    peaks = phase_peaks(d, lt.live)
+    peaks = phase_peaks(d, lt.live) | {"overall_bytes": d.peak_bytes}
     alive = np.flatnonzero(lt.alive_at(d.peak_row)) if d.peak_row >= 0 else np.zeros(0, int)
     at_peak = {c: int(lt.size[alive][d.category[alive] == i].sum())
                for i, c in enumerate(CATEGORIES)}
