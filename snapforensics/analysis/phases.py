@@ -89,27 +89,24 @@ def assign(trace: Trace, hints: np.ndarray, live: np.ndarray,
            ctx: np.ndarray, contexts: list[tuple[str, ...]]) -> Timeline:
     """`hints` is the phase hint of each row (UNKNOWN where the row shows none)."""
     n = len(trace)
-    phase = np.empty(n, np.int8)
-    iteration = np.full(n, -1, np.int32)
-    cur = prev = INIT
-    it = -1
-    seen_forward = False
-    no_stack = trace.stack == NO_STACK
-    hints_l = hints.tolist()
-    no_stack_l = no_stack.tolist()
-    for i in range(n):
-        h = hints_l[i]
-        if h == UNKNOWN or h == INIT and seen_forward:
-            if cur == RECOMPUTE and no_stack_l[i]:
-                cur = BACKWARD
-        else:
-            cur = h
-        if cur == FORWARD and (not seen_forward or prev in (BACKWARD, RECOMPUTE, OPTIMIZER)):
-            it += 1
-            seen_forward = True
-        prev = cur
-        phase[i] = cur
-        iteration[i] = it
+    rows = np.arange(n)
+    fwd = np.flatnonzero(hints == FORWARD)
+    first_fwd = int(fwd[0]) if fwd.size else n
+    # A row sets the phase when its hint is known (an init hint only before the first forward).
+    known = (hints != UNKNOWN) & ~((hints == INIT) & (rows > first_fwd))
+    last = np.maximum.accumulate(np.where(known, rows, -1)) if n else rows
+    phase = np.where(last >= 0, hints[np.maximum(last, 0)], INIT).astype(np.int8)
+    # After recompute rows, a frameless row (a backward op on the autograd thread) means
+    # backward again, for it and every unknown row after it until the next known hint.
+    frameless = np.cumsum(~known & (trace.stack == NO_STACK))
+    since = frameless - np.where(last >= 0, frameless[np.maximum(last, 0)], 0) if n else rows
+    phase[(phase == RECOMPUTE) & ~known & (since > 0)] = BACKWARD
+    # An iteration starts at the first forward and where forward follows backward/optimizer.
+    prev = np.concatenate([[INIT], phase[:-1]]) if n else phase
+    starts = (phase == FORWARD) & (np.isin(prev, [BACKWARD, RECOMPUTE, OPTIMIZER]) |
+                                   (rows == first_fwd))
+    iteration = (np.cumsum(starts) - 1).astype(np.int32)
+    it = int(iteration[-1]) if n else -1
     iterations = []
     # iteration numbers only grow along the trace: each iteration is one contiguous slice
     bounds = np.searchsorted(iteration, np.arange(it + 2))
