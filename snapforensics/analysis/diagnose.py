@@ -49,16 +49,6 @@ def diagnose(snapshot: Snapshot) -> Diagnosis:
                      findings=findings, tool=f"snapforensics {__version__}")
 
 
-def _segment_totals(snapshot: Snapshot, device: int) -> dict[str, int]:
-    segs = [s for s in snapshot.segments if s.device == device]
-    return {
-        "count": len(segs),
-        "reserved_bytes": sum(s.total_size for s in segs),
-        "allocated_bytes": sum(b.size for s in segs for b in s.blocks if b.state != "inactive"),
-        "active_blocks": sum(1 for s in segs for b in s.blocks if b.state != "inactive"),
-    }
-
-
 def _summary(snapshot: Snapshot, d: DeviceAnalysis) -> DeviceSummary:
     lt, tl = d.lt, d.tl
     peaks = phase_peaks(d, lt.live) | {"overall_bytes": d.peak_bytes}
@@ -80,7 +70,7 @@ def _summary(snapshot: Snapshot, d: DeviceAnalysis) -> DeviceSummary:
         history={"rows": lt.rows, "allocations": int((lt.alloc_row >= 0).sum()),
                  "orphan_frees": lt.orphan_frees, "unseen_live_blocks": lt.unseen_live,
                  "truncated": lt.truncated, "baseline_bytes": lt.baseline},
-        segments=_segment_totals(snapshot, d.device),
+        segments=snapshot.segment_totals(d.device),
         timeline=_timeline(d),
     )
 
@@ -113,7 +103,7 @@ def _timeline(d: DeviceAnalysis, points: int = 1200) -> list[list]:
 
 
 def _segments_only(snapshot: Snapshot, device: int) -> DeviceSummary:
-    seg = _segment_totals(snapshot, device)
+    seg = snapshot.segment_totals(device)
     return DeviceSummary(
         device=device,
         peaks={"forward_bytes": 0, "backward_bytes": 0, "overall_bytes": seg["allocated_bytes"]},

@@ -141,6 +141,13 @@ class Snapshot:
         found = {t.device for t in self.traces if len(t)} | {s.device for s in self.segments}
         return sorted(found)
 
+    def segment_totals(self, device: int) -> dict[str, int]:
+        """What the allocator held on `device` at dump time."""
+        segs = [s for s in self.segments if s.device == device]
+        live = [b.size for s in segs for b in s.blocks if b.state != "inactive"]
+        return {"count": len(segs), "reserved_bytes": sum(s.total_size for s in segs),
+                "allocated_bytes": sum(live), "active_blocks": len(live)}
+
     def stack_frames(self, stack_id: int) -> list[Frame]:
         if stack_id < 0:
             return []

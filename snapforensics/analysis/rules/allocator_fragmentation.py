@@ -44,11 +44,11 @@ def _dump_facts(d: DeviceAnalysis) -> dict:
                   for b in s.blocks if b.state == "inactive"]
     empty = [s.total_size for s in segs if all(b.state == "inactive" for b in s.blocks)]
     free = [b.size for s in segs for b in s.blocks if b.state == "inactive"]
+    totals = d.snapshot.segment_totals(d.device)
     return {
-        "segments": len(segs),
-        "reserved_bytes": int(sum(s.total_size for s in segs)),
-        "allocated_bytes": int(sum(b.size for s in segs for b in s.blocks
-                                   if b.state != "inactive")),
+        "segments": totals["count"],
+        "reserved_bytes": totals["reserved_bytes"],
+        "allocated_bytes": totals["allocated_bytes"],
         "inactive_split_blocks": len(split_free),
         "inactive_split_bytes": int(sum(split_free)),
         "empty_segments_bytes": int(sum(empty)),

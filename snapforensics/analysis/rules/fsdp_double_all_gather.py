@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from snapforensics.analysis.classify import BACKWARD, PATHS, RECOMPUTE
+from snapforensics.analysis.classify import BACKWARD, RECOMPUTE
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import ANOMALOUS, Finding
 from snapforensics.analysis.rules import fsdp_common as fc
-from snapforensics.analysis.rules.evidence import peaks, by_module, human, top_stacks
+from snapforensics.analysis.rules.evidence import by_module, by_path, human, peaks, top_stacks
 
 RULE = "fsdp.double_all_gather_in_backward"
 
@@ -135,11 +135,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     worst = max(per_iter, key=per_iter.get)
     seconds = np.concatenate([s for _, s in found[worst]])
     firsts = np.concatenate([fi for fi, _ in found[worst]])
-    paths: dict[str, int] = {}
-    for label, bl in (("first", firsts), ("second", seconds)):
-        for b in bl.tolist():
-            p = f"{label}: " + (PATHS[d.path[b]] if d.path[b] >= 0 else "unknown")
-            paths[p] = paths.get(p, 0) + int(d.lt.size[b])
+    paths = {f"{label}: {p}": v for label, bl in (("first", firsts), ("second", seconds))
+             for p, v in by_path(d, bl).items()}
     n_pairs = len(found[worst])
     cause = (
         f"{n_pairs} FSDP unit(s) were all-gathered twice in one backward (iteration {worst}): "

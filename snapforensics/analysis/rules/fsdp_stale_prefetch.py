@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from snapforensics.analysis.classify import PATHS
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.rules import fsdp_reshard
 from snapforensics.analysis.diagnosis import ANOMALOUS, Finding
 from snapforensics.analysis.rules import fsdp_common as fc
-from snapforensics.analysis.rules.evidence import by_module, human, max_alive, peaks, top_stacks
+from snapforensics.analysis.rules.evidence import by_module, by_path, human, max_alive, \
+    per_iteration, peaks, top_stacks
 
 RULE = "fsdp.stale_prefetch_all_gather"
 
@@ -45,9 +45,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     stale = np.flatnonzero(mask)
     if not stale.size:
         return []
-    per_iter: dict[int, int] = {}
-    for b in stale.tolist():
-        per_iter[int(d.iteration[b])] = per_iter.get(int(d.iteration[b]), 0) + int(d.lt.size[b])
+    per_iter = per_iteration(d, stale)
     worst = max(per_iter, key=per_iter.get)
     blocks = stale[d.iteration[stale] == worst]
     # Alive together at worst (they accumulate): the most bytes alive at once in that iteration.
@@ -55,10 +53,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     free_row = d.lt.free_row.copy()
     free_row[stale] = d.lt.alloc_row[stale]  # never allocated
     after = peaks(d, d.lt.replay(free_row=free_row))
-    paths: dict[str, int] = {}
-    for b in blocks.tolist():
-        p = PATHS[d.path[b]] if d.path[b] >= 0 else "unknown"
-        paths[p] = paths.get(p, 0) + int(d.lt.size[b])
+    paths = by_path(d, blocks)
     via = ", ".join(f"{p} ({human(v)})" for p, v in sorted(paths.items(), key=lambda x: -x[1]))
     cause = (
         f"{len(blocks)} all-gather(s) issued during backward (iteration {worst}) were never "
