@@ -30,6 +30,7 @@ from conftest import corpus_file, corpus_files
 from snapforensics.analysis import diagnose
 from snapforensics.analysis.rules.allocator import alloc_conf, expandable_fix
 from snapforensics.snapshot import load, normalize, read_raw
+from snapforensics.snapshot.model import Backend, Format
 
 FRAG = "allocator.fragmentation"
 RSTREAM = "allocator.record_stream_delay"
@@ -180,7 +181,7 @@ def test_no_fragmentation_where_expandable_segments_keep_reserved_at_allocated()
 
 def test_expandable_fix_names_the_backend_variable_and_keeps_other_settings():
     def fake(backend, settings):
-        return SimpleNamespace(snapshot=SimpleNamespace(format={"backend": backend},
+        return SimpleNamespace(snapshot=SimpleNamespace(kind=Format(backend=Backend(backend)),
                                                         allocator_settings=settings))
     assert alloc_conf(fake("npu", {}))[0] == "PYTORCH_NPU_ALLOC_CONF"
     assert "PYTORCH_NPU_ALLOC_CONF=expandable_segments:True" in expandable_fix(fake("npu", {}))

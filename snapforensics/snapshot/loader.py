@@ -39,6 +39,8 @@ import numpy as np
 from snapforensics.errors import SnapError
 from snapforensics.snapshot.model import (
     A,
+    Backend,
+    Format,
     Annotation,
     Block,
     Frame,
@@ -1039,4 +1041,13 @@ def normalize(raw: Any, source: str = "<memory>", warnings: list[str] | None = N
         rank=rank,
         warnings=warnings,
         pools=it.pools,
+        kind=_kind(fmt, provenance),
     )
+
+
+def _kind(fmt: dict, provenance: dict) -> Format:
+    backend = fmt.get("backend")
+    backend = Backend(backend) if backend in set(Backend) else Backend.UNKNOWN
+    cpu = backend == Backend.CPU or bool(provenance.get("cpu_recorded"))
+    return Format(backend=backend, caching_allocator=not cpu,
+                  expandable_segments=bool(fmt.get("expandable_segments")), cpu_recorded=cpu)

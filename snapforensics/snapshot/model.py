@@ -8,6 +8,7 @@ each device's trace as parallel numpy arrays (one row per trace entry, oldest fi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import NamedTuple
 
 import numpy as np
@@ -34,6 +35,33 @@ SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP = (
     A["segment_alloc"], A["segment_free"], A["segment_map"], A["segment_unmap"])
 OOM, SNAPSHOT, WORKSPACE_SNAPSHOT = A["oom"], A["snapshot"], A["workspace_snapshot"]
 NO_STACK = -1
+
+
+class Backend(StrEnum):
+    CUDA = "cuda"
+    NPU = "npu"
+    CPU = "cpu"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class Format:
+    """What kind of recording this is, decided once by the loader; analyses read only this."""
+
+    backend: Backend = Backend.UNKNOWN
+    caching_allocator: bool = True  # False on CPU recordings: no segments, no fragmentation
+    expandable_segments: bool = False
+    cpu_recorded: bool = False  # profiler allocator events written in the snapshot format
+
+    @property
+    def alloc_conf_var(self) -> str:
+        return "PYTORCH_NPU_ALLOC_CONF" if self.backend == Backend.NPU else \
+            "PYTORCH_CUDA_ALLOC_CONF"
+
+    @property
+    def device_name(self) -> str:
+        """The torch device type to name in fix snippets."""
+        return self.backend.value if self.backend != Backend.UNKNOWN else "cuda"
 
 
 class Frame(NamedTuple):
@@ -131,6 +159,7 @@ class Snapshot:
     rank: int | None
     warnings: list[str]
     pools: list[tuple[int, ...]] = field(default_factory=list)  # non-default memory pools
+    kind: Format = field(default_factory=Format)  # typed: what analyses branch on
 
     @property
     def active_traces(self) -> list[Trace]:
@@ -154,5 +183,5 @@ class Snapshot:
         return [self.frames[f] for f in self.stacks[stack_id]]
 
     @property
-    def backend(self) -> str:
-        return self.format.get("backend", "unknown")
+    def backend(self) -> Backend:
+        return self.kind.backend

@@ -35,8 +35,7 @@ LARGE_SEGMENT = 20 << 20
 
 def caching_allocator(d: DeviceAnalysis) -> bool:
     """False for CPU-recorded snapshots: no caching allocator, no segments, no streams."""
-    snap = d.snapshot
-    return snap.format.get("backend") != "cpu" and not snap.provenance.get("cpu_recorded")
+    return d.snapshot.kind.caching_allocator
 
 
 def device_segments(d: DeviceAnalysis) -> list:
@@ -73,8 +72,7 @@ def reserved_series(d: DeviceAnalysis) -> np.ndarray | None:
 
 def alloc_conf(d: DeviceAnalysis) -> tuple[str, str]:
     """(env var, its current value) of the allocator config for this file's backend."""
-    backend = d.snapshot.format.get("backend", "cuda")
-    var = "PYTORCH_NPU_ALLOC_CONF" if backend == "npu" else "PYTORCH_CUDA_ALLOC_CONF"
+    var = d.snapshot.kind.alloc_conf_var
     settings = d.snapshot.allocator_settings or {}
     cur = settings.get(var)
     if not isinstance(cur, str):
@@ -87,7 +85,7 @@ def expandable_on(d: DeviceAnalysis) -> bool:
     settings = d.snapshot.allocator_settings or {}
     _, conf = alloc_conf(d)
     return bool(settings.get("expandable_segments")) or bool(
-        d.snapshot.format.get("expandable_segments")) or bool(
+        d.snapshot.kind.expandable_segments) or bool(
         re.search(r"expandable_segments\s*:\s*true", conf, re.I))
 
 

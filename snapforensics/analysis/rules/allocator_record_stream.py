@@ -21,7 +21,7 @@ from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import ANOMALOUS, INFO, Finding
 from snapforensics.analysis.rules.allocator import caching_allocator, device_segments
 from snapforensics.analysis.rules.evidence import human, top_stacks
-from snapforensics.snapshot.model import FREE_COMPLETED
+from snapforensics.snapshot.model import FREE_COMPLETED, Backend
 
 RULE = "allocator.record_stream_delay"
 MIN_HELD = 0.05  # of the peak: delayed memory held at some row
@@ -41,7 +41,7 @@ del tensor"""
 
 
 def fix_for(d: DeviceAnalysis) -> str:
-    if d.snapshot.format.get("backend") == "npu":
+    if d.snapshot.kind.backend == Backend.NPU:
         # TORCH_NCCL_AVOID_RECORD_STREAMS is read by ProcessGroupNCCL only; HCCL has no
         # verified equivalent here, so only the code change is suggested.
         return OWN.format(dev="npu")
