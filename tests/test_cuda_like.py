@@ -15,45 +15,9 @@ import pytest
 from snapforensics.analysis import diagnose
 from snapforensics.snapshot import normalize, read_raw
 
-from recordings import recorded  # noqa: E402
+from recordings import cuda_shaped, recorded  # noqa: E402
 
 RESHARD = "fsdp.unsharded_params_not_resharded"
-ENGINE = {"_engine_run_backward", "run_backward"}
-PSEUDO = ("<op>", "<record_function>", "<nn.Module>", "<snapforensics>")
-
-
-def cuda_shaped(raw: dict, annotations: bool = True) -> dict:
-    cache: dict[int, list] = {}
-
-    def cut(frames):
-        if not frames:
-            return frames
-        key = id(frames)
-        if key not in cache:
-            names = [f["name"] for f in frames]
-            in_bw = any(n in ENGINE for n in names) or any(
-                n.startswith("autograd::engine::evaluate_function") for n in names)
-            out = []
-            for f in frames:  # innermost first; stop at the engine boundary
-                if in_bw and (f["name"].startswith("autograd::engine::") or f["name"] in ENGINE):
-                    break
-                if f["filename"] not in PSEUDO:
-                    out.append(f)
-            cache[key] = out
-        return cache[key]
-
-    for trace in raw["device_traces"]:
-        for e in trace:
-            if "frames" in e:
-                e["frames"] = cut(e["frames"])
-    for seg in raw["segments"]:
-        seg["frames"] = cut(seg.get("frames"))
-        for b in seg["blocks"]:
-            b["frames"] = cut(b.get("frames"))
-    if not annotations:
-        raw.pop("external_annotations", None)
-    raw.pop("snapforensics", None)  # look like a foreign file: no provenance
-    return raw
 
 
 @pytest.fixture(scope="module")
