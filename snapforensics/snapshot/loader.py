@@ -29,22 +29,23 @@ import pickle
 import re
 import stat
 import zlib
+from collections.abc import Iterator
 from contextlib import contextmanager
 from itertools import repeat
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
 from snapforensics.errors import SnapError
 from snapforensics.snapshot.model import (
-    A,
-    Backend,
-    Format,
-    Annotation,
-    Block,
-    Frame,
     NO_STACK,
+    A,
+    Annotation,
+    Backend,
+    Block,
+    Format,
+    Frame,
     Segment,
     Snapshot,
     Trace,

@@ -95,7 +95,7 @@ class Trace:
         return len(self.action)
 
     @classmethod
-    def empty(cls, device: int) -> "Trace":
+    def empty(cls, device: int) -> Trace:
         """A device with segments but no history."""
         z = np.zeros(0, np.int64)
         return cls(device, z.astype(np.int8), z.astype(np.uint64), z, z.astype(np.int32),
