@@ -31,16 +31,15 @@ import json
 import os
 import subprocess
 import sys
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
+from conftest import corpus_files  # noqa: E402
+from recordings import REPO, _env, cuda_shaped, load_strict, replay_peak  # noqa: E402
 
 from snapforensics.analysis import diagnose
 from snapforensics.snapshot import load, normalize, read_raw
-
-from conftest import corpus_files  # noqa: E402
-from recordings import REPO, _env, cuda_shaped, load_strict, replay_peak  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -85,17 +84,17 @@ def matrix(tmp_path_factory) -> Path:
     return out
 
 
-@lru_cache(maxsize=None)
+@cache
 def _truth(folder: Path) -> dict:
     return json.loads((folder / "truth.rank0.json").read_text())
 
 
-@lru_cache(maxsize=None)
+@cache
 def _measured(folder: Path) -> int:
     return replay_peak(load_strict(folder / "rank0.pickle"))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _diagnosis(folder: Path, shape: str = "cpu"):
     if shape == "cpu":
         return diagnose(load(folder / "rank0.pickle"))
@@ -176,8 +175,8 @@ def test_verdicts_follow_the_truth(matrix, name, shape):
     d = _diagnosis(matrix / name, shape)
     anomalous = {f.rule for f in d.anomalies}
     false = anomalous - allowed
-    assert not false, f"false anomalies {sorted(false)} (truth: {sorted(bugs(_truth(matrix / name)))}, " \
-                      f"peak/twin {ratio})"
+    truth = sorted(bugs(_truth(matrix / name)))
+    assert not false, f"false anomalies {sorted(false)} (truth: {truth}, peak/twin {ratio})"
     missed = required - anomalous
     assert not missed, f"missed {sorted(missed)} (peak/twin {ratio:.3f})"
     twin = _layouts()[name].twin
@@ -196,7 +195,8 @@ def test_cuda_shape_gives_the_same_verdicts_and_predictions(matrix, name):
     for shape in ("cuda", "cuda-no-annotations"):
         d = _diagnosis(matrix / name, shape)
         got = {f.rule: f for f in d.findings if f.verdict != "info"}
-        assert {r: f.verdict for r, f in got.items()} == {r: f.verdict for r, f in ref.items()}, shape
+        verdicts = {r: f.verdict for r, f in got.items()}
+        assert verdicts == {r: f.verdict for r, f in ref.items()}, shape
         for rule, f in got.items():
             if f.predicted_peak_bytes and ref[rule].predicted_peak_bytes:
                 a, b = f.predicted_peak_bytes, ref[rule].predicted_peak_bytes

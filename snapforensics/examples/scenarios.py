@@ -40,9 +40,9 @@ import os
 import socket
 import sys
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -298,8 +298,9 @@ def _fsdp1(ctx, model, *, strategy="FULL_SHARD", mp=False, blocks=True, aac=True
 
     policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mp else None
     wrap_policy = ModuleWrapPolicy({Block, ResBlock}) if blocks else None
-    wrapped = FSDP(model, auto_wrap_policy=wrap_policy, sharding_strategy=ShardingStrategy[strategy],
-                   use_orig_params=True, device_id=ctx.device, mixed_precision=policy)
+    wrapped = FSDP(model, auto_wrap_policy=wrap_policy,
+                   sharding_strategy=ShardingStrategy[strategy], use_orig_params=True,
+                   device_id=ctx.device, mixed_precision=policy)
     if aac:
         apply_activation_checkpointing(wrapped, check_fn=lambda m: isinstance(m, (Block, ResBlock)))
     return wrapped

@@ -12,8 +12,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from snapforensics.record._bootstrap import _env_int, _provenance
 from snapforensics.record._write import write_pickle
@@ -30,7 +30,7 @@ def recording(path: Path, *, device: str = "auto", stacks: str = "python",
 
     name = select_backend(device)
     backend = make_backend(name, stacks, max_entries)
-    started = datetime.datetime.now(datetime.timezone.utc).astimezone().isoformat(
+    started = datetime.datetime.now(datetime.UTC).astimezone().isoformat(
         timespec="seconds")
     backend.start()
     code = 1
