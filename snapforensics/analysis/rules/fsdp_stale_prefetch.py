@@ -22,6 +22,7 @@ from snapforensics.analysis.evidence import (
     by_module,
     by_path,
     human,
+    lowers_peak,
     max_alive,
     peaks,
     per_iteration,
@@ -60,6 +61,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     free_row[stale] = d.lt.alloc_row[stale]  # never allocated
     after = peaks(d, d.lt.replay(free_row=free_row))
     paths = by_path(d, blocks)
+    at_peak = lowers_peak(d, d.peak_bytes - after["overall_bytes"])
     via = ", ".join(f"{p} ({human(v)})" for p, v in sorted(paths.items(), key=lambda x: -x[1]))
     cause = (
         f"{len(blocks)} all-gather(s) issued during backward (iteration {worst}) were never "
@@ -68,9 +70,13 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         f"{via}. A unit's forward prefetch fired inside the recompute (a fully_shard unit nested "
         "in a checkpointed region runs its whole pre-forward again there) or a backward prefetch "
         "targeted a unit that did not run next, so each such buffer sits until the end of "
-        "backward and they pile up layer by layer.")
+        "backward and they pile up layer by layer. "
+        + (f"Without them the peak is {human(after['overall_bytes'])} instead of "
+           f"{human(d.peak_bytes)}." if at_peak else
+           f"They are not what sets the peak ({human(d.peak_bytes)}): without them it would be "
+           f"{human(after['overall_bytes'])}; they still cost one wasted all-gather each."))
     return [Finding(
-        rule=RULE, verdict=Verdict.ANOMALOUS,
+        rule=RULE, verdict=Verdict.ANOMALOUS if at_peak else Verdict.INFO,
         title="Unused all-gather buffers from prefetch during backward, freed only at the end",
         cause=cause, bytes=per_iter[worst], blocks=int(len(blocks)), device=d.device, fix=FIX,
         predicted_peak_bytes=after["overall_bytes"],
