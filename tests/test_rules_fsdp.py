@@ -66,6 +66,13 @@ def rules(d, verdict=None):
     return {f.rule for f in d.findings if verdict is None or f.verdict == verdict}
 
 
+def _measured(path) -> int:
+    """The recording's peak by an independent replay of its trace."""
+    from recordings import load_strict, replay_peak
+
+    return replay_peak(load_strict(path))
+
+
 def near(a: int, b: int, tol: float = 0.10) -> bool:
     return abs(a - b) / b < tol
 
@@ -139,9 +146,15 @@ def test_forward_prefetch_in_recompute_leaves_stale_all_gathers(diag):
 @slow
 def test_fsdp1_reentrant_checkpoint_gathers_every_layer_twice(diag):
     """A real recording on torch 2.13: FSDP1 + HF-style reentrant checkpointing (#105635)."""
-    _, d = diag("fsdp1_reentrant")
+    path, d = diag("fsdp1_reentrant")
     f = finding(d, DOUBLE)
-    assert f.verdict == "anomalous"
+    # anomalous only if gathering once lowers the peak: measured against `fsdp1` (the same
+    # FSDP1 units, non-reentrant checkpointing inside them: one gather per layer)
+    ratio = _measured(path) / _measured(diag("fsdp1")[0])
+    if ratio > 1.03:
+        assert f.verdict == "anomalous"
+    elif ratio <= 1.01:
+        assert f.verdict == "info", ratio
     assert f.evidence["units_gathered_twice"] == 6
     assert f.bytes >= 6 * 12 * 2**20
     paths = " ".join(f.evidence["by_path"])
@@ -232,9 +245,16 @@ def test_prefetching_three_units_ahead_is_too_many_all_gathers(diag):
 
 @slow
 def test_full_model_built_on_the_device_before_sharding(diag):
-    _, d = diag("full_init")
+    path, d = diag("full_init")
     f = finding(d, INIT_RULE)
-    assert f.verdict == "anomalous"
+    # anomalous only if the start-up peak is the run's peak: its measured peak above `fixed`'s
+    # (the same run with meta-device init); below, info naming where it would take over
+    ratio = _measured(path) / _measured(diag("fixed")[0])
+    if ratio > 1.03:
+        assert f.verdict == "anomalous"
+    elif ratio <= 1.01:
+        assert f.verdict == "info", ratio
+        assert "ranks" in f.cause or "any world size" in f.cause
     ev = f.evidence
     assert ev["init_peak_bytes"] > 1.5 * ev["sharded_param_bytes"]
     assert f.bytes >= 0.9 * ev["full_model_bytes"]  # the whole model, at once

@@ -128,13 +128,13 @@ class FsdpUnits:
 
     @cached_property
     def world(self) -> WorldSize:
-        """The recorder's world size, else the reduce-scatter input/output ratio of one unit: an
-        estimate (pairs found within a window of rows)."""
+        """The number of ranks parameters are sharded over: the reduce-scatter input/output ratio
+        of one unit (HSDP shards over one dimension of its mesh, fewer than the recorder's world
+        size), else the recorder's world size; `estimated` when the recorder did not say."""
         d = self._d
         prov = d.snapshot.provenance
         w = prov.get("world_size") if isinstance(prov, dict) else None
-        if isinstance(w, int) and w >= 1:
-            return WorldSize(w, False)
+        recorded = isinstance(w, int) and w >= 1
         rs = np.flatnonzero(d.mask(Category.REDUCE_SCATTER))
         sg = np.flatnonzero(d.mask(Category.SHARDED_GRAD))
         ratios = []
@@ -148,8 +148,10 @@ class FsdpUnits:
                     ratios.append(int(d.lt.size[nearest]) / n)
         if ratios:
             r = float(np.median(ratios))
-            if r >= 1.5 and abs(r - round(r)) < 0.1:
-                return WorldSize(int(round(r)), True)
+            if r >= 1.5 and abs(r - round(r)) < 0.1 and (not recorded or round(r) <= w):
+                return WorldSize(int(round(r)), not recorded)
+        if recorded:
+            return WorldSize(w, False)
         return WorldSize(None, False)
 
     @cached_property

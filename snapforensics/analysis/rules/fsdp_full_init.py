@@ -110,8 +110,11 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     else:
         effect = (f"Here it is {init_peak / max(training_peak, 1):.0%} of the training peak "
                   f"({human(training_peak)}), so it does not set the run's peak yet; "
-                  + (f"with the same per-rank batch it would from about {takeover} ranks." if
-                     takeover else "its unsharded working set alone keeps training above it."))
+                  + (f"with the same per-rank batch it would from about {takeover[0]} ranks."
+                     if takeover[0] else
+                     f"the training peak's part that does not shrink with more ranks "
+                     f"({human(takeover[1])}: activations, gathered units, communication "
+                     "buffers) stays above it at any world size."))
     cause = (
         f"Before the first forward, memory peaked at {human(init_peak)} while the run carries "
         f"only {human(sharded)} of sharded parameters into training: {human(transient)} in "
@@ -137,7 +140,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
             "world_size": world,
             "world_size_estimated": d.fsdp.world.estimated,
             "training_peak_bytes": training_peak,
-            "becomes_peak_at_world_size": takeover,
+            "becomes_peak_at_world_size": takeover[0],
             "stacks": top_stacks(d, blocks, 1),
             "predicted_peaks": after,
         },
@@ -147,14 +150,16 @@ def check(d: DeviceAnalysis) -> list[Finding]:
 _SHARDED_STATE = (Category.SHARDED_PARAM, Category.SHARDED_GRAD, Category.OPTIMIZER_STATE)
 
 
-def _takeover_world(d: DeviceAnalysis, start: int, init_peak: int, world: int) -> int | None:
+def _takeover_world(d: DeviceAnalysis, start: int, init_peak: int, world: int
+                    ) -> tuple[int | None, int]:
     """The smallest world size at which the start-up peak would reach the training peak, if
-    only the training peak's sharded part shrinks (as 1/world size); None if it never would."""
+    only the training peak's sharded part shrinks (as 1/world size), None if it never would;
+    and the training peak's unsharded part."""
     row = start + int(np.argmax(d.lt.live[start:]))
     alive = d.lt.alive_at(row)
     training = int(d.lt.live[row])
     sharded = int(d.lt.size[alive & d.mask(*_SHARDED_STATE)].sum())
     rest = training - sharded
     if init_peak <= rest or sharded <= 0:
-        return None
-    return max(int(np.ceil(sharded * world / (init_peak - rest))), world)
+        return None, rest
+    return max(int(np.ceil(sharded * world / (init_peak - rest))), world), rest
