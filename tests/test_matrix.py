@@ -26,7 +26,6 @@ Set SNAPFORENSICS_MATRIX=DIR to reuse a matrix recorded earlier into DIR (by
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import subprocess
@@ -99,7 +98,7 @@ def _diagnosis(folder: Path, shape: str = "cpu"):
     if shape == "cpu":
         return diagnose(load(folder / "rank0.pickle"))
     raw, _ = read_raw(folder / "rank0.pickle")
-    shaped = cuda_shaped(copy.deepcopy(raw), annotations=shape == "cuda")
+    shaped = cuda_shaped(raw, annotations=shape == "cuda")  # a fresh dict: edited in place
     return diagnose(normalize(shaped, source=f"{folder.name}-{shape}.pickle"))
 
 
