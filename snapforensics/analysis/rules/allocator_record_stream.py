@@ -120,6 +120,6 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         "Frees delayed by record_stream (off the peak)",
         cause=cause if anomalous else cause + " The delays do not coincide with the peak.",
         bytes=held_max, blocks=int(idx.size), device=d.device,
-        fix=fix_for(d), saving_bytes=cost if anomalous else None,
+        fix=fix_for(d), saving_bytes=max(cost, 0),
         evidence=evidence,
     )]
