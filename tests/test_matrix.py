@@ -121,7 +121,12 @@ def bugs(truth: dict) -> set[str]:
 
 
 def expectation(matrix: Path, name: str) -> tuple[set[str], set[str], float | None]:
-    """(anomalies required, anomalies allowed, layout peak / twin peak)."""
+    """(anomalies required, anomalies allowed, layout peak / twin peak).
+
+    A bug raises the peak when the layout's measured peak is above its twin's. For the full
+    model built before sharding the question is narrower (is the start-up peak the run's
+    peak?): the full model FSDP was handed, measured in the run, against the twin's peak. It
+    is at least the start-up peak, and at most that plus the shards made from it (1/world)."""
     lay = _layouts()[name]
     truth = _truth(matrix / name)
     found = bugs(truth)
@@ -130,12 +135,21 @@ def expectation(matrix: Path, name: str) -> tuple[set[str], set[str], float | No
     twin = lay.twin
     if twin is None:  # no twin to measure the effect against: allowed, not required
         return set(), found, None
-    ratio = _measured(matrix / name) / _measured(matrix / twin)
-    if ratio > EFFECT:
-        return found, found, ratio
-    if ratio > NO_EFFECT:
-        return set(), found, ratio
-    return set(), set(), ratio
+    twin_peak = _measured(matrix / twin)
+    ratio = _measured(matrix / name) / twin_peak
+    required, allowed = set(), set()
+    for rule in found:
+        if rule == FULL_INIT:
+            low = truth["full_model_bytes"] / twin_peak
+            high = low * (1 + 1 / truth["world"])
+            effect, none = low > EFFECT, high <= NO_EFFECT
+        else:
+            effect, none = ratio > EFFECT, ratio <= NO_EFFECT
+        if effect:
+            required.add(rule)
+        if not none:
+            allowed.add(rule)
+    return required, allowed, ratio
 
 
 def _names() -> list[str]:

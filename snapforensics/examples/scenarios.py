@@ -436,9 +436,9 @@ def _layouts() -> list[Layout]:
         L("hsdp_block_cw", w_hsdp(), world=4, note="HSDP on a 2x2 mesh, checkpoint_wrapper"),
         L("hsdp_rab_false", w_hsdp(rab=False), world=4, twin="hsdp_block_cw",
           note="HSDP 2x2, set_reshard_after_backward(False)"),
-        L("f2_deep_meta_w4", w_block(), family="mlp", world=4, layers=16, optimizer="sgd",
-          note="16-block residual MLP, SGD, meta init, 4 ranks"),
-        L("f2_deep_build_w4", w_block(), family="mlp", world=4, layers=16, optimizer="sgd",
+        L("f2_deep_meta_w4", cw, family="mlp", world=4, layers=16, optimizer="sgd",
+          note="16-block residual MLP, checkpoint_wrapper, SGD, meta init, 4 ranks"),
+        L("f2_deep_build_w4", cw, family="mlp", world=4, layers=16, optimizer="sgd",
           init="build", twin="f2_deep_meta_w4",
           note="the same built on the device then sharded: the start-up peak is the run's"),
     ]

@@ -48,8 +48,11 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         f"({len(blocks)} blocks over {len(steps)} step(s) of {micro} micro-batches): "
         "reshard_after_backward is False on non-final micro-batches, the gradient-accumulation "
         f"recipe. It buys fewer all-gathers: about {human(per_step)} of parameters per step are "
-        "not gathered again by the next micro-batch. Resharding every micro-batch would put the "
-        f"peak at {human(after['overall_bytes'])} instead of {human(d.peak_bytes)}.")
+        "not gathered again by the next micro-batch. "
+        + (f"Resharding every micro-batch would put the peak at {human(after['overall_bytes'])} "
+           f"instead of {human(d.peak_bytes)}." if saving else
+           f"Resharding every micro-batch would not lower the peak ({human(d.peak_bytes)}): "
+           "the kept parameters are not where it is."))
     return [Finding(
         rule=RULE, verdict=Verdict.EXPECTED,
         title="Parameters kept unsharded between micro-batches (gradient accumulation)",
