@@ -232,10 +232,7 @@ def w_submodules(prefetch: int = 0):
 def w_grouped(ctx, model):
     """checkpoint_wrapper per block, one fully_shard over each pair of blocks."""
     fully_shard = _fsdp2()
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-    for i, block in enumerate(model.layers):
-        model.layers[i] = checkpoint_wrapper(block)
+    _checkpoint_blocks(model)
     blocks = list(model.layers)
     for k in range(0, len(blocks), 2):
         fully_shard(blocks[k:k + 2], mesh=ctx.mesh)
@@ -245,11 +242,8 @@ def w_grouped(ctx, model):
 
 def w_root_only(ac="none"):
     def wrap(ctx, model):
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
         if ac == "wrapper":
-            for i, block in enumerate(model.layers):
-                model.layers[i] = checkpoint_wrapper(block)
+            _checkpoint_blocks(model)
         _fsdp2()(model, mesh=ctx.mesh)
         return model
     return wrap
@@ -332,25 +326,28 @@ def w_fsdp1_outer(reentrant: bool):
     return wrap
 
 
+def _checkpoint_blocks(model) -> None:
+    """checkpoint_wrapper(block) for every block, in place."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for i, block in enumerate(model.layers):
+        model.layers[i] = checkpoint_wrapper(block)
+
+
 def w_ddp(ac=True):
     def wrap(ctx, model):
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         if ac:
-            for i, block in enumerate(model.layers):
-                model.layers[i] = checkpoint_wrapper(block)
+            _checkpoint_blocks(model)
         return DDP(model)
     return wrap
 
 
 def w_none(ac=False):
     def wrap(ctx, model):
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
         if ac:
-            for i, block in enumerate(model.layers):
-                model.layers[i] = checkpoint_wrapper(block)
+            _checkpoint_blocks(model)
         return model
     return wrap
 
