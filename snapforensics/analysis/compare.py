@@ -14,7 +14,6 @@ with the highest peak), which is every device of a one-GPU-per-rank snapshot.
 
 from __future__ import annotations
 
-import glob
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +31,6 @@ PEAK_KEYS = ("overall_bytes", "forward_bytes", "backward_bytes")
 # A rank whose peak is this far from the median is flagged as imbalanced.
 IMBALANCE_THRESHOLD_PCT = 5.0
 _SEVERITY = {ANOMALOUS: 0, EXPECTED: 1, INFO: 2}
-_SNAPSHOT_SUFFIXES = (".pickle", ".pkl", ".pickle.gz", ".pkl.gz")
 
 
 @dataclass
@@ -57,52 +55,39 @@ class Comparison:
 # ---------------------------------------------------------------------------------- inputs
 
 def expand_inputs(args: Iterable[str | Path]) -> list[Path]:
-    """Paths as given; a folder stands for its rank*.pickle files, in rank order; a quoted glob
+    """Paths as given; a folder stands for its rank files, in rank order; a quoted glob
     that names no file as such is expanded. Nothing is deduplicated: order is meaning."""
-    from snapforensics.snapshot import rank_from_name
+    from snapforensics.parallel import expand
 
-    out: list[Path] = []
-    for a in args:
-        p = Path(a)
-        if p.is_dir():
-            files = [q for q in p.iterdir() if q.is_file() and q.name.lower().startswith("rank")
-                     and q.name.lower().endswith(_SNAPSHOT_SUFFIXES)]
-            if not files:
-                raise SnapError(f"{p}: is a directory with no rank*.pickle files to compare")
-            out += sorted(files, key=lambda q: (rank_from_name(str(q)) is None,
-                                                rank_from_name(str(q)) or 0, q.name))
-        elif not p.exists() and any(ch in str(a) for ch in "*?["):
-            hits = sorted(glob.glob(str(a)))
-            if not hits:
-                raise SnapError(f"{a}: no file matches this pattern")
-            out += sorted((Path(h) for h in hits),
-                          key=lambda q: (rank_from_name(str(q)) is None,
-                                         rank_from_name(str(q)) or 0, str(q)))
-        else:
-            out.append(p)
-    return out
+    return [Path(p) for p in expand(args)]
 
 
-def compare_paths(paths: Sequence[str | Path], mode: str = AUTO) -> Comparison:
-    """Load and diagnose each input once (a path given twice is read once), then compare."""
-    from snapforensics.analysis.diagnose import diagnose
-    from snapforensics.snapshot import load
+def diagnose_paths(paths: Sequence[str | Path], jobs: int | None = None, cache: bool = True,
+                   progress: bool = False) -> list[Diagnosis]:
+    """Diagnose every input (in parallel, through the cache); the first unreadable one is the
+    error."""
+    from snapforensics.parallel import run
 
-    paths = expand_inputs(paths)
-    if len(paths) < 2:
+    docs = run(paths, jobs=jobs, cache=cache, progress=progress)
+    bad = next((d for d in docs if "error" in d), None)
+    if bad is not None:
+        raise SnapError(f"{bad['source']}: {bad['error']}")
+    return [Diagnosis.from_dict(d) for d in docs]
+
+
+def compare_paths(paths: Sequence[str | Path], mode: str = AUTO, jobs: int | None = None,
+                  cache: bool = True, progress: bool = False) -> Comparison:
+    """Diagnose each input (in parallel), then compare against the first."""
+    from snapforensics.parallel import expand
+
+    srcs = expand(paths)
+    if len(srcs) < 2:
         raise SnapError("compare needs at least two snapshots (baseline first), "
-                        f"got {len(paths)}")
-    missing = [str(p) for p in paths if not Path(p).exists()]
+                        f"got {len(srcs)}")
+    missing = [s for s in srcs if "://" not in s and not Path(s).exists()]
     if missing:  # say so before spending time on the others
         raise SnapError(f"{missing[0]}: no such file")
-    cache: dict[str, Diagnosis] = {}
-    diags = []
-    for p in paths:
-        key = str(Path(p).resolve()) if Path(p).exists() else str(p)
-        if key not in cache:
-            cache[key] = diagnose(load(p))
-        diags.append(cache[key])
-    return compare(diags, mode=mode)
+    return compare(diagnose_paths(srcs, jobs, cache, progress), mode=mode)
 
 
 def compare(diags: Sequence[Diagnosis], mode: str = AUTO) -> Comparison:

@@ -7,7 +7,7 @@ from typing import Any
 from snapforensics.analysis.compare import BEFORE_AFTER, Comparison
 from snapforensics.report.common import human
 
-FORMATS = ("terminal", "markdown", "json")
+FORMATS = ("terminal", "markdown", "json", "html")
 PEAK_NAMES = (("overall_bytes", "overall peak"), ("forward_bytes", "forward peak"),
               ("backward_bytes", "backward peak"))
 
@@ -144,6 +144,8 @@ def render_text(c: Comparison, fmt: str) -> str:
         return dumps(c.to_dict(), indent=True)
     if fmt == "markdown":
         return render_markdown(c)
+    if fmt == "html":
+        return render_html(c)
     from io import StringIO
 
     from rich.console import Console
@@ -297,3 +299,119 @@ def render_markdown(c: Comparison) -> str:
 
 def _letter(n: int) -> str:
     return chr(ord("A") + n) if n < 26 else f"#{n + 1}"
+
+
+def render_html(c: Comparison, gate: list[str] | None = None) -> str:
+    """The same sections as markdown, as one self-contained offline page."""
+    from snapforensics.report.pages import lines, page, table
+
+    n = len(c.inputs)
+    body = lines(c.warnings) + lines(gate or [], "warn fail")
+    body.append("<h2>Inputs</h2>" + table(
+        ["", "source", "rank", "overall peak", "peak in", "anomalies"],
+        [[_letter(i), x["source"], "-" if x["rank"] is None else x["rank"],
+          human(x["peaks"]["overall_bytes"]), x["peak_phase"] or "-",
+          ", ".join(x["anomalies"]) or "none"] for i, x in enumerate(c.inputs)]))
+    body.append("<h2>Peaks</h2>" + table(
+        ["", _letter(0)] + [h for i in range(1, n) for h in (_letter(i), f"{_letter(i)} - A")],
+        [[name, human(c.baseline["peaks"][key])]
+         + [x for d in c.deltas for x in (human(d["peaks"][key]["after"]),
+                                          change(d["peaks"][key]))]
+         for key, name in PEAK_NAMES]))
+    rows = category_rows(c)
+    if rows:
+        body.append("<h2>Alive at the peak, by what made it</h2>" + table(
+            ["category", _letter(0)] + [f"{_letter(i)} (change)" for i in range(1, n)],
+            [[cat, *cells] for cat, cells in rows]))
+    rows = finding_rows(c)
+    body.append("<h2>Findings</h2>" + (table(
+        ["rule", "verdict", "status"] + [_letter(i) for i in range(n)],
+        [[rule, verdict, status, *cells] for rule, verdict, status, cells in rows],
+        [verdict for _, verdict, _, _ in rows]) if rows else "<p>No findings in any input.</p>"))
+    for d in c.deltas:
+        pl = prediction_lines(d)
+        if pl:
+            body.append(f"<h2>Prediction check ({_esc(c.baseline['label'])} -> "
+                        f"{_esc(d['label'])})</h2>")
+            body += lines(pl, "")
+    line = imbalance_line(c)
+    if line:
+        body.append("<h2>Imbalance</h2>")
+        body += lines([line], "")
+    mode = "before/after" if c.mode == BEFORE_AFTER else "rank vs rank"
+    return page(f"snapforensics compare ({mode})", headline(c), body, c.tool)
+
+
+def _esc(s: Any) -> str:
+    from snapforensics.report.pages import h
+    return h(s)
+
+
+# ------------------------------------------------------------------------- two runs, by rank
+
+RUN_HEAD = ["rank", "peak A", "peak B", "change", "new anomalies", "gone anomalies"]
+
+
+def runs_headline(r) -> str:
+    o = r.overall
+    g = o["largest_growth"]
+    words = [f"{o['ranks']} ranks compared: highest peak {human(o['peak_bytes']['before'])} -> "
+             f"{human(o['peak_bytes']['after'])} ({pct(o['peak_bytes']['delta_pct'])})",
+             f"largest change {g['label']} {change(g)}"]
+    if o["new_anomalies"]:
+        words.append("new: " + ", ".join(o["new_anomalies"]))
+    if o["gone_anomalies"]:
+        words.append("gone: " + ", ".join(o["gone_anomalies"]))
+    return "; ".join(words)
+
+
+def run_rows(r) -> list[list[str]]:
+    from snapforensics.analysis.gate import _new_anomalies
+
+    out = []
+    for c in r.pairs:
+        d = c.deltas[0]
+        p = d["peaks"]["overall_bytes"]
+        out.append([who(c.inputs[1]), human(p["before"]), human(p["after"]), change(p),
+                    ", ".join(x["rule"] for x in _new_anomalies(d)) or "-",
+                    ", ".join(x["rule"] for x in d["findings"]["disappeared"]
+                              if x["verdict"] == "anomalous") or "-"])
+    return out
+
+
+def render_runs(r, fmt: str, gate: list[str], console=None) -> str | None:
+    """Two run folders compared rank by rank: the overall headline, one row per rank, the
+    unpaired files and the gate's verdict, in any format."""
+    if fmt == "json":
+        from snapforensics.report.json import dumps
+        return dumps(r.to_dict() | {"gate": {"failures": gate}}, indent=True)
+    head = f"snapforensics compare {r.a} -> {r.b} (rank by rank)"
+    notes = [f"no counterpart: {u}" for u in r.unpaired] + [f"FAIL: {g}" for g in gate]
+    if fmt == "html":
+        from snapforensics.report.pages import lines, page, table
+        return page(head, runs_headline(r), [table(RUN_HEAD, run_rows(r))] + lines(notes),
+                    r.pairs[0].tool)
+    if fmt == "markdown":
+        from snapforensics.report.pages import md_table
+        return "\n".join([f"# {head}", "", f"**{runs_headline(r)}**", ""]
+                         + md_table(RUN_HEAD, run_rows(r)) + [f"- {x}" for x in notes]) + "\n"
+    from rich.table import Table
+    from rich.text import Text
+    if console is None:
+        from io import StringIO
+
+        from rich.console import Console
+        buf = StringIO()
+        render_runs(r, fmt, gate, Console(file=buf, width=120, no_color=True))
+        return buf.getvalue()
+    console.print(Text(head, style="bold"))
+    console.print(Text(runs_headline(r), style="bold"))
+    t = Table(show_edge=False)
+    for col in RUN_HEAD:
+        t.add_column(col)
+    for row in run_rows(r):
+        t.add_row(*map(Text, row))
+    console.print(t)
+    for x in notes:
+        console.print(Text(x, style="red" if x.startswith("FAIL") else "yellow"))
+    return None

@@ -7,7 +7,6 @@ rank, the ranks named when not), unreadable inputs and warnings.
 
 from __future__ import annotations
 
-import html as _html
 from typing import Any
 
 from snapforensics.analysis.fleet import Fleet
@@ -38,7 +37,7 @@ def headline(f: Fleet) -> str:
 
 
 def who(r: dict[str, Any]) -> str:
-    return f"rank {r['rank']}" if r.get("rank") is not None else r["label"]
+    return r["label"] + (f" (rank {r['rank']})" if r.get("rank") is not None else "")
 
 
 def where(row: dict[str, Any], n: int) -> str:
@@ -111,66 +110,36 @@ def render_terminal(f: Fleet, console) -> None:
         console.print(Text(f"warning: {w}", style="yellow"))
 
 
-def _md(s: Any) -> str:
-    """A table cell: no line breaks, no column separators, no markup from file names."""
-    return str(s).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ") \
-        .replace("<", "&lt;").replace("`", "\\`").replace("*", "\\*").replace("_", "\\_")
-
-
-def _md_table(head: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + \
-        ["| " + " | ".join(map(_md, r)) + " |" for r in rows] + [""]
-
-
 def render_markdown(f: Fleet) -> str:
-    out = ["# snapforensics fleet", "", f"**{_md(headline(f))}**", ""]
+    from snapforensics.report.pages import md, md_table
+
+    out = ["# snapforensics fleet", "", f"**{md(headline(f))}**", ""]
     if f.ranks:
-        out += ["## Ranks, worst first", ""] + _md_table(RANK_HEAD, rank_rows(f))
+        out += ["## Ranks, worst first", ""] + md_table(RANK_HEAD, rank_rows(f))
     if f.findings:
-        out += ["## Findings by rank", ""] + _md_table(FINDING_HEAD, finding_rows(f))
+        out += ["## Findings by rank", ""] + md_table(FINDING_HEAD, finding_rows(f))
         for r in f.anomalies[:3]:
             if r.get("fix"):
                 out += [f"Fix for `{r['rule']}`:", "", "```python", r["fix"], "```", ""]
     for e in f.errors:
-        out.append(f"- unreadable: {_md(e['source'])}: {_md(e['error'])}")
+        out.append(f"- unreadable: {md(e['source'])}: {md(e['error'])}")
     for w in f.warnings:
-        out.append(f"- warning: {_md(w)}")
+        out.append(f"- warning: {md(w)}")
     return "\n".join(out).rstrip() + "\n"
-
-
-def _h(s: Any) -> str:
-    return _html.escape(str(s), quote=True)
-
-
-def _h_table(head: list[str], rows: list[list[str]], classes: list[str] | None = None) -> str:
-    cls = classes or [""] * len(rows)
-    return ("<table><tr>" + "".join(f"<th>{_h(x)}</th>" for x in head) + "</tr>"
-            + "".join(f"<tr class='{c}'>" + "".join(f"<td>{_h(x)}</td>" for x in r) + "</tr>"
-                      for r, c in zip(rows, cls)) + "</table>")
-
-
-CSS = ("body{font:14px/1.45 system-ui,sans-serif;margin:24px;color:#222}"
-       "table{border-collapse:collapse;margin:8px 0 20px}td,th{padding:3px 10px;"
-       "border-bottom:1px solid #ddd;text-align:left}th{background:#f4f4f4}"
-       "tr.anomalous td{color:#b00020}tr.specific td{font-weight:600}"
-       "pre{background:#f6f8fa;padding:8px;overflow:auto}.warn{color:#8a6d00}")
 
 
 def render_html(f: Fleet) -> str:
     """One self-contained offline page (no script, no URL fetched)."""
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>snapforensics fleet"
-             f"</title><style>{CSS}</style></head><body><h1>snapforensics fleet</h1>"
-             f"<p><b>{_h(headline(f))}</b></p>"]
+    from snapforensics.report.pages import h, lines, page, table
+
+    body = []
     if f.ranks:
-        parts.append("<h2>Ranks, worst first</h2>" + _h_table(RANK_HEAD, rank_rows(f)))
+        body.append("<h2>Ranks, worst first</h2>" + table(RANK_HEAD, rank_rows(f)))
     if f.findings:
         cls = [f"{r['verdict']}{'' if r['on_all_ranks'] else ' specific'}" for r in f.findings]
-        parts.append("<h2>Findings by rank</h2>" + _h_table(FINDING_HEAD, finding_rows(f), cls))
-        for r in f.anomalies[:3]:
-            if r.get("fix"):
-                parts.append(f"<p>Fix for <code>{_h(r['rule'])}</code>:</p>"
-                             f"<pre>{_h(r['fix'])}</pre>")
-    parts += [f"<p class='warn'>unreadable: {_h(e['source'])}: {_h(e['error'])}</p>"
-              for e in f.errors]
-    parts += [f"<p class='warn'>warning: {_h(w)}</p>" for w in f.warnings]
-    return "".join(parts) + f"<footer><small>{_h(f.tool)}</small></footer></body></html>\n"
+        body.append("<h2>Findings by rank</h2>" + table(FINDING_HEAD, finding_rows(f), cls))
+        body += [f"<p>Fix for <code>{h(r['rule'])}</code>:</p><pre>{h(r['fix'])}</pre>"
+                 for r in f.anomalies[:3] if r.get("fix")]
+    body += lines([f"unreadable: {e['source']}: {e['error']}" for e in f.errors])
+    body += lines([f"warning: {w}" for w in f.warnings])
+    return page("snapforensics fleet", headline(f), body, f.tool)
