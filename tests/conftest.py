@@ -37,3 +37,12 @@ def corpus_dir() -> Path:
     if not CORPUS.is_dir():
         pytest.skip(f"snapshot corpus not found at {CORPUS} (set SNAPFORENSICS_CORPUS)")
     return CORPUS
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path_factory, monkeypatch):
+    """The suite never reads or writes the user's cache (~/.cache/snapforensics): one private
+    cache folder for the session, inherited by the CLI subprocesses."""
+    if not os.environ.get("SNAPFORENSICS_TEST_CACHE"):
+        os.environ["SNAPFORENSICS_TEST_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    monkeypatch.setenv("SNAPFORENSICS_CACHE_DIR", os.environ["SNAPFORENSICS_TEST_CACHE"])

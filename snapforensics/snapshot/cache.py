@@ -289,16 +289,25 @@ def _save(s: Snapshot, f) -> None:
 
 def _read(entry: Path, path: str | os.PathLike) -> Snapshot | None:
     try:
-        arrays = _arrays(entry)
-        snap = _build(arrays, str(path))
+        snap = read_entry(entry, str(path))
     except FileNotFoundError:
         return None
-    except (BadEntry, OSError, ValueError, KeyError, TypeError, IndexError, OverflowError,
-            zipfile.BadZipFile, UnicodeDecodeError, orjson.JSONDecodeError):
+    except BadEntry:
         _remove(entry)  # tampered, truncated or from another version: rebuilt by the caller
         return None
     _touch(entry)
     return snap
+
+
+def read_entry(entry: Path, source: str) -> Snapshot:
+    """The model in `entry`, validated; BadEntry for anything but exactly what we write."""
+    try:
+        return _build(_arrays(entry), source)
+    except (FileNotFoundError, BadEntry):
+        raise
+    except (OSError, ValueError, KeyError, TypeError, IndexError, OverflowError,
+            zipfile.BadZipFile, UnicodeDecodeError, orjson.JSONDecodeError) as e:
+        raise BadEntry(f"{type(e).__name__}: {e}") from None
 
 
 def _arrays(entry: Path) -> dict[str, np.ndarray]:
@@ -460,4 +469,5 @@ def _segments(a: dict, meta: dict, nstacks: int, nstreams: int) -> list[Segment]
                 _arr(a, "seg_stack", "i8", n, -1, nstacks - 1).tolist()))]
 
 
-__all__ = ["load", "diagnose", "evict", "key", "directory", "enabled", "limit", "BadEntry"]
+__all__ = ["load", "diagnose", "evict", "key", "directory", "enabled", "limit", "BadEntry",
+           "read_entry"]
