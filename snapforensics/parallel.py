@@ -92,14 +92,13 @@ def _expand_url(url: str) -> list[str]:
     try:
         import fsspec
         fs, path = fsspec.core.url_to_fs(url)
-        proto = url.split("://", 1)[0]
         if any(ch in path for ch in "*?["):
-            hits = [f"{proto}://{h}" for h in fs.glob(path)]
+            hits = [fs.unstrip_protocol(h) for h in fs.glob(path)]
             if not hits:
                 raise SnapError(f"{url}: no file matches this pattern")
             return _rank_order(hits)
         if fs.isdir(path):
-            files = _pick_snapshots([f"{proto}://{x}" for x in fs.ls(path, detail=False)])
+            files = _pick_snapshots([fs.unstrip_protocol(x) for x in fs.ls(path, detail=False)])
             if not files:
                 raise SnapError(f"{url}: no rank snapshot files there")
             return files
@@ -255,7 +254,7 @@ def _dask_executor(address: str) -> tuple[futures.Executor, Callable]:
         raise SnapError("--scheduler needs dask.distributed: pip install "
                         "'snapforensics[fleet]'") from None
     try:
-        client = Client(address, timeout=30)
+        client = Client(address, timeout=10)
     except (OSError, TimeoutError, ValueError) as e:
         raise SnapError(f"cannot reach the Dask scheduler at {address}: {e}") from None
     ex = client.get_executor(pure=False)
