@@ -26,9 +26,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterable
 from concurrent import futures
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from snapforensics.errors import SnapError
 
@@ -276,7 +277,7 @@ class _Progress:
         self.start = time.monotonic()
         self.bar: Any = None
 
-    def __enter__(self) -> "_Progress":
+    def __enter__(self) -> _Progress:
         return self
 
     def advance(self, nbytes: int) -> None:
@@ -291,8 +292,14 @@ class _Progress:
             if time.monotonic() - self.start < PROGRESS_AFTER_S:
                 return
             from rich.console import Console
-            from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
-                                       TimeElapsedColumn, TimeRemainingColumn)
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
             self.bar = Progress(TextColumn("diagnosing"), BarColumn(), DownloadColumn(),
                                 TextColumn("{task.fields[ranks]}"), TimeElapsedColumn(),
                                 TimeRemainingColumn(), console=Console(stderr=True),

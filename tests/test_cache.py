@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import corpus_file
+
 from snapforensics.analysis import diagnose
 from snapforensics.snapshot import cache, loader
 
@@ -112,8 +112,8 @@ TAMPER = {
     "not UTF-8": lambda a: a.__setitem__("frame_file_text", np.full_like(
         a["frame_file_text"], 0xFF)),
     "meta not JSON": lambda a: a.__setitem__("meta", np.frombuffer(b"\x80\x04K\x01.", np.uint8)),
-    "object array": lambda a: a.__setitem__("t0_meta", np.array([object()] * 3, dtype=object)),
-    "member missing": lambda a: a.pop("t0_stream"),
+    "object array": lambda a: a.__setitem__("t0_stream", np.array([object()] * 3, dtype=object)),
+    "member missing": lambda a: a.pop("t0_time_us"),
 }
 
 

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import corpus_files
+
 from snapforensics import parallel
 from snapforensics.analysis.fleet import fleet
 from snapforensics.report import fleet as report

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from snapforensics import __version__
-from snapforensics.analysis.compare import RANKS, _SEVERITY, _imbalance, _input, _labels, \
-    _warnings
-from snapforensics.analysis.diagnosis import ANOMALOUS, Diagnosis
+from snapforensics.analysis.compare import _SEVERITY, RANKS, _imbalance, _input, _labels, _warnings
+from snapforensics.analysis.diagnosis import Diagnosis
+from snapforensics.analysis.vocab import Verdict
 
 SCHEMA = "snapforensics.fleet/1"
 
@@ -34,7 +34,7 @@ class Fleet:
 
     @property
     def anomalies(self) -> list[dict[str, Any]]:
-        return [f for f in self.findings if f["verdict"] == ANOMALOUS]
+        return [f for f in self.findings if f["verdict"] == Verdict.ANOMALOUS]
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema": SCHEMA, "tool": self.tool, "ranks": self.ranks, "spread": self.spread,

@@ -15,8 +15,9 @@ Gate conditions (`--fail-on`, repeatable):
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from snapforensics.analysis.compare import BEFORE_AFTER, Comparison, _change, compare
 from snapforensics.analysis.diagnosis import Diagnosis

@@ -5,7 +5,8 @@ cells."""
 from __future__ import annotations
 
 import html as _html
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 CSS = ("body{font:14px/1.45 system-ui,sans-serif;margin:24px;color:#222;max-width:1200px}"
        "table{border-collapse:collapse;margin:8px 0 20px}td,th{padding:3px 10px;"

@@ -36,23 +36,24 @@ import tempfile
 import zipfile
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import orjson
 
 from snapforensics import __version__
-from snapforensics.snapshot import loader
+from snapforensics.snapshot import normalize as loader
+from snapforensics.snapshot.columns import MAX_BYTES, MAX_DEVICE, MAX_TOTAL
+from snapforensics.snapshot.format import rank_from_name
 from snapforensics.snapshot.model import (
     ACTIONS,
     Annotation,
+    Backend,
     Block,
+    Format,
     Frame,
     Segment,
     Snapshot,
     Trace,
-    Format,
-    Backend,
 )
 
 SCHEMA = 1
@@ -246,12 +247,10 @@ def _save(s: Snapshot, f) -> None:
     a["frame_line"] = np.array([fr.line for fr in s.frames], np.int64)
     a["stack_frames"] = np.fromiter((x for st in s.stacks for x in st), np.int64)
     a["stack_end"] = np.cumsum([len(st) for st in s.stacks], dtype=np.int64)
-    _strs(a, "strings", s.strings)
     for t in s.traces:
         p = f"t{t.device}_"
-        for col in ("action", "addr", "size", "stream", "time_us", "stack", "meta"):
+        for col in ("action", "addr", "size", "stream", "time_us", "stack"):
             a[p + col] = getattr(t, col)
-        a[p + "pool"] = t.pool if t.pool is not None else np.full(len(t), -1, np.int32)
         a[p + "oom_row"] = np.array(list(t.device_free), np.int64)
         a[p + "oom_free"] = np.array(list(t.device_free.values()), np.int64)
     seg = s.segments
@@ -277,7 +276,7 @@ def _save(s: Snapshot, f) -> None:
     a["ann_row"] = np.array([x.row for x in an], np.int64)
     _strs(a, "ann_name", [x.name for x in an])
     meta = {"schema": SCHEMA, "traces": len(s.traces), "streams": s.streams,
-            "pools": [list(p) for p in s.pools], "seg_pool_id": [list(x.pool_id) for x in seg],
+            "seg_pool_id": [list(x.pool_id) for x in seg],
             "allocator_settings": s.allocator_settings, "provenance": s.provenance,
             "format": s.format, "warnings": s.warnings,
             "kind": {f.name: getattr(s.kind, f.name) for f in fields(s.kind)}}
@@ -365,7 +364,7 @@ def _build(a: dict, source: str) -> Snapshot:
     meta = orjson.loads(_arr(a, "meta", "u1").tobytes())
     if type(meta) is not dict or meta.get("schema") != SCHEMA:
         raise BadEntry("schema")
-    lim = loader.MAX_BYTES
+    lim = MAX_BYTES
     files, names = _table(a, "frame_file"), _table(a, "frame_name")
     line = _arr(a, "frame_line", "i8", len(files), -(1 << 31), (1 << 31) - 1)
     if len(names) != len(files):
@@ -378,13 +377,11 @@ def _build(a: dict, source: str) -> Snapshot:
         raise BadEntry("stack offsets")
     fl = flat.tolist()
     stacks = [tuple(fl[i:j]) for i, j in zip([0] + send[:-1].tolist(), send.tolist())]
-    strings = _table(a, "strings")
-    streams, pools = meta["streams"], [tuple(p) for p in meta["pools"]]
-    if not all(type(s) is int and -(1 << 63) <= s < (1 << 64) for s in streams) or \
-            not all(all(type(x) is int for x in p) and 0 < len(p) <= 4 for p in pools):
-        raise BadEntry("streams/pools")
+    streams = meta["streams"]
+    if not all(type(s) is int and -(1 << 63) <= s < (1 << 64) for s in streams):
+        raise BadEntry("streams")
     ntraces = meta["traces"]
-    if type(ntraces) is not int or not 0 <= ntraces <= loader.MAX_DEVICE:
+    if type(ntraces) is not int or not 0 <= ntraces <= MAX_DEVICE:
         raise BadEntry("traces")
     traces, total = [], 0.0
     for d in range(ntraces):
@@ -400,10 +397,8 @@ def _build(a: dict, source: str) -> Snapshot:
             _arr(a, p + "stream", "i4", n, 0, len(streams) - 1),
             _arr(a, p + "time_us", "f8", n),
             _arr(a, p + "stack", "i4", n, -1, len(stacks) - 1),
-            _arr(a, p + "meta", "i4", n, -1, len(strings) - 1),
-            dict(zip(rows.tolist(), free.tolist())),
-            _arr(a, p + "pool", "i4", n, -1, len(pools) - 1)))
-    if total > loader.MAX_TOTAL:
+            dict(zip(rows.tolist(), free.tolist()))))
+    if total > MAX_TOTAL:
         raise BadEntry("trace sizes")
     segments = _segments(a, meta, len(stacks), len(streams))
     ann_names = _table(a, "ann_name")
@@ -427,16 +422,16 @@ def _build(a: dict, source: str) -> Snapshot:
         cpu_recorded=bool(kind["cpu_recorded"]))
     rank = meta["provenance"].get("rank")
     if type(rank) is not int or not 0 <= rank < (1 << 31):
-        rank = loader.rank_from_name(source)
-    return Snapshot(source=source, frames=frames, stacks=stacks, strings=strings,
-                    streams=streams, traces=traces, segments=segments, annotations=annotations,
+        rank = rank_from_name(source)
+    return Snapshot(source=source, frames=frames, stacks=stacks, streams=streams,
+                    traces=traces, segments=segments, annotations=annotations,
                     allocator_settings=meta["allocator_settings"],
                     provenance=meta["provenance"], format=meta["format"], rank=rank,
-                    warnings=meta["warnings"], pools=pools, kind=fmt)
+                    warnings=meta["warnings"], kind=fmt)
 
 
 def _segments(a: dict, meta: dict, nstacks: int, nstreams: int) -> list[Segment]:
-    lim = loader.MAX_BYTES
+    lim = MAX_BYTES
     types = _table(a, "seg_type")
     n = len(types)
     bend = _arr(a, "seg_blocks_end", "i8", n, 0)
@@ -445,7 +440,7 @@ def _segments(a: dict, meta: dict, nstacks: int, nstreams: int) -> list[Segment]
         raise BadEntry("block offsets")
     cols = {c: _arr(a, "seg_" + c, "i8", n, 0, lim).tolist()
             for c in ("total_size", "allocated_size", "active_size", "requested_size")}
-    if sum(map(float, cols["total_size"])) > loader.MAX_TOTAL:
+    if sum(map(float, cols["total_size"])) > MAX_TOTAL:
         raise BadEntry("segment sizes")
     pool_ids = meta["seg_pool_id"]
     if type(pool_ids) is not list or len(pool_ids) != n or not all(
@@ -462,7 +457,7 @@ def _segments(a: dict, meta: dict, nstacks: int, nstreams: int) -> list[Segment]
                     cols["active_size"][i], cols["requested_size"][i], stream, types[i],
                     tuple(pool_ids[i]), bool(exp), stack, blocks[starts[i]:int(bend[i])])
             for i, (dev, addr, stream, exp, stack) in enumerate(zip(
-                _arr(a, "seg_device", "i8", n, 0, loader.MAX_DEVICE).tolist(),
+                _arr(a, "seg_device", "i8", n, 0, MAX_DEVICE).tolist(),
                 _arr(a, "seg_address", "u8", n).tolist(),
                 _arr(a, "seg_stream", "i8", n, 0, nstreams - 1).tolist(),
                 _arr(a, "seg_expandable", "?", n).tolist(),
