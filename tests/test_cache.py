@@ -17,7 +17,8 @@ import pytest
 from conftest import corpus_file
 
 from snapforensics.analysis import diagnose
-from snapforensics.snapshot import cache, loader
+from snapforensics.snapshot import cache
+from snapforensics.snapshot.cache import loader
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = sorted((REPO / "fixtures").glob("*.pickle.gz"))
