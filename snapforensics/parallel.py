@@ -36,7 +36,8 @@ from snapforensics.errors import SnapError
 SUFFIXES = (".pickle", ".pkl", ".pickle.gz", ".pkl.gz")
 RSS_FACTOR = 8  # x the unpickled file size; see the module docstring
 RSS_BASE = 200 << 20
-PROGRESS_AFTER_S = 2.0  # a bar only for runs that last longer than this
+# a bar only for runs that last longer than this (env SNAPFORENSICS_PROGRESS_AFTER, seconds)
+PROGRESS_AFTER_S = 2.0
 
 
 def is_url(s: str) -> bool:
@@ -230,7 +231,9 @@ def run(args: Iterable[str | os.PathLike], jobs: int | None = None, cache: bool 
     try:
         futs = {ex.submit(diagnose_one, s, cache, variant): i for i, s in enumerate(srcs)}
         docs: list[Any] = [None] * len(srcs)
-        with _Progress(len(srcs), sum(sizes), enabled=progress) as bar:
+        with _Progress(len(srcs), sum(sizes), enabled=progress, srcs=srcs,
+                       pids=lambda: [os.getpid()] + list(getattr(ex, "_processes", None) or ()),
+                       ) as bar:
             pending = set(futs)
             while pending:
                 done, pending = futures.wait(pending, timeout=0.25,
@@ -268,13 +271,19 @@ def _dask_executor(address: str) -> tuple[futures.Executor, Callable]:
 
 class _Progress:
     """A rich bar on stderr (bytes read, ranks done) once a run passes PROGRESS_AFTER_S;
-    nothing when stderr is not a terminal or progress is off (-q)."""
+    nothing when stderr is not a terminal or progress is off (-q). Bytes read count finished
+    files plus, on Linux, how far each worker has read into its file (its open file's offset
+    in /proc/PID/fdinfo), so a single big file moves the bar too."""
 
-    def __init__(self, ranks: int, total_bytes: int, enabled: bool):
+    def __init__(self, ranks: int, total_bytes: int, enabled: bool, srcs: list[str] = (),
+                 pids: Callable[[], list[int]] = lambda: []):
         self.on = enabled and sys.stderr.isatty()
         self.ranks, self.total = ranks, total_bytes
         self.done = self.bytes = 0
         self.start = time.monotonic()
+        self.after = float(os.environ.get("SNAPFORENSICS_PROGRESS_AFTER", PROGRESS_AFTER_S))
+        self.paths = {os.path.realpath(_local(s)) for s in srcs if not is_url(s)}
+        self.pids = pids
         self.bar: Any = None
 
     def __enter__(self) -> _Progress:
@@ -285,11 +294,27 @@ class _Progress:
         self.bytes += nbytes
         self.tick()
 
+    def _in_flight(self) -> int:
+        total = 0
+        for pid in self.pids():
+            try:
+                fds = os.listdir(f"/proc/{pid}/fd")
+            except OSError:
+                continue
+            for fd in fds:
+                try:
+                    if os.readlink(f"/proc/{pid}/fd/{fd}") in self.paths:
+                        with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                            total += int(f.readline().split()[1])
+                except (OSError, ValueError, IndexError):
+                    continue
+        return total
+
     def tick(self) -> None:
         if not self.on:
             return
         if self.bar is None:
-            if time.monotonic() - self.start < PROGRESS_AFTER_S:
+            if time.monotonic() - self.start < self.after:
                 return
             from rich.console import Console
             from rich.progress import (
@@ -306,8 +331,8 @@ class _Progress:
                                 transient=True)
             self.task = self.bar.add_task("", total=self.total or None, ranks="")
             self.bar.start()
-        self.bar.update(self.task, completed=self.bytes,
-                        ranks=f"{self.done}/{self.ranks} ranks")
+        done = min(self.total, self.bytes + self._in_flight()) if self.total else self.bytes
+        self.bar.update(self.task, completed=done, ranks=f"{self.done}/{self.ranks} ranks")
 
     def __exit__(self, *exc: Any) -> None:
         if self.bar is not None:

@@ -186,3 +186,37 @@ def test_dask_reads_fsspec_urls_from_shared_storage(cluster, run_dir):
 def test_unreachable_scheduler_is_one_line(run_dir):
     r = cli("diagnose", str(run_dir), "--scheduler", "tcp://127.0.0.1:9", "-q")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Dask" in r.stderr, r.stderr
+
+
+# ------------------------------------------------------------------------------- progress
+
+def _on_a_terminal(*args: str) -> str:
+    """Run the CLI with stderr on a pseudo-terminal (stdout piped); what the terminal got."""
+    import pty
+
+    leader, follower = pty.openpty()
+    p = subprocess.Popen([sys.executable, "-m", "snapforensics", *args], cwd=REPO,
+                         stdout=subprocess.DEVNULL, stderr=follower,
+                         env=os.environ | {"PYTHONPATH": str(REPO),
+                                           "SNAPFORENSICS_PROGRESS_AFTER": "0"})
+    os.close(follower)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(leader, 1 << 16)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    p.wait(timeout=300)
+    os.close(leader)
+    return out.decode("utf-8", "replace")
+
+
+def test_progress_bar_on_a_terminal_only(run_dir):
+    shown = _on_a_terminal("diagnose", str(run_dir), "--format", "json", "--no-cache")
+    assert "ranks" in shown and "diagnosing" in shown
+    assert "ranks" not in _on_a_terminal("diagnose", str(run_dir), "--format", "json", "-q")
+    piped = cli("diagnose", str(run_dir), "--format", "json", "--no-cache")
+    assert piped.returncode == 0 and piped.stderr == ""
