@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import os
+import resource
 import shutil
 import sys
 import tempfile
@@ -40,6 +41,13 @@ def source(tmp: Path) -> Path:
     return out
 
 
+def _cpu() -> float:
+    """CPU seconds of this process and its finished workers: equal for both runs when the
+    work splits cleanly, so a ratio below the target on a busy machine is contention."""
+    s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=4)
@@ -59,11 +67,12 @@ def main() -> None:
         run([run_dir / "rank0.pickle"], jobs=1, cache=False, progress=False)  # warm imports
         times = {}
         for j in (1, args.jobs):
+            cpu = _cpu()
             t = time.perf_counter()
             docs = run([run_dir], jobs=j, cache=False, progress=False)
             times[j] = time.perf_counter() - t
             assert all("error" not in d for d in docs), docs
-            print(f"-j {j}: {times[j]:.2f} s", flush=True)
+            print(f"-j {j}: {times[j]:.2f} s wall, {_cpu() - cpu:.2f} CPU-s", flush=True)
         print(f"speed-up -j {args.jobs} vs -j 1: {times[1] / times[args.jobs]:.2f}x "
               f"(load average now {os.getloadavg()[0]:.1f})")
 
