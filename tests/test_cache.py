@@ -4,8 +4,10 @@ the folder stays under its bound, a changed file is a miss, the CLI re-run skips
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -164,13 +166,20 @@ def test_changed_file_is_a_miss(cdir, tmp_path):
 
 
 def test_copied_file_keeps_its_own_name_and_rank(cdir, tmp_path):
-    src = tmp_path / "a" / "snap.pickle.gz"
-    src.parent.mkdir()
-    shutil.copy(FIXTURES[0], src)
-    cache.load(src)
-    hit = cache.load(src)
-    assert hit.source == str(src)
-    assert hit.rank == loader.load(src).rank
+    """A copy with the same content and mtime (cp -p) hits the entry of the original; what
+    the name decides (source, the rank of a file without a recorded one) is the copy's."""
+    src = tmp_path / "snapshot_rank_3.pickle"
+    with gzip.open(FIXTURES[0]) as f:
+        raw = pickle.loads(f.read())
+    raw.pop("snapforensics", None)  # a foreign file: no recorded rank
+    src.write_bytes(pickle.dumps(raw))
+    copy = tmp_path / "snapshot_rank_5.pickle"
+    shutil.copy2(src, copy)
+    assert cache.key(src) == cache.key(copy)
+    assert cache.load(src).rank == cache.diagnose(src).rank == 3
+    hit, doc = cache.load(copy), cache.diagnose(copy)
+    assert hit.source == doc.source == str(copy)
+    assert hit.rank == doc.rank == loader.load(copy).rank == 5
 
 
 def test_eviction_keeps_the_folder_under_its_bound(cdir, monkeypatch, tmp_path):

@@ -169,7 +169,7 @@ def diagnose(path: str | os.PathLike, cache: bool = True, variant: str = ""):
     try:
         d = Diagnosis.from_dict(orjson.loads(doc.read_bytes()))
         _touch(doc)
-        d.source = str(path)
+        d.source, d.rank = str(path), _rank(d.provenance, str(path))
         return d
     except FileNotFoundError:
         pass
@@ -422,14 +422,19 @@ def _build(a: dict, source: str) -> Snapshot:
     fmt = Format(backend=Backend(kind["backend"]), caching_allocator=bool(
         kind["caching_allocator"]), expandable_segments=bool(kind["expandable_segments"]),
         cpu_recorded=bool(kind["cpu_recorded"]))
-    rank = meta["provenance"].get("rank")
-    if type(rank) is not int or not 0 <= rank < (1 << 31):
-        rank = rank_from_name(source)
+    rank = _rank(meta["provenance"], source)
     return Snapshot(source=source, frames=frames, stacks=stacks, streams=streams,
                     traces=traces, segments=segments, annotations=annotations,
                     allocator_settings=meta["allocator_settings"],
                     provenance=meta["provenance"], format=meta["format"], rank=rank,
                     warnings=meta["warnings"], kind=fmt)
+
+
+def _rank(provenance: dict, source: str) -> int | None:
+    """As the loader decides it: the recorder's rank, else the one the file's name shows (an
+    entry may serve a copy of the file under another name)."""
+    rank = provenance.get("rank")
+    return rank if type(rank) is int and 0 <= rank < (1 << 31) else rank_from_name(source)
 
 
 def _segments(a: dict, meta: dict, nstacks: int, nstreams: int) -> list[Segment]:
