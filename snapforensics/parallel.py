@@ -25,7 +25,6 @@ import struct
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterable
 from concurrent import futures
 from pathlib import Path
@@ -208,41 +207,37 @@ def run(args: Iterable[str | os.PathLike], jobs: int | None = None, cache: bool 
     if not srcs:
         raise SnapError("no input given")
     sizes = [size_of(s) for s in srcs]
-    jobs = jobs or os.cpu_count() or 1
+    n = 0 if scheduler else workers_for(srcs, sizes, jobs or os.cpu_count() or 1)
+    if n == 1:  # in this thread: Ctrl-C interrupts the work itself
+        with _Progress(srcs, sizes, progress, lambda: [os.getpid()]) as bar:
+            docs = []
+            for s, size in zip(srcs, sizes):
+                docs.append(diagnose_one(s, cache, variant))
+                bar.advance(size)
+        return docs
     if scheduler:
         ex, close = _dask_executor(scheduler)
     else:
-        n = workers_for(srcs, sizes, jobs)
-        if n == 1:
-            ex = futures.ThreadPoolExecutor(1)  # no process start, same code path
-        else:
-            import multiprocessing as mp
+        import multiprocessing as mp
 
-            import snapforensics.analysis  # noqa: F401 - imported once, inherited by the forks
-            import snapforensics.snapshot.cache  # noqa: F401
-            # fork: workers start in milliseconds with everything imported, and never re-run
-            # the caller's main module (a training script using the API). The pool forks all
-            # its workers before it starts its own thread, and we start none before.
-            method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-            ex = futures.ProcessPoolExecutor(n, mp_context=mp.get_context(method))
+        import snapforensics.analysis  # noqa: F401 - imported once, inherited by the forks
+        import snapforensics.snapshot.cache  # noqa: F401
+        # fork: workers start in milliseconds with everything imported, and never re-run the
+        # caller's main module (a training script using the API). The pool forks all its
+        # workers on the first submit, before any thread of ours (the progress bar) starts.
+        method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+        ex = futures.ProcessPoolExecutor(n, mp_context=mp.get_context(method))
         close = ex.shutdown  # type: ignore[assignment]
     futs: dict[futures.Future, int] = {}
     ok = False
     try:
         futs = {ex.submit(diagnose_one, s, cache, variant): i for i, s in enumerate(srcs)}
-        docs: list[Any] = [None] * len(srcs)
-        with _Progress(len(srcs), sum(sizes), enabled=progress, srcs=srcs,
-                       pids=lambda: [os.getpid()] + list(getattr(ex, "_processes", None) or ()),
-                       ) as bar:
-            pending = set(futs)
-            while pending:
-                done, pending = futures.wait(pending, timeout=0.25,
-                                             return_when=futures.FIRST_COMPLETED)
-                for f in done:
-                    i = futs[f]
-                    docs[i] = f.result()
-                    bar.advance(sizes[i])
-                bar.tick()
+        docs = [None] * len(srcs)
+        with _Progress(srcs, sizes, progress,
+                       lambda: list(getattr(ex, "_processes", None) or ())) as bar:
+            for f in futures.as_completed(futs):
+                docs[futs[f]] = f.result()
+                bar.advance(sizes[futs[f]])
         ok = True
         return docs
     finally:
@@ -271,28 +266,35 @@ def _dask_executor(address: str) -> tuple[futures.Executor, Callable]:
 
 class _Progress:
     """A rich bar on stderr (bytes read, ranks done) once a run passes PROGRESS_AFTER_S;
-    nothing when stderr is not a terminal or progress is off (-q). Bytes read count finished
-    files plus, on Linux, how far each worker has read into its file (its open file's offset
-    in /proc/PID/fdinfo), so a single big file moves the bar too."""
+    nothing when stderr is not a terminal or progress is off (-q). A daemon thread redraws it,
+    so it moves while the work runs in this thread. Bytes read count finished files plus, on
+    Linux, how far each worker has read into its file (its open file's offset in
+    /proc/PID/fdinfo), so a single big file moves the bar too."""
 
-    def __init__(self, ranks: int, total_bytes: int, enabled: bool, srcs: list[str] = (),
-                 pids: Callable[[], list[int]] = lambda: []):
+    def __init__(self, srcs: list[str], sizes: list[int], enabled: bool,
+                 pids: Callable[[], list[int]]):
         self.on = enabled and sys.stderr.isatty()
-        self.ranks, self.total = ranks, total_bytes
+        self.ranks, self.total = len(srcs), sum(sizes)
         self.done = self.bytes = 0
-        self.start = time.monotonic()
         self.after = float(os.environ.get("SNAPFORENSICS_PROGRESS_AFTER", PROGRESS_AFTER_S))
         self.paths = {os.path.realpath(_local(s)) for s in srcs if not is_url(s)}
         self.pids = pids
-        self.bar: Any = None
+        self.stop = threading.Event()
+        self.drawer = threading.Thread(target=self._draw, daemon=True)
 
     def __enter__(self) -> _Progress:
+        if self.on:
+            self.drawer.start()
         return self
 
     def advance(self, nbytes: int) -> None:
         self.done += 1
         self.bytes += nbytes
-        self.tick()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop.set()
+        if self.drawer.is_alive():
+            self.drawer.join(timeout=2)  # the bar is erased before the report is printed
 
     def _in_flight(self) -> int:
         total = 0
@@ -310,30 +312,26 @@ class _Progress:
                     continue
         return total
 
-    def tick(self) -> None:
-        if not self.on:
+    def _draw(self) -> None:
+        if self.stop.wait(self.after):
             return
-        if self.bar is None:
-            if time.monotonic() - self.start < self.after:
-                return
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                DownloadColumn,
-                Progress,
-                TextColumn,
-                TimeElapsedColumn,
-                TimeRemainingColumn,
-            )
-            self.bar = Progress(TextColumn("diagnosing"), BarColumn(), DownloadColumn(),
-                                TextColumn("{task.fields[ranks]}"), TimeElapsedColumn(),
-                                TimeRemainingColumn(), console=Console(stderr=True),
-                                transient=True)
-            self.task = self.bar.add_task("", total=self.total or None, ranks="")
-            self.bar.start()
-        done = min(self.total, self.bytes + self._in_flight()) if self.total else self.bytes
-        self.bar.update(self.task, completed=done, ranks=f"{self.done}/{self.ranks} ranks")
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.bar is not None:
-            self.bar.stop()
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+        with Progress(TextColumn("diagnosing"), BarColumn(), DownloadColumn(),
+                      TextColumn("{task.fields[ranks]}"), TimeElapsedColumn(),
+                      TimeRemainingColumn(), console=Console(stderr=True), transient=True,
+                      auto_refresh=False) as bar:
+            task = bar.add_task("", total=self.total or None, ranks="")
+            while True:
+                done = min(self.total, self.bytes + self._in_flight())
+                bar.update(task, completed=done, ranks=f"{self.done}/{self.ranks} ranks")
+                bar.refresh()
+                if self.stop.wait(0.25):
+                    return
