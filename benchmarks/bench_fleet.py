@@ -72,7 +72,9 @@ def main() -> None:
             docs = run([run_dir], jobs=j, cache=False, progress=False)
             times[j] = time.perf_counter() - t
             assert all("error" not in d for d in docs), docs
-            print(f"-j {j}: {times[j]:.2f} s wall, {_cpu() - cpu:.2f} CPU-s", flush=True)
+            used = _cpu() - cpu
+            print(f"-j {j}: {times[j]:.2f} s wall, {used:.2f} CPU-s ({used / times[j]:.2f} cores "
+                  "busy)", flush=True)
         print(f"speed-up -j {args.jobs} vs -j 1: {times[1] / times[args.jobs]:.2f}x "
               f"(load average now {os.getloadavg()[0]:.1f})")
 
