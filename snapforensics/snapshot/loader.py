@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from itertools import repeat
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -826,7 +826,7 @@ def _place_annotations(raw: Any, traces: list[Trace]) -> list[Annotation]:
         if trace is None or math.isnan(t):
             continue
         # START sits before rows of the same time, END after them.
-        side = "left" if stage == "START" else "right"
+        side: Literal["left", "right"] = "left" if stage == "START" else "right"
         row = int(np.searchsorted(trace.time_us, t, side=side)) if sorted_ok[trace.device] \
             else len(trace)
         out.append(Annotation(trace.device, "END" if stage == "END" else "START",
