@@ -13,16 +13,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import corpus_file
+from corpus import corpus_file
 
 from snapforensics.analysis.compare import BEFORE_AFTER, RANKS, SCHEMA, compare_paths
+from snapforensics.analysis.rules import fsdp_reduce_scatter, fsdp_reshard
 from snapforensics.analysis.vocab import Category
 from snapforensics.errors import SnapError
 from snapforensics.report.compare import render_text
 
 REPO = Path(__file__).resolve().parents[1]
-RESHARD = "fsdp.unsharded_params_not_resharded"
-REDUCE = "fsdp.reduce_scatter_accumulation"
+RESHARD, REDUCE = fsdp_reshard.RULE, fsdp_reduce_scatter.RULE
 FORWARD = "NiuHuangxiaozi_forward_200.pickle"
 FWD_BWD = "NiuHuangxiaozi_fwd_bwd_200_mixed.pickle"
 
