@@ -16,6 +16,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from mdtext import rendered_text
 from snapforensics.analysis import Finding, diagnose
 from snapforensics.report import FORMATS, render_text
 from snapforensics.report.common import headline, human, peak_line
@@ -147,7 +148,8 @@ def test_every_format_renders(name, fmt):
     if fmt == "json":
         assert json.loads(out)["findings"] == [dataclasses.asdict(f) for f in d.findings]
         return
-    text = htmllib.unescape(out) if fmt == "html" else " ".join(out.split())
+    text = htmllib.unescape(out) if fmt == "html" else rendered_text(out) \
+        if fmt == "markdown" else " ".join(out.split())
     # every human format leads with the same headline and names every finding's rule
     assert " ".join(headline(d).split()) in (text if fmt != "html" else " ".join(text.split()))
     for f in d.findings:
