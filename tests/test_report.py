@@ -9,14 +9,14 @@ import os
 import re
 import subprocess
 import sys
-from functools import lru_cache
+from functools import cache
 from html.parser import HTMLParser
 from pathlib import Path
 
 import orjson
 import pytest
-
 from mdtext import rendered_text
+
 from snapforensics.analysis import Finding, diagnose
 from snapforensics.report import FORMATS, render_text
 from snapforensics.report.common import headline, human, peak_line
@@ -45,7 +45,7 @@ def corpus_file(name: str) -> Path:
     return p
 
 
-@lru_cache(maxsize=None)
+@cache
 def _diagnosed(name: str):
     return diagnose(load(corpus_file(name)))
 
@@ -316,7 +316,7 @@ def test_cli_diagnose_html(tmp_path):
 FIXTURE = REPO / "fixtures" / "fsdp2_ckpt_buggy_rank0.pickle.gz"
 
 
-@lru_cache(maxsize=None)
+@cache
 def fixture_diagnosis():
     return diagnose(load(FIXTURE))
 

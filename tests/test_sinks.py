@@ -16,7 +16,7 @@ import os
 import re
 import subprocess
 import sys
-from functools import lru_cache
+from functools import cache
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -73,7 +73,7 @@ def _edit(raw: dict) -> int:
     return n
 
 
-@lru_cache(maxsize=None)
+@cache
 def hostile(path: Path = FIXTURE):
     raw, warnings = read_raw(path)
     assert _edit(raw) > 100
@@ -104,7 +104,7 @@ CONTROL = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 SGR = re.compile(r"\x1b\[[0-9;]*m")  # colours and bold: the only escapes we emit
 
 
-@lru_cache(maxsize=None)
+@cache
 def document(kind: str):
     d = hostile()
     return d if kind == "diagnosis" else compare([d, diagnose(load(FIXED))])

@@ -6,8 +6,9 @@ passes them through its sink's function in report/sanitize.py.
 
 from __future__ import annotations
 
-from snapforensics.analysis.diagnosis import INFO, Diagnosis, Finding
-from snapforensics.analysis.rules.evidence import human
+from snapforensics.analysis.diagnosis import Diagnosis, Finding
+from snapforensics.analysis.evidence import human
+from snapforensics.analysis.vocab import Verdict
 from snapforensics.report.sanitize import NAME, cap
 
 __all__ = [
@@ -23,7 +24,7 @@ __all__ = [
     "verdict_order",
 ]
 
-VERDICT_ORDER = {"anomalous": 0, "expected": 1, "info": 2}
+VERDICT_ORDER = {Verdict.ANOMALOUS: 0, Verdict.EXPECTED: 1, Verdict.INFO: 2}
 # An info finding whose fix would save at least this share of the peak is named in the
 # headline even without an anomaly: a fifth of the peak is the same bar the fragmentation rule
 # uses for "significant", and a saving a user would act on before buying memory.
@@ -75,7 +76,7 @@ def headline(d: Diagnosis) -> str:
         return f"{n} anomal{'y' if n == 1 else 'ies'} found: {cap(top.title, NAME)}{save}"
     if not d.devices:
         return "empty snapshot: nothing was allocated"
-    for f in by_saving([f for f in d.findings if f.verdict == INFO and f.saving_bytes]):
+    for f in by_saving([f for f in d.findings if f.verdict == Verdict.INFO and f.saving_bytes]):
         peak = saving_peak(d, f)[1]
         if peak and f.saving_bytes >= HEADLINE_INFO_SHARE * peak:
             return f"no anomaly; {cap(f.title, NAME)} would save {_saving(d, f)}"

@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from snapforensics.analysis.compare import BEFORE_AFTER, Comparison
-from snapforensics.report.common import human
+from snapforensics.report.common import VERDICT_ORDER, human
 from snapforensics.report.registry import PLAIN, Screen
 from snapforensics.report.sanitize import FRAME, ROWS, TEXT
 from snapforensics.report.sanitize import markdown as md
@@ -100,7 +100,7 @@ def imbalance_line(c: Comparison) -> str | None:
 def finding_rows(c: Comparison) -> list[tuple[str, str, str, list[str]]]:
     """(rule, verdict, status, one cell per input) for every rule seen in any input. The
     verdict is the most severe one seen; a cell names its own verdict only when it differs."""
-    sev = {"anomalous": 0, "expected": 1, "info": 2}
+    sev = VERDICT_ORDER
     rules: dict[str, str] = {}
     for inp in c.inputs:
         for f in inp["findings"]:

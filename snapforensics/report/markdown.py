@@ -43,7 +43,8 @@ def render(d: Diagnosis, screen: Screen = PLAIN) -> str:
                    "allocator on CPU)." if d.format.get("backend") == "cpu" else
                    f"segments reserved {human(dev.segments['reserved_bytes'])} at dump."), ""]
         if dev.iterations:
-            out += ["| iteration | forward peak | backward peak | recompute peak | optimizer peak |",
+            out += ["| iteration | forward peak | backward peak | recompute peak "
+                    "| optimizer peak |",
                     "|---|---|---|---|---|"]
             out += [f"| {it['index']} | {human(it['forward_peak_bytes'])} | "
                     f"{human(it['backward_peak_bytes'])} | {' | '.join(phase_peaks(it))} |"
