@@ -8,6 +8,7 @@ Everything imports torch lazily: this module is imported by the bootstrap only.
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any, Callable
 
 from snapforensics.errors import EXIT_RECORD_FAILED, SnapError
@@ -168,6 +169,7 @@ class CpuBackend:
         self.stacks = stacks  # no C++ frames on this path: recorded in provenance only
         self.max_entries = max_entries
         self._prof = None
+        self._accounting = False
         self.timings: dict[str, float] = {}
 
     def start(self) -> None:
@@ -177,8 +179,11 @@ class CpuBackend:
 
         _warm_imports()
 
-        # (profile_all_threads=True would catch the frees made on gloo worker threads, but in
-        # torch 2.13 it drops every memory event: cpu.py infers those frees instead)
+        # The profiler records allocator events only on threads it traces: a tensor freed on a
+        # gloo worker thread has no free event (profile_all_threads=True drops every memory event
+        # in torch 2.13). The allocator's process-wide accounting sees it, and every recorded
+        # event carries that total: cpu.py recovers the lost frees from it.
+        self._accounting = _cpu_allocator_accounting(True)
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True,
                              with_stack=True, record_shapes=False)
         self._prof.__enter__()
@@ -193,6 +198,7 @@ class CpuBackend:
             raise RuntimeError("CPU recording was not started")
         t0 = time.perf_counter()
         prof.__exit__(None, None, None)
+        _cpu_allocator_accounting(self._accounting)
         t1 = time.perf_counter()
         snap = profile_to_snapshot(prof, self.max_entries)
         self.timings = {"profiler_stop_s": round(t1 - t0, 3),
@@ -201,6 +207,24 @@ class CpuBackend:
 
     def attach_oom(self, callback: Callable[[dict], None]) -> bool:
         return False
+
+
+def _cpu_allocator_accounting(on: bool) -> bool:
+    """Set c10's ``caffe2_report_cpu_memory_usage`` flag (the CPU allocator then keeps its byte
+    count on every thread, not only on threads the profiler traces); returns the previous value.
+    The flag is an exported global of libc10 with no Python binding. False when it is missing."""
+    import ctypes
+
+    import torch
+
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+        flag = ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage")
+    except (OSError, ValueError):
+        return False
+    previous = bool(flag.value)
+    flag.value = bool(on)
+    return previous
 
 
 # Importing these under the profiler's Python tracer costs seconds and records nothing useful
