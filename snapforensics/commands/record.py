@@ -32,18 +32,22 @@ _STACKS = ["python", "all"]
               help="Trace ring buffer size: only the last N alloc/free entries are kept.")
 @click.option("-m", "--module", "module", is_flag=True,
               help="SCRIPT is a module name, run as `python -m MODULE`.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress lines from the recorder.")
+@click.option("--force", is_flag=True,
+              help="Record into a non-empty --out (its earlier rank*.pickle are removed).")
+@click.option("-q", "--quiet", is_flag=True,
+              help="Only errors from the recorder (the script's own output is untouched).")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED, metavar="SCRIPT|MODULE [ARGS]...")
 def record_command(out: Path | None, nproc_per_node: int, device: str, stacks: str,
-                   max_entries: int, module: bool, quiet: bool, script_args: tuple[str, ...]) -> None:
+                   max_entries: int, module: bool, force: bool, quiet: bool, script_args: tuple[str, ...]) -> None:
     """Record a training run: one memory snapshot per rank.
 
     \b
       snapforensics record train.py --lr 1e-3
       snapforensics record --nproc-per-node 2 -m snapforensics.examples.fsdp_ckpt --variant buggy
 
-    A `--` right after SCRIPT/MODULE is dropped. Inside a torchrun launch (one rank per process)
-    it records just this process.
+    A `--` right after SCRIPT/MODULE is dropped. Every rank gets torchrun's environment (RANK,
+    WORLD_SIZE, MASTER_ADDR/PORT, ...), one rank included. Inside a torchrun launch (one rank
+    per process) it records just this process. --out must be new or empty (or --force).
     """
     from snapforensics.record import record
 
@@ -55,5 +59,6 @@ def record_command(out: Path | None, nproc_per_node: int, device: str, stacks: s
     if rest[:1] == ["--"]:
         rest = rest[1:]
     result = record(target, rest, module=module, out=out, nproc_per_node=nproc_per_node,
-                    device=device, stacks=stacks, max_entries=max_entries, quiet=quiet)
+                    device=device, stacks=stacks, max_entries=max_entries, quiet=quiet,
+                    force=force)
     sys.exit(result.exit_code)

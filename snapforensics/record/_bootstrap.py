@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +142,17 @@ class _TermAsExit:
         if self.installed:
             signal.signal(signal.SIGTERM, self.previous)
             self.installed = False
+
+
+# torch warnings that are about the recording set-up, not the user's code (message regexes)
+KNOWN_TORCH_WARNINGS = (
+    r"DTensor random operators may not have complete support on cpu device mesh",
+)
+
+
+def _hide_known_torch_warnings() -> None:
+    for message in KNOWN_TORCH_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
 
 
 def run_recorded(opts: dict, target: str, args: list[str]) -> dict:
@@ -264,6 +276,7 @@ def run_recorded(opts: dict, target: str, args: list[str]) -> dict:
     except Exception:
         pass
     term.install()
+    _hide_known_torch_warnings()
     try:
         sys.argv[:] = [target, *args]
         try:
@@ -298,8 +311,7 @@ def run_recorded(opts: dict, target: str, args: list[str]) -> dict:
             status["entries"] = _count_entries(snap)
             status["bytes"] = p.stat().st_size
             status["timings"] = getattr(backend, "timings", None)
-        except BaseException as e:
-            traceback.print_exc()
+        except BaseException as e:  # reported once, by the launching record
             status["error"] = f"rank {rank}: writing the snapshot failed: {type(e).__name__}: {e}"
         status["seconds"] = round(time.perf_counter() - t0, 3)
         term.restore()

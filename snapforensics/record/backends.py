@@ -7,8 +7,12 @@ Everything imports torch lazily: this module is imported by the bootstrap only.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
+import re
+import sys
+import tempfile
 from typing import Any, Callable
 
 from snapforensics.errors import EXIT_RECORD_FAILED, SnapError
@@ -186,7 +190,8 @@ class CpuBackend:
         self._accounting = _cpu_allocator_accounting(True)
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True,
                              with_stack=True, record_shapes=False)
-        self._prof.__enter__()
+        with _profiler_log_filtered():
+            self._prof.__enter__()
 
     def snapshot(self) -> dict:
         from snapforensics.record.cpu import profile_to_snapshot
@@ -197,7 +202,8 @@ class CpuBackend:
         if prof is None:
             raise RuntimeError("CPU recording was not started")
         t0 = time.perf_counter()
-        prof.__exit__(None, None, None)
+        with _profiler_log_filtered():
+            prof.__exit__(None, None, None)
         _cpu_allocator_accounting(self._accounting)
         t1 = time.perf_counter()
         snap = profile_to_snapshot(prof, self.max_entries)
@@ -207,6 +213,32 @@ class CpuBackend:
 
     def attach_oom(self, callback: Callable[[dict], None]) -> bool:
         return False
+
+
+# Kineto writes these on fd 2 at every profiler start/stop (USDT:/STAGE: lines, not
+# controlled by KINETO_LOG_LEVEL): noise for someone recording a training script.
+_PROFILER_NOISE = re.compile(rb"^(USDT|STAGE):\S* \S+ \d+:\d+ \S+\.cpp:\d+\] ")
+
+
+@contextlib.contextmanager
+def _profiler_log_filtered():
+    """fd 2 goes to a temp file while the profiler starts or stops; what is not kineto's
+    start/stop log is written back to stderr (another thread's output is delayed, not lost)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [line for line in tmp.read().splitlines(keepends=True)
+                    if not _PROFILER_NOISE.match(line)]
+            if kept:
+                os.write(2, b"".join(kept))
 
 
 def _cpu_allocator_accounting(on: bool) -> bool:
