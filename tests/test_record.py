@@ -508,20 +508,21 @@ def test_in_torchrun_detection(monkeypatch):
     assert not in_torchrun({})
 
 
-def test_status_json_is_removed_and_parsed(tmp_path):
-    """_result maps per-rank statuses to the exit code: the first nonzero, in rank order."""
+def test_exit_code_is_the_first_failing_ranks_own(tmp_path):
+    """_result: the code of the rank that failed first (the others were stopped after it)."""
     from snapforensics.record import _result
 
-    statuses = [{"rank": 0, "exit_code": 0, "snapshot": str(tmp_path / "rank0.pickle")},
+    statuses = [{"rank": 0, "exit_code": 143, "snapshot": str(tmp_path / "rank0.pickle")},
                 {"rank": 1, "exit_code": 4, "snapshot": str(tmp_path / "rank1.pickle")}]
-    res = _result(statuses, tmp_path, expected=[0, 1], launcher_rc=1, quiet=True)
+    res = _result(statuses, tmp_path, expected=[0, 1], codes=[143, 4], quiet=True, first_failed=1)
     assert res.exit_code == 4 and [p.name for p in res.snapshots] == ["rank0.pickle", "rank1.pickle"]
-    res = _result(statuses[:1], tmp_path, expected=[0, 1], launcher_rc=-9, quiet=True)
-    assert res.exit_code == 137
-    with pytest.raises(SnapError):
-        _result([{"rank": 0, "exit_code": 3, "snapshot": None, "error": "no cuda"}], tmp_path,
-                expected=[0], launcher_rc=3, quiet=True)
-    json.dumps(statuses)
+    res = _result(statuses[:1], tmp_path, expected=[0, 1], codes=[143, -9], quiet=True,
+                  first_failed=1)
+    assert res.exit_code == 137  # killed by SIGKILL before it could write its status
+    with pytest.raises(SnapError) as e:  # no snapshot and no failure: a recorder error, one line
+        _result([{"rank": 0, "exit_code": 0, "error": "rank 0: writing the snapshot failed: X"}],
+                tmp_path, expected=[0], codes=[0], quiet=True)
+    assert e.value.exit_code == EXIT_RECORD_FAILED and str(e.value).endswith("failed: X")
 
 
 def test_oom_observer_writes_its_own_snapshot(monkeypatch, tmp_path):
@@ -571,51 +572,133 @@ def test_oom_observer_writes_its_own_snapshot(monkeypatch, tmp_path):
     assert json.loads((tmp_path / "out" / ".rank0.status.json").read_text())["oom_snapshot"]
 
 
-LOOP = """
-import pathlib, sys, time
+BEHAVE = """
+import os, pathlib, signal, sys, time
 import torch
-keep = []
-pathlib.Path(sys.argv[1]).write_text("started")
-while True:
-    keep.append(torch.ones(1000))
-    keep = keep[-20:]
-    time.sleep(0.005)
+keep = [torch.empty(1000 * (i + 1)) for i in range(10)]
+what, out = sys.argv[1], pathlib.Path(sys.argv[2])
+print("env", os.environ.get("RANK"), os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_RANK"),
+      os.environ.get("MASTER_ADDR"), int(os.environ.get("MASTER_PORT", "0")) > 0)
+print("the script's own stderr", file=sys.stderr)
+sys.stdout.flush()
+sys.stderr.flush()
+if what == "os_exit":
+    os._exit(9)
+if what == "block_dump":  # the snapshot's name is taken by a folder: writing it fails
+    (out / "rank0.pickle" / "x").mkdir(parents=True)
+if what == "killed_mid_dump":  # what a SIGKILL while pickling leaves: a temp file
+    (out / ".snapforensics-tmp-rank0.pickle.abc.tmp").write_bytes(b"partial")
+    os.kill(os.getpid(), signal.SIGKILL)
+if what == "loop":
+    (out.parent / "started").write_text("yes")
+    while True:
+        keep.append(torch.ones(1000))
+        keep = keep[-20:]
+        time.sleep(0.005)
 """
 
 
-def test_sigterm_from_the_launcher_still_writes_the_snapshot(tmp_path):
-    """torchrun stops the surviving ranks with SIGTERM: the rank dumps and exits 143."""
+@pytest.fixture()
+def behave(tmp_path):
     pytest.importorskip("torch")
-    import shutil
+    script = tmp_path / "behave.py"
+    script.write_text(textwrap.dedent(BEHAVE))
+    return script
+
+
+def _record(script, what, out, *opts, after=()):
+    return run_cli(["record", "--device", "cpu", *opts, "--out", str(out), str(script), what,
+                    str(out), *after], cwd=out.parent)
+
+
+def test_os_exit_code_is_kept_with_a_hint_and_nothing_left(behave, tmp_path):
+    out = tmp_path / "out"
+    proc = _record(behave, "os_exit", out, after=["--nproc-per-node", "2"])
+    assert proc.returncode == 9, proc.stderr  # the script's own code, not "no snapshot" (3)
+    assert "env 0 1 0 127.0.0.1 True" in proc.stdout  # torchrun's environment, one process
+    lines = proc.stderr.splitlines()
+    assert any("put --nproc-per-node before it" in line for line in lines)
+    assert any("exited with code 9" in line and "0 snapshot(s)" in line for line in lines)
+    assert "Traceback" not in proc.stderr
+    assert list(out.iterdir()) == []  # no status, lock or temp file
+
+
+def test_a_rank_killed_mid_dump_leaves_no_temp_file(behave, tmp_path):
+    out = tmp_path / "out"
+    proc = _record(behave, "killed_mid_dump", out, "-q")
+    assert proc.returncode == 128 + 9, proc.stderr
+    assert list(out.iterdir()) == []
+
+
+def test_a_snapshot_write_failure_is_one_line(behave, tmp_path):
+    out = tmp_path / "out"
+    proc = _record(behave, "block_dump", out, "-q")
+    assert proc.returncode == EXIT_RECORD_FAILED
+    lines = [line for line in proc.stderr.splitlines() if line != "the script's own stderr"]
+    assert len(lines) == 1 and "writing the snapshot failed" in lines[0], proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["rank0.pickle"]  # the script's folder
+
+
+def test_out_is_refused_when_used_unless_force_and_quiet_is_quiet(behave, tmp_path):
+    import fcntl
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "rank0.pickle").write_bytes(b"an earlier run")
+    proc = _record(behave, "exit", out)
+    assert proc.returncode == 2 and "--force" in proc.stderr
+    assert len(proc.stderr.splitlines()) == 1
+    with open(out / ".snapforensics-record.lock", "w") as held:  # another record is running
+        fcntl.flock(held, fcntl.LOCK_EX)
+        proc = _record(behave, "exit", out, "--force")
+    assert proc.returncode == 2 and "another snapforensics record" in proc.stderr
+    assert len(proc.stderr.splitlines()) == 1
+    proc = _record(behave, "exit", out, "--force", "-q")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines() == ["the script's own stderr"]  # no profiler or torch noise
+    assert proc.stdout.splitlines() == ["env 0 1 0 127.0.0.1 True"]
+    _only_snapshots(out)
+    assert load_strict(out / "rank0.pickle")["snapforensics"]["script_exit_code"] == 0
+
+
+def test_launchers_given_as_the_script_get_a_suggestion(tmp_path):
+    proc = run_cli(["record", "--", "python", "train.py", "--lr", "1"], cwd=tmp_path)
+    assert proc.returncode == EXIT_RECORD_FAILED and len(proc.stderr.splitlines()) == 1
+    assert "try: snapforensics record train.py --lr 1" in proc.stderr
+    proc = run_cli(["record", "torchrun", "--standalone", "--nproc-per-node", "2", "train.py"],
+                   cwd=tmp_path)
+    assert "try: snapforensics record --nproc-per-node 2 train.py" in proc.stderr
+
+
+def test_sigterm_to_the_recorder_stops_the_whole_group_which_still_dumps(behave, tmp_path):
+    """The ranks run in their own process group; the recorder forwards the signal to it."""
     import signal
     import time
 
-    if shutil.which("pgrep") is None:
-        pytest.skip("needs pgrep to find the recorded process")
-    script = tmp_path / "loop.py"
-    script.write_text(textwrap.dedent(LOOP))
-    marker = tmp_path / "started"
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "snapforensics", "record", "-q", "--device",
-                             "cpu", "--out", str(out), str(script), str(marker)],
+                             "cpu", "--out", str(out), str(behave), "loop", str(out)],
                             cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    marker = tmp_path / "started"
     try:
-        deadline = time.time() + 60
+        deadline = time.time() + 120
         while not marker.exists() and time.time() < deadline and proc.poll() is None:
             time.sleep(0.1)
         assert marker.exists(), "the script never started"
-        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
-                                  text=True).stdout.split()
-        assert children
-        os.kill(int(children[0]), signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
+        group = os.getpgid(int(subprocess.run(["pgrep", "-P", str(proc.pid)], check=False,
+                                              capture_output=True, text=True).stdout.split()[0]))
+        assert group != os.getpgid(proc.pid)  # its own group, away from the terminal's
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 143, err
+    with pytest.raises(ProcessLookupError):
+        os.killpg(group, 0)  # nobody of the training group survives
     _only_snapshots(out)
     snap = load_strict(out / "rank0.pickle")
     assert snap["snapforensics"]["script_exit_code"] == 143
-    assert any(f["filename"].endswith("loop.py") for e in snap["device_traces"][0]
+    assert any(f["filename"].endswith("behave.py") for e in snap["device_traces"][0]
                for f in e["frames"])

@@ -291,8 +291,11 @@ class _OutLock:
 
 def record(target: str, script_args: list[str], *, module: bool = False, out: Path | None = None,
            nproc_per_node: int = 1, device: str = "auto", stacks: str = "python",
-           max_entries: int = 1_000_000, quiet: bool = False, force: bool = False) -> RecordResult:
-    """Run ``target`` with ``script_args`` under memory recording; see the module docstring."""
+           max_entries: int = 1_000_000, quiet: bool = False, force: bool = False,
+           steps: tuple[int, int | None] | None = None) -> RecordResult:
+    """Run ``target`` with ``script_args`` under memory recording; see the module docstring.
+
+    ``steps=(A, B)`` records optimizer steps A..B-1 only (0-based; B None: to the end)."""
     script_args = [str(a) for a in script_args]
     if device not in DEVICES:
         raise SnapError(f"unknown device {device!r} (choose from {', '.join(DEVICES)})",
@@ -304,6 +307,9 @@ def record(target: str, script_args: list[str], *, module: bool = False, out: Pa
         raise SnapError("--nproc-per-node must be at least 1", exit_code=EXIT_RECORD_FAILED)
     if max_entries < 1:
         raise SnapError("--max-entries must be at least 1", exit_code=EXIT_RECORD_FAILED)
+    if steps and (steps[0] < 0 or (steps[1] is not None and steps[1] <= steps[0])):
+        raise SnapError(f"--steps {steps[0]}:{steps[1] if steps[1] is not None else ''} selects "
+                        "no step (A:B records steps A to B-1, 0-based)", exit_code=EXIT_BAD_INPUT)
     _check_torch()
     _check_target(target, module, script_args)
 
@@ -311,7 +317,8 @@ def record(target: str, script_args: list[str], *, module: bool = False, out: Pa
     out_dir = Path(out) if out is not None else _default_out(Path.cwd(), inside)
     out_dir = out_dir.resolve()
     opts = {"out": str(out_dir), "device": device, "stacks": stacks,
-            "max_entries": int(max_entries), "module": bool(module)}
+            "max_entries": int(max_entries), "module": bool(module),
+            "steps": list(steps) if steps else None}
 
     if inside:  # every rank shares OUT: no lock (the ranks of one launch write distinct files)
         try:
@@ -372,6 +379,7 @@ def _result(statuses: list[dict], out_dir: Path, *, expected: list[int], codes: 
     order = ([first_failed] if first_failed is not None else []) + expected
     failing = next((r for r in order if rank_codes.get(r)), None)
     exit_code = rank_codes[failing] if failing is not None else 0
+    problems = []
     for r in expected:
         s = by_rank.get(r)
         if s and s.get("snapshot"):
@@ -381,12 +389,15 @@ def _result(statuses: list[dict], out_dir: Path, *, expected: list[int], codes: 
                         f"{(s.get('bytes') or 0) / 1e6:.1f} MB, written in {s.get('seconds')} s"
                         f"{detail})")
         elif s and s.get("error"):
-            _say(False, f"warning: {s['error']}")
+            problems.append(s["error"])
         else:
-            _say(False, f"warning: rank {r} wrote no snapshot (its process ended with code "
-                        f"{rank_codes[r]} before the recorder could dump: os._exit, or killed)")
+            problems.append(f"rank {r} wrote no snapshot (its process ended with code "
+                            f"{rank_codes[r]} before the recorder could dump: os._exit, or killed)")
     if not snapshots and not exit_code:
-        raise SnapError("no snapshot was written", exit_code=EXIT_RECORD_FAILED)
+        raise SnapError(problems[0] if problems else "no snapshot was written",
+                        exit_code=EXIT_RECORD_FAILED)
+    for line in problems:
+        _say(False, f"warning: {line}")
     written = f"{len(snapshots)} snapshot(s) written to {out_dir}"
     if exit_code:
         _say(False, f"the script exited with code {exit_code}"

@@ -106,6 +106,7 @@ class CudaBackend:
     def __init__(self, stacks: str, max_entries: int):
         self.stacks = stacks
         self.max_entries = max_entries
+        self._taken: dict | None = None
 
     def _memory(self):
         import torch.cuda.memory
@@ -118,14 +119,20 @@ class CudaBackend:
                                     max_entries=self.max_entries)
         mem._record_memory_history(*args, **kwargs)
 
+    def stop(self) -> None:
+        """Stop recording now: the history so far is taken for ``snapshot()``."""
+        if self._taken is None:
+            mem = self._memory()
+            self._taken = _as_dict(mem._snapshot())
+            try:
+                mem._record_memory_history(None)
+            except Exception:
+                pass
+
     def snapshot(self) -> dict:
-        mem = self._memory()
-        snap = mem._snapshot()
-        try:
-            mem._record_memory_history(None)
-        except Exception:
-            pass
-        return _as_dict(snap)
+        self.stop()
+        snap, self._taken = self._taken, None
+        return snap
 
     def _oom_attach(self):
         import torch
@@ -173,8 +180,14 @@ class CpuBackend:
         self.stacks = stacks  # no C++ frames on this path: recorded in provenance only
         self.max_entries = max_entries
         self._prof = None
-        self._accounting = False
+        self._stopped = None  # the profiler after stop(), converted by snapshot()
         self.timings: dict[str, float] = {}
+        # The profiler records allocator events only on threads it traces: a tensor freed on a
+        # gloo worker thread has no free event (profile_all_threads=True drops every memory event
+        # in torch 2.13). The allocator's process-wide accounting sees it, and every recorded
+        # event carries that total: cpu.py recovers the lost frees from it, and the bytes of
+        # blocks allocated before recording started (--steps). On from here to the dump.
+        self._accounting = _cpu_allocator_accounting(True)
 
     def start(self) -> None:
         from torch.profiler import ProfilerActivity, profile
@@ -182,33 +195,37 @@ class CpuBackend:
         from snapforensics.record import cpu  # noqa: F401  (import now, sys.path may change)
 
         _warm_imports()
-
-        # The profiler records allocator events only on threads it traces: a tensor freed on a
-        # gloo worker thread has no free event (profile_all_threads=True drops every memory event
-        # in torch 2.13). The allocator's process-wide accounting sees it, and every recorded
-        # event carries that total: cpu.py recovers the lost frees from it.
-        self._accounting = _cpu_allocator_accounting(True)
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True,
                              with_stack=True, record_shapes=False)
         with _profiler_log_filtered():
             self._prof.__enter__()
 
-    def snapshot(self) -> dict:
-        from snapforensics.record.cpu import profile_to_snapshot
-
+    def stop(self) -> None:
+        """Stop recording now (the conversion waits for ``snapshot()``)."""
         import time
 
         prof, self._prof = self._prof, None
         if prof is None:
-            raise RuntimeError("CPU recording was not started")
+            return
         t0 = time.perf_counter()
         with _profiler_log_filtered():
             prof.__exit__(None, None, None)
+        self.timings["profiler_stop_s"] = round(time.perf_counter() - t0, 3)
+        self._stopped = prof
+
+    def snapshot(self) -> dict:
+        import time
+
+        from snapforensics.record.cpu import profile_to_snapshot
+
+        self.stop()
         _cpu_allocator_accounting(self._accounting)
+        prof, self._stopped = self._stopped, None
+        if prof is None:
+            raise RuntimeError("CPU recording was not started")
         t1 = time.perf_counter()
         snap = profile_to_snapshot(prof, self.max_entries)
-        self.timings = {"profiler_stop_s": round(t1 - t0, 3),
-                        "convert_s": round(time.perf_counter() - t1, 3)}
+        self.timings["convert_s"] = round(time.perf_counter() - t1, 3)
         return snap
 
     def attach_oom(self, callback: Callable[[dict], None]) -> bool:

@@ -50,6 +50,7 @@ from typing import Any
 _PYCALL = re.compile(r"^(.*)\((\d+)\): (.*)$")
 _MODULE_PREFIX = "nn.Module: "
 INFERRED_FREE_FRAME = ("<snapforensics>", 0, "free_on_untraced_thread")
+UNRECORDED_FRAME = ("<snapforensics>", 0, "allocated_before_recording")
 
 
 class Cell(IntEnum):
@@ -122,7 +123,7 @@ def events_to_snapshot(roots: list, max_entries: int, EventType: Any, RecordScop
     events, inferred = _recover_lost_frees(allocs, frames)
     trace, live = _build_trace(events)
     return {
-        "segments": _segments(live),
+        "segments": _segments(live, _unrecorded_bytes(allocs, live), frames),
         "device_traces": [_last(trace, max_entries)],
         "external_annotations": _annotations(ranges, main_tid),
         "snapforensics": {"cpu_inferred_frees": inferred},
@@ -450,16 +451,31 @@ def _annotations(ranges: list, main_tid) -> list[dict]:
     return [{"stage": st, "name": nm, "device": 0, "time_us": t} for t, _, _, st, nm in marks]
 
 
-def _segments(live: dict) -> list[dict]:
-    """One pseudo segment per block alive at the end, holding that block; sorted by address."""
+def _unrecorded_bytes(allocs: list[_Alloc], live: dict) -> int:
+    """Bytes alive at the end that no recorded allocation explains: the allocator's own total
+    after the last event minus the blocks the trace leaves alive. These blocks were allocated
+    before recording started (``--steps``) or on a thread the profiler does not trace."""
+    last = next((a.total for a in reversed(allocs) if a.total is not None), None)
+    if last is None:
+        return 0
+    return max(0, last - sum(size for size, _ in live.values()))
+
+
+def _segments(live: dict, unrecorded: int, frames: _Frames) -> list[dict]:
+    """One pseudo segment per block alive at the end, holding that block; sorted by address.
+    ``unrecorded`` bytes become one more block at address 0 (no real block has it), with no
+    alloc in the trace: a reader counts it as alive since before the first entry."""
+    live = dict(live)
+    if unrecorded:
+        live[0] = (unrecorded, frames.stack([frames.intern(*UNRECORDED_FRAME)]))
     segments = []
     for addr in sorted(live):
-        size, frames = live[addr]
+        size, stack = live[addr]
         segments.append({
             "device": 0, "address": addr, "total_size": size, "allocated_size": size,
             "active_size": size, "requested_size": size, "stream": 0, "segment_type": "cpu",
-            "segment_pool_id": (0, 0), "is_expandable": False, "frames": frames,
+            "segment_pool_id": (0, 0), "is_expandable": False, "frames": stack,
             "blocks": [{"address": addr, "size": size, "requested_size": size,
-                        "state": "active_allocated", "frames": frames}],
+                        "state": "active_allocated", "frames": stack}],
         })
     return segments

@@ -1,0 +1,89 @@
+"""What CPU recording costs: the bundled example's step time and peak RSS, plain vs recorded.
+
+Prints figures from one run; it is not a test. Runs ``snapforensics.examples.fsdp_ckpt`` (2 ranks,
+gloo, CPU) three ways, one after the other, with the same arguments:
+
+- plain: ``python -m torch.distributed.run --standalone --nproc-per-node 2 -m EXAMPLE ...``;
+- recorded: ``snapforensics record --device cpu --nproc-per-node 2 -m EXAMPLE ...``;
+- recorded with a window: the same with ``--steps A:B`` (default: the last two steps).
+
+Step time = the median of rank 0's step times after the first step (the first pays one-off
+costs: lazy init, first all-gathers); RSS = rank 0's peak RSS (``ru_maxrss``). Ratios are
+recorded / plain. Also shows the recorder's own stop/convert time (after the script).
+
+    python benchmarks/bench_record.py                     # 10 steps, the default model
+    python benchmarks/bench_record.py --steps 6 --window 4:6 -- --layers 2 --dim 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = "snapforensics.examples.fsdp_ckpt"
+STEP = re.compile(r"\] step (\d+) loss \S+ \((\d+\.\d+) s\)")
+RSS = re.compile(r"\] peak RSS (\d+\.\d+) MB")
+WRITTEN = re.compile(r"rank 0: .*written in (\S+) s")
+
+
+def run(cmd: list[str]) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
+                                                                    os.environ.get("PYTHONPATH")]))}
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, check=False)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
+    steps = [float(t) for _, t in STEP.findall(proc.stdout)]
+    rss = RSS.search(proc.stdout)
+    dump = WRITTEN.search(proc.stderr)
+    return {"steps": steps, "rss": float(rss.group(1)) if rss else float("nan"), "wall": wall,
+            "dump": float(dump.group(1)) if dump else 0.0}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--window", default=None, help="--steps A:B for the windowed run "
+                                                  "(default: the last two steps)")
+    p.add_argument("--variant", default="fixed")
+    p.add_argument("example_args", nargs="*", help="more arguments for the example (after --)")
+    a = p.parse_args()
+    window = a.window or f"{a.steps - 2}:{a.steps}"
+    args = ["--variant", a.variant, "--steps", str(a.steps), *a.example_args]
+    py = sys.executable
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = {
+            "plain": run([py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                          "2", "-m", EXAMPLE, *args]),
+            "recorded": run([py, "-m", "snapforensics", "record", "-q", "--device", "cpu",
+                             "--nproc-per-node", "2", "--out", f"{tmp}/all", "-m", EXAMPLE,
+                             "--", *args]),
+            f"recorded --steps {window}": run(
+                [py, "-m", "snapforensics", "record", "--device", "cpu", "--nproc-per-node", "2",
+                 "--steps", window, "--out", f"{tmp}/window", "-m", EXAMPLE, "--", *args]),
+        }
+    base = runs["plain"]
+    base_step = statistics.median(base["steps"][1:])
+    print(f"example {' '.join(args)}; 2 ranks, CPU; step = median of steps 1..{a.steps - 1}")
+    print(f"{'run':28} {'step s':>8} {'ratio':>6} {'steps 0..':>30} {'RSS MB':>8} {'ratio':>6} "
+          f"{'wall s':>7}")
+    for name, r in runs.items():
+        step = statistics.median(r["steps"][1:])
+        shown = " ".join(f"{t:.2f}" for t in r["steps"])
+        print(f"{name:28} {step:8.3f} {step / base_step:6.2f} {shown:>30} {r['rss']:8.1f} "
+              f"{r['rss'] / base['rss']:6.2f} {r['wall']:7.1f}")
+    print("(the recorded runs' wall time includes the recorder's stop + convert + write after "
+          "the script)")
+
+
+if __name__ == "__main__":
+    main()
