@@ -13,6 +13,10 @@ recorded / plain. Also shows the recorder's own stop/convert time (after the scr
 
     python benchmarks/bench_record.py                     # 10 steps, the default model
     python benchmarks/bench_record.py --steps 6 --window 4:6 -- --layers 2 --dim 256
+    python benchmarks/bench_record.py --spread 10 --steps 2 -- --layers 2 --dim 128
+
+``--spread N`` instead records the same run N times and prints rank 0's peak (replayed from the
+trace) of each and the spread (max - min) / min: the stability of CPU recordings (issue 7).
 """
 
 from __future__ import annotations
@@ -49,17 +53,39 @@ def run(cmd: list[str]) -> dict:
             "dump": float(dump.group(1)) if dump else 0.0}
 
 
+def spread(n: int, args: list[str]) -> None:
+    sys.path.insert(0, str(REPO / "tests"))
+    from recordings import load_strict, replay_peak
+
+    peaks = []
+    for i in range(n):
+        with tempfile.TemporaryDirectory() as tmp:
+            r = run([sys.executable, "-m", "snapforensics", "record", "-q", "--device", "cpu",
+                     "--nproc-per-node", "2", "--out", f"{tmp}/out", "-m", EXAMPLE, "--", *args])
+            snap = load_strict(Path(tmp) / "out" / "rank0.pickle")
+        peaks.append(replay_peak(snap))
+        print(f"recording {i}: rank-0 peak {peaks[-1]} B, "
+              f"{snap['snapforensics'].get('cpu_inferred_frees')} frees recovered, "
+              f"{r['wall']:.1f} s", flush=True)
+    print(f"example {' '.join(args)}; {n} recordings; rank-0 peak spread "
+          f"{100 * (max(peaks) - min(peaks)) / min(peaks):.3f}% (min {min(peaks)}, max {max(peaks)})")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--window", default=None, help="--steps A:B for the windowed run "
                                                   "(default: the last two steps)")
     p.add_argument("--variant", default="fixed")
+    p.add_argument("--spread", type=int, default=0, metavar="N",
+                   help="record N times; print rank 0's peaks and their spread")
     p.add_argument("example_args", nargs="*", help="more arguments for the example (after --)")
     a = p.parse_args()
     window = a.window or f"{a.steps - 2}:{a.steps}"
     args = ["--variant", a.variant, "--steps", str(a.steps), *a.example_args]
     py = sys.executable
+    if a.spread:
+        return spread(a.spread, args)
     with tempfile.TemporaryDirectory() as tmp:
         runs = {
             "plain": run([py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",

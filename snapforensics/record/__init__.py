@@ -25,10 +25,10 @@ No temp, status or lock file is left behind. torch is never imported by this mod
 from __future__ import annotations
 
 import datetime
+import fcntl
 import importlib.util
 import json
 import os
-import fcntl
 import signal
 import socket
 import subprocess
@@ -41,7 +41,7 @@ from pathlib import Path
 from snapforensics.errors import EXIT_BAD_INPUT, EXIT_RECORD_FAILED, SnapError
 from snapforensics.record._write import TMP_PREFIX
 
-__all__ = ["RecordResult", "record", "DEVICES", "STACKS", "in_torchrun"]
+__all__ = ["DEVICES", "STACKS", "RecordResult", "in_torchrun", "record"]
 
 DEVICES = ("auto", "cuda", "npu", "cpu")
 STACKS = ("python", "all")
@@ -55,7 +55,7 @@ class RecordResult:
     oom_snapshots: list[Path] = field(default_factory=list)  # OUT/rank{R}.oom.pickle (CUDA/NPU OOM)
 
 
-def in_torchrun(environ: "os._Environ[str] | dict[str, str] | None" = None) -> bool:
+def in_torchrun(environ: os._Environ[str] | dict[str, str] | None = None) -> bool:
     env = os.environ if environ is None else environ
     return bool(env.get("TORCHELASTIC_RUN_ID")) or ("LOCAL_RANK" in env and "WORLD_SIZE" in env)
 

@@ -13,7 +13,8 @@ import os
 import re
 import sys
 import tempfile
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from snapforensics.errors import EXIT_RECORD_FAILED, SnapError
 

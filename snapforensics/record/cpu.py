@@ -89,7 +89,7 @@ _STOP = object()  # a runpy frame: the recorder's own frames start here
 
 
 def _event_types():
-    from torch._C._profiler import _EventType, RecordScope  # type: ignore[attr-defined]
+    from torch._C._profiler import RecordScope, _EventType  # type: ignore[attr-defined]
 
     return _EventType, RecordScope
 
