@@ -68,7 +68,8 @@ def spread(n: int, args: list[str]) -> None:
               f"{snap['snapforensics'].get('cpu_inferred_frees')} frees recovered, "
               f"{r['wall']:.1f} s", flush=True)
     print(f"example {' '.join(args)}; {n} recordings; rank-0 peak spread "
-          f"{100 * (max(peaks) - min(peaks)) / min(peaks):.3f}% (min {min(peaks)}, max {max(peaks)})")
+          f"{100 * (max(peaks) - min(peaks)) / min(peaks):.3f}% "
+          f"(min {min(peaks)}, max {max(peaks)})")
 
 
 def main() -> None:

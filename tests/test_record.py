@@ -218,7 +218,8 @@ def test_inside_torchrun_records_in_process(scripts, tmp_path):
 
 
 def test_user_errors_are_one_line_exit_3(tmp_path):
-    proc = run_cli(["record", "--out", str(tmp_path / "o"), str(tmp_path / "nope.py")], cwd=tmp_path)
+    proc = run_cli(["record", "--out", str(tmp_path / "o"), str(tmp_path / "nope.py")],
+                   cwd=tmp_path)
     assert proc.returncode == EXIT_RECORD_FAILED
     assert "script not found" in proc.stderr and "Traceback" not in proc.stderr
     proc = run_cli(["record", "--device", "tpu", "x.py"], cwd=tmp_path)
@@ -481,13 +482,15 @@ def test_cli_parsing(monkeypatch, tmp_path):
     assert seen["nproc_per_node"] == 2 and seen["out"] == tmp_path
     r = runner.invoke(record_command, ["--max-entries", "9", "train.py", "-h", "--lr", "1"])
     assert r.exit_code == 5
-    assert (seen["target"], seen["args"], seen["module"]) == ("train.py", ["-h", "--lr", "1"], False)
+    assert (seen["target"], seen["args"], seen["module"]) == \
+        ("train.py", ["-h", "--lr", "1"], False)
     assert seen["max_entries"] == 9 and seen["device"] == "auto" and seen["stacks"] == "python"
 
 
 def test_no_torch_import_at_import_time():
     code = ("import sys; import snapforensics.commands.record, snapforensics.record, "
-            "snapforensics.record.cpu, snapforensics.record.backends, snapforensics.record._bootstrap;"
+            "snapforensics.record.cpu, snapforensics.record.backends, "
+            "snapforensics.record._bootstrap;"
             " assert 'torch' not in sys.modules, 'torch imported'; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -523,7 +526,8 @@ def test_exit_code_is_the_first_failing_ranks_own(tmp_path):
     statuses = [{"rank": 0, "exit_code": 143, "snapshot": str(tmp_path / "rank0.pickle")},
                 {"rank": 1, "exit_code": 4, "snapshot": str(tmp_path / "rank1.pickle")}]
     res = _result(statuses, tmp_path, expected=[0, 1], codes=[143, 4], quiet=True, first_failed=1)
-    assert res.exit_code == 4 and [p.name for p in res.snapshots] == ["rank0.pickle", "rank1.pickle"]
+    assert res.exit_code == 4
+    assert [p.name for p in res.snapshots] == ["rank0.pickle", "rank1.pickle"]
     res = _result(statuses[:1], tmp_path, expected=[0, 1], codes=[143, -9], quiet=True,
                   first_failed=1)
     assert res.exit_code == 137  # killed by SIGKILL before it could write its status
@@ -531,6 +535,9 @@ def test_exit_code_is_the_first_failing_ranks_own(tmp_path):
         _result([{"rank": 0, "exit_code": 0, "error": "rank 0: writing the snapshot failed: X"}],
                 tmp_path, expected=[0], codes=[0], quiet=True)
     assert e.value.exit_code == EXIT_RECORD_FAILED and str(e.value).endswith("failed: X")
+    with pytest.raises(SnapError):  # recording could not start: the recorder's own error
+        _result([{"rank": 0, "exit_code": 3, "snapshot": None, "error": "no cuda"}], tmp_path,
+                expected=[0], codes=[3], quiet=True)
 
 
 def test_oom_observer_writes_its_own_snapshot(monkeypatch, tmp_path):
@@ -574,7 +581,8 @@ def test_oom_observer_writes_its_own_snapshot(monkeypatch, tmp_path):
     oom = load_strict(tmp_path / "out" / "rank0.oom.pickle")
     assert oom["device_traces"][0][0]["action"] == "oom"
     assert oom["snapforensics"]["oom"]["requested"] == 1 << 30
-    assert oom["snapforensics"]["backend"] == "cuda" and oom["snapforensics"]["cpu_recorded"] is False
+    assert oom["snapforensics"]["backend"] == "cuda"
+    assert oom["snapforensics"]["cpu_recorded"] is False
     final = load_strict(tmp_path / "out" / "rank0.pickle")
     assert final["snapforensics"]["script_exit_code"] == 7
     assert json.loads((tmp_path / "out" / ".rank0.status.json").read_text())["oom_snapshot"]

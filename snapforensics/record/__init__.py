@@ -115,7 +115,8 @@ def _check_target(target: str, module: bool, script_args: list[str] = ()) -> Non
         finally:
             sys.path[:] = saved
         if not found:
-            raise SnapError(f"no module named {top!r} (for -m {target})", exit_code=EXIT_RECORD_FAILED)
+            raise SnapError(f"no module named {top!r} (for -m {target})",
+                            exit_code=EXIT_RECORD_FAILED)
     else:
         hint = None if target.endswith(".py") else _launcher_suggestion(target, list(script_args))
         if hint or not os.path.exists(target):
@@ -123,7 +124,7 @@ def _check_target(target: str, module: bool, script_args: list[str] = ()) -> Non
 
 
 def _launcher_suggestion(target: str, args: list[str]) -> str | None:
-    """``record python x.py`` / ``record torchrun --nproc-per-node 2 x.py``: what to type instead."""
+    """``record python x.py`` / ``record torchrun --nproc-per-node 2 x.py``: what to type."""
     name = os.path.basename(target)
     if name not in _LAUNCHERS and not name.startswith("python"):
         return None
@@ -141,7 +142,8 @@ def _launcher_suggestion(target: str, args: list[str]) -> str | None:
         rest = rest[step:]
     usage = "snapforensics record [--nproc-per-node N] SCRIPT [ARGS]"
     try_ = f"; try: {' '.join(['snapforensics record', *ours, *rest])}" if rest else ""
-    return f"{target} is a launcher, not a script: record launches the script itself ({usage}){try_}"
+    return (f"{target} is a launcher, not a script: record launches the script itself "
+            f"({usage}){try_}")
 
 
 def _hint_misplaced_options(script_args: list[str], quiet: bool) -> None:
@@ -335,7 +337,8 @@ def record(target: str, script_args: list[str], *, module: bool = False, out: Pa
     ranks = list(range(nproc_per_node))
     env = dict(os.environ)
     root = _package_root()
-    env["PYTHONPATH"] = os.pathsep.join([root, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [root, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
     cmd = [sys.executable, "-m", "snapforensics.record._bootstrap", json.dumps(opts), target,
            *script_args]
     what = f"-m {target}" if module else target

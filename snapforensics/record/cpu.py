@@ -407,7 +407,7 @@ def _build_trace(events: list) -> tuple[list, dict]:
     trace: list[dict] = []
     live: dict[int, tuple[int, list]] = {}
     append = trace.append
-    for t_ns, _, ptr, size, frames, inferred_size in events:
+    for t_ns, _, ptr, size, frames, _inferred_size in events:
         t_us = t_ns / 1000.0
         if size is not None and size >= 0:
             live[ptr] = (size, frames)
