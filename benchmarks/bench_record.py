@@ -8,7 +8,9 @@ gloo, CPU) three ways, one after the other, with the same arguments:
 - recorded with a window: the same with ``--steps A:B`` (default: the last two steps).
 
 Step time = the median of rank 0's step times after the first step (the first pays one-off
-costs: lazy init, first all-gathers); RSS = rank 0's peak RSS (``ru_maxrss``). Ratios are
+costs: lazy init, first all-gathers), in CPU time of the rank's process (all its threads): on a
+shared machine wall time measures the neighbours as much as the recorder (the wall ratio is
+printed too); RSS = rank 0's peak RSS (``ru_maxrss``). Ratios are
 recorded / plain. Also shows the recorder's own stop/convert time (after the script).
 
     python benchmarks/bench_record.py                     # 10 steps, the default model
@@ -33,7 +35,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = "snapforensics.examples.fsdp_ckpt"
-STEP = re.compile(r"\] step (\d+) loss \S+ \((\d+\.\d+) s\)")
+STEP = re.compile(r"\] step (\d+) loss \S+ \((\d+\.\d+) s, cpu (\d+\.\d+) s\)")
 RSS = re.compile(r"\] peak RSS (\d+\.\d+) MB")
 WRITTEN = re.compile(r"rank 0: .*written in (\S+) s")
 
@@ -46,10 +48,12 @@ def run(cmd: list[str]) -> dict:
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
-    steps = [float(t) for _, t in STEP.findall(proc.stdout)]
+    found = STEP.findall(proc.stdout)
+    steps = [float(cpu) for _, _, cpu in found]
+    walls = [float(w) for _, w, _ in found]
     rss = RSS.search(proc.stdout)
     dump = WRITTEN.search(proc.stderr)
-    return {"steps": steps, "rss": float(rss.group(1)) if rss else float("nan"), "wall": wall,
+    return {"steps": steps, "walls": walls, "rss": float(rss.group(1)) if rss else float("nan"), "wall": wall,
             "dump": float(dump.group(1)) if dump else 0.0}
 
 
@@ -101,13 +105,14 @@ def main() -> None:
     base = runs["plain"]
     base_step = statistics.median(base["steps"][1:])
     print(f"example {' '.join(args)}; 2 ranks, CPU; step = median of steps 1..{a.steps - 1}")
-    print(f"{'run':28} {'step s':>8} {'ratio':>6} {'steps 0..':>30} {'RSS MB':>8} {'ratio':>6} "
-          f"{'wall s':>7}")
+    base_wall = statistics.median(base["walls"][1:])
+    print(f"{'run':28} {'cpu s':>7} {'ratio':>6} {'wall s':>7} {'ratio':>6} {'RSS MB':>8} "
+          f"{'ratio':>6} {'total s':>7}  cpu s of steps 0..")
     for name, r in runs.items():
-        step = statistics.median(r["steps"][1:])
+        step, wall = statistics.median(r["steps"][1:]), statistics.median(r["walls"][1:])
         shown = " ".join(f"{t:.2f}" for t in r["steps"])
-        print(f"{name:28} {step:8.3f} {step / base_step:6.2f} {shown:>30} {r['rss']:8.1f} "
-              f"{r['rss'] / base['rss']:6.2f} {r['wall']:7.1f}")
+        print(f"{name:28} {step:7.3f} {step / base_step:6.2f} {wall:7.3f} {wall / base_wall:6.2f} "
+              f"{r['rss']:8.1f} {r['rss'] / base['rss']:6.2f} {r['wall']:7.1f}  {shown}")
     print("(the recorded runs' wall time includes the recorder's stop + convert + write after "
           "the script)")
 
