@@ -53,7 +53,8 @@ def run(cmd: list[str]) -> dict:
     walls = [float(w) for _, w, _ in found]
     rss = RSS.search(proc.stdout)
     dump = WRITTEN.search(proc.stderr)
-    return {"steps": steps, "walls": walls, "rss": float(rss.group(1)) if rss else float("nan"), "wall": wall,
+    return {"steps": steps, "walls": walls, "wall": wall,
+            "rss": float(rss.group(1)) if rss else float("nan"),
             "dump": float(dump.group(1)) if dump else 0.0}
 
 
