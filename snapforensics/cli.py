@@ -34,6 +34,7 @@ def _register() -> None:
     cli.add_command(diagnose_command, "diagnose")
     cli.add_command(demo_command, "demo")
     cli.add_command(compare_command, "compare")
+    from snapforensics.commands.forecast import forecast_command; cli.add_command(forecast_command, "forecast")  # noqa: E702,E501
 
 
 _register()

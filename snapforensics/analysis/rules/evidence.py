@@ -78,6 +78,19 @@ def replay_peaks(d: DeviceAnalysis, free_row: np.ndarray) -> dict[str, int]:
     return peaks(d, d.lt.replay(free_row))
 
 
+def counterfactual(d: DeviceAnalysis, rule: str, free_row: np.ndarray | None = None,
+                   alloc_row: np.ndarray | None = None, extra: list = ()) -> dict[str, int]:
+    """Peaks of the trace replayed with a fix's moved rows, which are kept on `d` under the
+    rule's id (`counterfactuals(d)`) so the forecast can replay the run with the fix applied."""
+    d.cache.setdefault("counterfactuals", {})[rule] = (free_row, alloc_row, list(extra))
+    return peaks(d, d.lt.replay(free_row=free_row, alloc_row=alloc_row, extra=extra))
+
+
+def counterfactuals(d: DeviceAnalysis) -> dict[str, tuple]:
+    """rule id -> (free_row, alloc_row, extra) of each fix a rule replayed on this device."""
+    return d.cache.get("counterfactuals", {})
+
+
 def human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":

@@ -30,7 +30,7 @@ from snapforensics.analysis.classify import BACKWARD, FORWARD, PHASE_NAMES, RECO
 from snapforensics.analysis.context import CAT_CODE, DeviceAnalysis
 from snapforensics.analysis.diagnosis import ANOMALOUS, INFO, Finding
 from snapforensics.analysis.rules import fsdp_common as fc
-from snapforensics.analysis.rules.evidence import peaks, by_module, human, top_stacks
+from snapforensics.analysis.rules.evidence import by_module, counterfactual, human, top_stacks
 
 RULE = "fsdp.too_many_concurrent_all_gathers"
 LIMIT = 2
@@ -177,7 +177,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         unit_bytes[k] = unit_bytes.get(k, 0) + int(d.lt.size[b])
     excess = int(sum(sorted(unit_bytes.values(), reverse=True)[LIMIT:]))
     alloc = _rate_limited(d, blocks)
-    after = peaks(d, d.lt.replay(alloc_row=alloc))
+    after = counterfactual(d, RULE, alloc_row=alloc)
     saving = max(d.peak_bytes - after["overall_bytes"], 0)
     verdict = ANOMALOUS if saving >= _MIN_SAVING * d.peak_bytes else INFO
     it = int(d.iteration[alive[0]]) if alive.size else -1

@@ -23,7 +23,7 @@ from snapforensics.analysis.classify import BACKWARD, RECOMPUTE
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import ANOMALOUS, Finding
 from snapforensics.analysis.rules import fsdp_common as fc
-from snapforensics.analysis.rules.evidence import by_module, by_path, human, peaks, top_stacks
+from snapforensics.analysis.rules.evidence import by_module, by_path, counterfactual, human, top_stacks
 
 RULE = "fsdp.double_all_gather_in_backward"
 
@@ -130,7 +130,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
             keep_until = int(d.lt.free_row[second].max())
             free_row[first] = np.maximum(free_row[first], keep_until)
             free_row[second] = d.lt.alloc_row[second]
-    after = peaks(d, d.lt.replay(free_row=free_row))
+    after = counterfactual(d, RULE, free_row)
     per_iter = {k: sum(int(d.lt.size[s].sum()) for _, s in p) for k, p in found.items()}
     worst = max(per_iter, key=per_iter.get)
     seconds = np.concatenate([s for _, s in found[worst]])

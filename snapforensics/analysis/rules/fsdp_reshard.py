@@ -16,7 +16,7 @@ from snapforensics.analysis.classify import BACKWARD, RECOMPUTE, REDUCE_SCATTER,
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import ANOMALOUS, Finding
 from snapforensics.analysis.rules.evidence import by_module, by_path, human, max_alive, \
-    replay_peaks, top_stacks
+    counterfactual, top_stacks
 
 RULE = "fsdp.unsharded_params_not_resharded"
 _POST_BACKWARD = re.compile(r"^FSDP::post_backward_(?:accumulate|reshard|reduce) \((.*)\)$")
@@ -119,7 +119,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     free_row = d.lt.free_row.copy()
     free_row[blocks] = _reshard_rows(d, blocks)
     before = {"overall_bytes": d.peak_bytes}
-    after = replay_peaks(d, free_row)
+    after = counterfactual(d, RULE, free_row)
     paths = by_path(d, worst_blocks)
     n_mod = len({d.module_of(b) for b in worst_blocks.tolist()})
     via = ", ".join(f"{p} ({human(v)})" for p, v in sorted(paths.items(), key=lambda x: -x[1]))

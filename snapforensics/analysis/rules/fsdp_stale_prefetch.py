@@ -21,7 +21,7 @@ from snapforensics.analysis.rules import fsdp_reshard
 from snapforensics.analysis.diagnosis import ANOMALOUS, Finding
 from snapforensics.analysis.rules import fsdp_common as fc
 from snapforensics.analysis.rules.evidence import by_module, by_path, human, max_alive, \
-    per_iteration, peaks, top_stacks
+    per_iteration, counterfactual, top_stacks
 
 RULE = "fsdp.stale_prefetch_all_gather"
 
@@ -52,7 +52,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     at_once = max_alive(d, blocks)
     free_row = d.lt.free_row.copy()
     free_row[stale] = d.lt.alloc_row[stale]  # never allocated
-    after = peaks(d, d.lt.replay(free_row=free_row))
+    after = counterfactual(d, RULE, free_row)
     paths = by_path(d, blocks)
     via = ", ".join(f"{p} ({human(v)})" for p, v in sorted(paths.items(), key=lambda x: -x[1]))
     cause = (

@@ -21,7 +21,7 @@ from snapforensics.analysis.classify import ACTIVATION, CATEGORIES
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import ANOMALOUS, Finding
 from snapforensics.analysis.rules.allocator import user_frame
-from snapforensics.analysis.rules.evidence import human, replay_peaks, top_stacks
+from snapforensics.analysis.rules.evidence import counterfactual, human, top_stacks
 
 RULE = "leak.iteration_growth"
 MIN_RATE = 0.001  # growth per iteration, of the peak
@@ -81,7 +81,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     one = leaked[d.iteration[leaked] == one_it]
     free_row = lt.free_row.copy()
     free_row[leaked] = nxt[outlived]
-    after = replay_peaks(d, free_row)
+    after = counterfactual(d, RULE, free_row)
     where = []
     for sid in np.unique(lt.stack[one]).tolist():
         u = user_frame(d, sid)
