@@ -36,9 +36,15 @@ S3 = ("--layers", "4", "--dim", "128")
 TABLE: list[tuple[str, int, int, float]] = []
 
 
+_FX: dict = {}
+
+
 def _fx(path) -> Forecaster:
-    s = load(path)
-    return Forecaster(analyse(s, s.active_traces[0]))
+    """One analysed recording per path for the whole module (forecasting does not mutate it)."""
+    if path not in _FX:
+        s = load(path)
+        _FX[path] = Forecaster(analyse(s, s.active_traces[0]))
+    return _FX[path]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -163,14 +169,22 @@ def test_parse_size():
         parse_size("lots")
 
 
-def test_cli_json_contract_and_bad_arguments(tmp_path):
-    from recordings import run_cli
+def _cli(capsys, *args: str) -> tuple[int, str, str]:
+    """The CLI in-process (as `python -m snapforensics` runs it): exit code, stdout, stderr."""
+    from snapforensics.cli import main
 
+    with pytest.raises(SystemExit) as e:
+        main(list(args))
+    out, err = capsys.readouterr()
+    return e.value.code, out, err
+
+
+def test_cli_json_contract_and_bad_arguments(tmp_path, capsys):
     out = tmp_path / "f.json"
-    r = run_cli(["forecast", str(FIXED), "--world-size", "2,4", "--strategy",
-                 "full_shard,shard_grad_op", "--capacity", "1GiB", "--format", "json",
-                 "-o", str(out)])
-    assert r.returncode == 0, r.stderr
+    rc, _, err = _cli(capsys, "forecast", str(FIXED), "--world-size", "2,4", "--strategy",
+                      "full_shard,shard_grad_op", "--capacity", "1GiB", "--format", "json",
+                      "-o", str(out))
+    assert rc == 0, err
     doc = json.loads(out.read_text())
     assert doc["schema"] == "snapforensics.forecast/1"
     assert doc["baseline"]["world_size"] == 2 and doc["baseline"]["strategy"] == "full_shard"
@@ -181,12 +195,23 @@ def test_cli_json_contract_and_bad_arguments(tmp_path):
         assert sum(s["breakdown"].values()) == s["predicted_peak_bytes"]
     for bad in (["--world-size", "four"], ["--strategy", "zero3"], ["--capacity", "lots"],
                 ["--micro-batch-scale", "-1"], ["--checkpointing", "some"]):
-        r = run_cli(["forecast", str(FIXED), *bad])
-        assert r.returncode == 2, (bad, r.stderr)
-        assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+        rc, _, err = _cli(capsys, "forecast", str(FIXED), *bad)
+        assert rc == 2, (bad, err)
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    rc, _, err = _cli(capsys, "forecast", str(tmp_path / "missing.pickle"))
+    assert rc == 2 and err.startswith("snapforensics: error:")
+
+
+def test_every_format_renders_the_same_scenarios(tmp_path):
+    from snapforensics.report.forecast import render_text
+
+    f = forecast(load(BUGGY), world_sizes=[8], capacity=parse_size("1GiB"))
     for fmt in ("markdown", "html", "terminal"):
-        r = run_cli(["forecast", str(FIXED), "--world-size", "8", "--format", fmt])
-        assert r.returncode == 0 and "full_shard" in r.stdout
+        text = render_text(f, fmt)
+        assert "full_shard" in text and RESHARD in text and "smallest world size" in text
+    # the source path is the one string from outside: escaped in HTML
+    f.source = "<script>alert(1)</script>.pickle"
+    assert "<script>" not in render_text(f, "html")
 
 
 # ---------------------------------------------------------------------------- slow: recorded

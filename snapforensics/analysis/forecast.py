@@ -68,8 +68,8 @@ SCALING = ("constant", "1/W (padded shard)", "full unit (constant in W, padded)"
 # A tensor of at most 8 elements of 8 bytes is a scalar (AdamW's step, a collective's divisor,
 # RNG offsets): it is not a piece of a parameter and does not grow with the batch.
 SCALAR_BYTES = 64
-# The caching allocator hands out blocks in multiples of 512 bytes (kMinBlockSize): forecast
-# sizes are rounded like the recorded ones on CUDA/NPU; CPU recordings keep exact sizes.
+# The caching allocator hands out blocks in multiples of 512 bytes (kMinBlockSize): on CUDA/NPU
+# a forecast size is rounded when the recorded one was; CPU recordings keep exact sizes.
 ALLOC_ROUND = 512
 
 _POST_BW = re.compile(r"^FSDP::post_backward_(?:accumulate|reshard|reduce) \((.+)\)$")
@@ -231,8 +231,9 @@ def scaled_sizes(d: DeviceAnalysis, cls: np.ndarray, w0: int | None, sc: Scenari
     if sc.micro_batch_scale != 1:
         b = cls == BATCH
         out[b] = np.ceil(size[b] * sc.micro_batch_scale).astype(np.int64)
-    if d.snapshot.kind.caching_allocator:
-        out = np.where(cls == CONST, out, -(-out // ALLOC_ROUND) * ALLOC_ROUND)
+    if d.snapshot.kind.caching_allocator:  # sizes the trace records rounded stay rounded
+        rounded = (size % ALLOC_ROUND == 0) & (out != size)
+        out = np.where(rounded, -(-out // ALLOC_ROUND) * ALLOC_ROUND, out)
     return out
 
 
@@ -262,6 +263,14 @@ def _named_rows(d: DeviceAnalysis, pattern: re.Pattern) -> dict[str, list[int]]:
 
 
 def units(d: DeviceAnalysis, it) -> tuple[list[Unit], object]:
+    """`_units` of iteration `it`, computed once per device."""
+    memo = d.memo("forecast.units", dict)
+    if it.index not in memo:
+        memo[it.index] = _units(d, it)
+    return memo[it.index]
+
+
+def _units(d: DeviceAnalysis, it) -> tuple[list[Unit], object]:
     """Non-root FSDP units of iteration `it` in forward order, and the root's key.
 
     Forward unshard events name the units (by FQN when the trace carries FSDP2's ranges, else by
@@ -390,22 +399,26 @@ def to_shard_grad_op(d: DeviceAnalysis, p: Plan) -> None:
 
 
 def to_full_shard(d: DeviceAnalysis, p: Plan) -> None:
-    """Free each unit's unshard at its post-forward; gather it again for its backward (FSDP's
-    default backward prefetch: issued when the unit before it in backward order starts)."""
+    """Free each unit's unshard at its post-forward; gather it again for its backward. FSDP's
+    default backward prefetch issues the all-gather when the unit before it (in backward order)
+    starts its backward: the all-gather output (FSDP1: the unsharded flat parameter itself) is
+    allocated then; FSDP2 copies out into the unsharded parameters at the unit's pre-backward
+    (where it is not in the trace: when the unit before it finished its backward)."""
+    flat = fc.facts(d).fsdp1_flat
     for it in d.tl.iterations:
         fend = fc.forward_end(it)
         us = [u for u in units(d, it)[0] if (d.lt.free_row[u.fwd] > fend).all()]
         order = sorted(us, key=lambda u: u.b1 if u.b1 >= 0 else d.lt.rows)
-        prev_b0 = it.backward_start
+        prev_b0 = prev_b1 = it.backward_start
         for u in order:
-            b0 = u.b0 if u.b0 >= 0 else prev_b0
+            b0 = u.b0 if u.b0 >= 0 else prev_b1
             for b in u.fwd.tolist():
                 fr = int(d.lt.free_row[b])
                 p.free_row[b] = min(int(p.free_row[b]), u.f1)
-                p.copies.append((b, b0, fr))
+                p.copies.append((b, prev_b0 if flat[b] else b0, fr))
             for b in u.fwd_ag.tolist():  # the all-gather output, alive until the copy-out
                 p.copies.append((b, prev_b0, b0 + 1))
-            prev_b0 = b0
+            prev_b0, prev_b1 = b0, (u.b1 if u.b1 >= 0 else b0)
 
 
 def to_no_shard(d: DeviceAnalysis, p: Plan) -> None:

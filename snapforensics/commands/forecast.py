@@ -72,9 +72,10 @@ def forecast_command(snapshot: Path, world_size, strategy, checkpointing, micro_
     ckpt = _list(checkpointing, str.strip, "checkpointing")
     if any(c not in ("none", "full") for c in ckpt):
         raise SnapError(f"--checkpointing: expected none or full, got {checkpointing!r}")
-    f = forecast(load(snapshot), _list(world_size, _positive_int, "world-size"),
-                 _list(strategy, _strategy, "strategy"), ckpt,
-                 _list(micro_batch_scale, _scale, "micro-batch-scale"), cap)
+    worlds = _list(world_size, _positive_int, "world-size")
+    strategies = _list(strategy, _strategy, "strategy")
+    scales = _list(micro_batch_scale, _scale, "micro-batch-scale")
+    f = forecast(load(snapshot), worlds, strategies, ckpt, scales, cap)
     if output is None and fmt == "terminal":
         from rich.console import Console
         render_terminal(f, Console())
