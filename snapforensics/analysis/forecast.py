@@ -40,7 +40,6 @@ from snapforensics.analysis.classify import (
     OPTIMIZER_STATE,
     OTHER,
     PARAMETER,
-    PHASE_NAMES,
     RECOMPUTE,
     RECOMPUTE_ACTIVATION,
     REDUCE_SCATTER,
@@ -54,7 +53,7 @@ from snapforensics.analysis.context import CAT_CODE, DeviceAnalysis, analyse
 from snapforensics.analysis.diagnosis import ANOMALOUS
 from snapforensics.analysis.rules import RULES
 from snapforensics.analysis.rules import fsdp_common as fc
-from snapforensics.analysis.rules.evidence import counterfactuals, human
+from snapforensics.analysis.rules.evidence import counterfactuals
 from snapforensics.snapshot.model import Snapshot
 
 SCHEMA = "snapforensics.forecast/1"
@@ -73,7 +72,6 @@ SCALAR_BYTES = 64
 ALLOC_ROUND = 512
 
 _POST_BW = re.compile(r"^FSDP::post_backward_(?:accumulate|reshard|reduce) \((.+)\)$")
-_PRE_FW = re.compile(r"^FSDP::pre_forward \((.+)\)$")
 _POST_FW = re.compile(r"^FSDP::post_forward \((.+)\)$")
 _PRE_BW = re.compile(r"^FSDP::pre_backward \((.+)\)$")
 # Frames under which FSDP consumes a parameter's unsharded gradient (reduce-scatter copy-in).
@@ -315,7 +313,7 @@ def _units(d: DeviceAnalysis, it) -> tuple[list[Unit], object]:
                     matched[cand] = v
                     break
         bg = matched
-    pre_fw, post_fw = _named_rows(d, _PRE_FW), _named_rows(d, _POST_FW)
+    post_fw = _named_rows(d, _POST_FW)
     pre_bw, post_bw = _named_rows(d, _PRE_BW), _named_rows(d, _POST_BW)
 
     def first_in(rows, a, b):
@@ -650,14 +648,12 @@ _FIT_WORLDS = [2 ** i for i in range(17)]
 
 
 def _fit(fx: Forecaster, capacity: int, scen: list[Scenario]) -> dict:
-    """Smallest world size that fits with the requested settings, and the cheapest change
-    (fewest knobs turned away from the recorded run) that fits at the recorded world size."""
+    """Smallest world size that fits with the first scenario's settings, and the cheapest
+    single change that fits at the recorded world size."""
     base = fx.baseline()
     ref = scen[0] if scen else base
     out: dict = {"capacity_bytes": capacity}
     for w in _FIT_WORLDS:
-        if w < 1:
-            continue
         p = fx.predict(replace(ref, world_size=w))
         if p.refused:
             out["smallest_world_size"] = None
@@ -671,32 +667,21 @@ def _fit(fx: Forecaster, capacity: int, scen: list[Scenario]) -> dict:
         out["smallest_world_size"] = None
         out["reason"] = "does not fit at any world size up to 65536 (what does not shard " \
                         "exceeds the capacity)"
-    # cheapest change at the recorded world size: one knob at a time, then two
-    knobs = [("strategy", FULL_SHARD), ("checkpointing", FULL), ("micro_batch_scale", 0.5)]
-    tried = []
-    for picks in ([k] for k in knobs):
-        sc = base
-        for k, v in picks:
-            sc = replace(sc, **{k: v})
+    # cheapest change at the recorded world size, in order of what it costs: resharding after
+    # forward (one more all-gather per unit in backward), checkpointing (about one more
+    # forward), half the micro-batch (twice the steps, or gradient accumulation)
+    out["cheapest_change"] = None
+    for knob, value in (("strategy", FULL_SHARD), ("checkpointing", FULL),
+                        ("micro_batch_scale", 0.5)):
+        sc = replace(base, **{knob: value})
         if sc == base:
             continue
         p = fx.predict(sc)
-        if p.refused is None:
-            tried.append((p.predicted_peak_bytes, sc, picks))
-    fitting = [t for t in tried if t[0] <= capacity]
-    if fitting:
-        peak, sc, picks = min(fitting, key=lambda t: t[0])
-        out["cheapest_change"] = {"change": {k: v for k, v in picks}, "peak_bytes": peak}
-    else:
-        out["cheapest_change"] = None
+        if p.refused is None and p.predicted_peak_bytes <= capacity:
+            out["cheapest_change"] = {"change": {knob: value},
+                                      "peak_bytes": p.predicted_peak_bytes}
+            break
     return out
-
-
-def describe(p: Prediction) -> str:
-    if p.refused:
-        return f"refused: {p.refused}"
-    return (f"{human(p.predicted_peak_bytes)} in {p.phase} (row {p.peak_row}); "
-            f"dominated by {p.dominant}")
 
 
 def parse_size(text: str) -> int:
@@ -711,10 +696,6 @@ def parse_size(text: str) -> int:
     return int(n * mult)
 
 
-__all__ = ["SCHEMA", "Scenario", "Prediction", "Forecast", "Forecaster", "forecast", "forecast_frame",
-           "parse_size", "describe"]
-
-
 def forecast_frame(snapshot, **kw):
     """`forecast` of a Snapshot or a path, as a DataFrame (one row per scenario): what
     `sf.forecast(...)` returns."""
@@ -722,3 +703,7 @@ def forecast_frame(snapshot, **kw):
         from snapforensics.snapshot import load
         snapshot = load(snapshot)
     return forecast(snapshot, **kw).to_frame()
+
+
+__all__ = ["SCHEMA", "Scenario", "Prediction", "Forecast", "Forecaster", "forecast",
+           "forecast_frame", "parse_size"]
