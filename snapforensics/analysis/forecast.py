@@ -63,7 +63,9 @@ NONE, FULL = "none", "full"
 
 # Scaling classes.
 CONST, SHARD, UNIT, BATCH = range(4)
-SCALING = ("constant", "1/W (padded shard)", "full unit (constant in W, padded)", "x micro-batch")
+SCALING = ("constant", "shard", "unit", "micro_batch")  # stable ids (JSON `by_scaling`)
+SCALING_TEXT = {"constant": "constant", "shard": "1/W (padded shard)",
+                "unit": "full unit (constant in W but for padding)", "micro_batch": "x micro-batch"}
 # A tensor of at most 8 elements of 8 bytes is a scalar (AdamW's step, a collective's divisor,
 # RNG offsets): it is not a piece of a parameter and does not grow with the batch.
 SCALAR_BYTES = 64

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import html as _html
 
-from snapforensics.analysis.forecast import SCALING, Forecast, Prediction
+from snapforensics.analysis.forecast import SCALING_TEXT, Forecast, Prediction
 from snapforensics.analysis.rules.evidence import human
 
 FORMATS = ("terminal", "markdown", "json", "html")
@@ -60,8 +60,8 @@ def _scaling_lines(f: Forecast) -> list[str]:
     rows = f.baseline.get("breakdown") or {}
     out = [f"{c}: {human(v)}" for c, v in sorted(rows.items(), key=lambda x: -x[1])[:6]]
     if first:
-        out.append("scaling: " + "; ".join(f"{k} {human(v)}" for k, v in
-                                           first.by_scaling.items()))
+        out.append("by how it scales: " + "; ".join(f"{SCALING_TEXT[k]} {human(v)}" for k, v in
+                                                    first.by_scaling.items()))
     return out
 
 
@@ -111,7 +111,8 @@ def _markdown(f: Forecast) -> str:
     rec = f.baseline["peak_bytes"]
     out += ["| " + " | ".join(_md(x) for x in _row(p, rec)) + " |" for p in f.scenarios]
     out += [""] + [f"- {_md(x)}" for x in _scaling_lines(f) + _fit_lines(f)]
-    out += ["", "Each block scales by what made it: " + ", ".join(SCALING) + " (docs/forecast.md)."]
+    out += ["", "Each block scales by what made it: " + ", ".join(SCALING_TEXT.values()) +
+            " (docs/forecast.md)."]
     return "\n".join(out) + "\n"
 
 
