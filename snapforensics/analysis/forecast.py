@@ -79,6 +79,7 @@ _PRE_BW = re.compile(r"^FSDP::pre_backward \((.+)\)$")
 # Frames under which FSDP consumes a parameter's unsharded gradient (reduce-scatter copy-in).
 _REDUCE_FRAMES = {"foreach_reduce", "post_backward", "_post_backward_hook", "_reduce_grad",
                   "_reduce_grad_no_shard", "foreach_reduce_scatter_copy_in"}
+_SPLIT_BACKWARD = "SplitWithSizesBackward0"
 
 
 class Refused(Exception):
@@ -164,21 +165,25 @@ class Forecast:
 # ---------------------------------------------------------------------------- scaling
 
 
-def _freed_by_fsdp_reduce(d: DeviceAnalysis, blocks: np.ndarray) -> np.ndarray:
-    """Which of `blocks` FSDP's post-backward freed (their free row runs under its reduce)."""
-    out = np.zeros(len(blocks), bool)
+def _param_grads(d: DeviceAnalysis, blocks: np.ndarray, flat_sizes: set[int]) -> np.ndarray:
+    """Which gradient `blocks` are parameters' unsharded gradients (full unit size, not
+    activation gradients): those FSDP's post-backward frees (its reduce-scatter copy-in), those
+    FSDP1's flat parameter gathers (`use_orig_params` views: the flat gradient is the
+    concatenation of theirs, `SplitWithSizesBackward0`), and the flat gradient itself (a block
+    of an FSDP1 flat parameter's size made in backward)."""
+    out = np.isin(d.lt.size[blocks], np.array(sorted(flat_sizes), np.int64))
     seen: dict[tuple[int, int], bool] = {}
     for k, b in enumerate(blocks.tolist()):
         fr = int(d.lt.free_row[b])
-        if fr >= d.lt.rows:
+        if out[k] or fr >= d.lt.rows:
             continue
         key = (int(d.trace.stack[fr]), int(d.tl.ctx[fr]))
         if key not in seen:
             names = {f.name for f in d.snapshot.stack_frames(key[0])} if key[0] >= 0 else set()
             ranges = d.tl.contexts[key[1]] if d.tl.contexts else ()
             seen[key] = bool(names & _REDUCE_FRAMES) or any(
-                r.startswith("FSDP::post_backward") or r.startswith(
-                    "FullyShardedDataParallel._post_backward") for r in (*ranges, *names))
+                r.startswith(("FSDP::post_backward", "FullyShardedDataParallel._post_backward"))
+                for r in ranges) or any(n.endswith(_SPLIT_BACKWARD) for n in names)
         out[k] = seen[key]
     return out
 
@@ -207,7 +212,7 @@ def scaling(d: DeviceAnalysis, w0: int | None) -> np.ndarray:
         # a parameter's gradient that FSDP's post-backward reduces is the full unit's
         grads = np.flatnonzero(isin(GRADIENT) & (size > SCALAR_BYTES))
         weight_grad = np.zeros(len(size), bool)
-        weight_grad[grads[_freed_by_fsdp_reduce(d, grads)]] = True
+        weight_grad[grads[_param_grads(d, grads, set(size[f.fsdp1_flat].tolist()))]] = True
         cls[isin(PARAMETER, OTHER, UNTRACED, REDUCE_SCATTER) & shard_like] = SHARD
         cls[isin(REDUCE_SCATTER) & ~shard_like] = UNIT
         cls[weight_grad] = UNIT
