@@ -30,7 +30,7 @@ slow = pytest.mark.slow
 
 # Model shapes (the example's flags); () is the default 6 blocks of dim 512.
 S1 = ()
-S2 = ("--layers", "2", "--dim", "384")
+S2 = ("--layers", "4", "--dim", "256")
 S3 = ("--layers", "4", "--dim", "128")
 
 TABLE: list[tuple[str, int, int, float]] = []
@@ -114,6 +114,22 @@ def test_shards_halve_and_units_stay_when_the_world_doubles():
     # AdamW keeps two states per sharded parameter: optimizer state is all 1/W
     assert abs(p4.breakdown["optimizer_state"] - p2.breakdown["optimizer_state"] / 2) <= 64 * 8
     assert p4.predicted_peak_bytes < p2.predicted_peak_bytes
+
+
+def test_strategies_move_unshards_and_no_shard_keeps_whole_state():
+    fx = _fx(FIXED)
+    b = fx.baseline()
+    fs = fx.predict(b)
+    sgo = fx.predict(Scenario(2, "shard_grad_op", b.checkpointing))
+    # keeping five blocks unsharded from forward to backward costs memory somewhere
+    assert sgo.predicted_peak_bytes > fs.predicted_peak_bytes
+    ns = fx.predict(Scenario(2, "no_shard", b.checkpointing))
+    assert "fsdp.unsharded_param" not in ns.breakdown  # nothing is gathered
+    assert ns.by_scaling["shard"] > 1.9 * fs.by_scaling["shard"]  # state is whole, not 1/2
+    # hsdp:2 on 4 ranks shards over 2: the recorded sharding, so the recorded peak
+    assert fx.predict(Scenario(4, "hsdp:2", b.checkpointing)).predicted_peak_bytes == \
+        fs.predicted_peak_bytes
+    assert "divid" in fx.predict(Scenario(4, "hsdp:3", b.checkpointing)).refused
 
 
 def test_anomalous_run_is_forecast_as_recorded_and_with_the_fix():
@@ -223,7 +239,7 @@ def test_every_format_renders_the_same_scenarios(tmp_path):
 
 @slow
 @pytest.mark.parametrize("variant,shape", [("fixed", S1), ("fsdp1", S2), ("noac", S3)],
-                         ids=["fsdp2-ckpt-6x512", "fsdp1-2x384", "fsdp2-noac-4x128"])
+                         ids=["fsdp2-ckpt-6x512", "fsdp1-4x256", "fsdp2-noac-4x128"])
 def test_world_size_both_ways(rec, variant, shape):
     two, four = rec(variant, 2, shape), rec(variant, 4, shape)
     assert (two.w0, four.w0) == (2, 4)

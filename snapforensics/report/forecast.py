@@ -8,8 +8,8 @@ from snapforensics.analysis.forecast import SCALING_TEXT, Forecast, Prediction
 from snapforensics.analysis.rules.evidence import human
 
 FORMATS = ("terminal", "markdown", "json", "html")
-COLUMNS = ("world size", "strategy", "checkpointing", "micro-batch", "fix applied",
-           "predicted peak", "vs recorded", "phase (row)", "dominant", "fits")
+COLUMNS = ("W", "strategy", "ckpt", "micro-batch", "fix applied", "predicted peak",
+           "vs recorded", "phase (row)", "dominant", "fits")
 
 
 def _row(p: Prediction, recorded: int) -> list[str]:
