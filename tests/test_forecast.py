@@ -15,11 +15,16 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import corpus_file
+
 from snapforensics.analysis.context import analyse
-from snapforensics.analysis.forecast import Forecaster, Scenario, forecast, forecast_frame, \
-    parse_size
+from snapforensics.analysis.forecast import (
+    Forecaster,
+    Scenario,
+    forecast,
+    forecast_frame,
+    parse_size,
+)
 from snapforensics.snapshot import load
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"

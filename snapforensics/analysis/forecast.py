@@ -27,33 +27,21 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import numpy as np
 
-from snapforensics.analysis.classify import (
-    ACTIVATION,
-    ALL_GATHER,
-    BACKWARD,
-    CATEGORIES,
-    FORWARD,
-    GRADIENT,
-    OPTIMIZER_STATE,
-    OTHER,
-    PARAMETER,
-    RECOMPUTE,
-    RECOMPUTE_ACTIVATION,
-    REDUCE_SCATTER,
-    SHARDED_GRAD,
-    SHARDED_PARAM,
-    UNSHARDED_GRAD,
-    UNSHARDED_PARAM,
-    UNTRACED,
-)
-from snapforensics.analysis.context import CAT_CODE, DeviceAnalysis, analyse
-from snapforensics.analysis.diagnosis import ANOMALOUS
+from snapforensics.analysis.context import DeviceAnalysis, analyse
+from snapforensics.analysis.fsdp_units import ROOT, forward_end
 from snapforensics.analysis.rules import RULES
-from snapforensics.analysis.rules import fsdp_common as fc
-from snapforensics.analysis.rules.evidence import counterfactuals
+from snapforensics.analysis.vocab import (
+    BACKWARD_PHASES,
+    CAT_CODE,
+    CATEGORIES,
+    Category,
+    Phase,
+    Verdict,
+)
 from snapforensics.snapshot.model import Snapshot
 
 SCHEMA = "snapforensics.forecast/1"
@@ -193,14 +181,14 @@ def scaling(d: DeviceAnalysis, w0: int | None) -> np.ndarray:
     cat, size = d.category, d.lt.size
     cls = np.full(len(size), CONST, np.int8)
     isin = lambda *cs: np.isin(cat, [CAT_CODE[c] for c in cs])  # noqa: E731
-    cls[isin(ACTIVATION, RECOMPUTE_ACTIVATION, GRADIENT)] = BATCH
-    cls[isin(UNSHARDED_PARAM, UNSHARDED_GRAD, ALL_GATHER)] = UNIT
-    cls[isin(SHARDED_PARAM, SHARDED_GRAD, OPTIMIZER_STATE)] = SHARD
+    cls[isin(Category.ACTIVATION, Category.RECOMPUTE_ACTIVATION, Category.GRADIENT)] = BATCH
+    cls[isin(Category.UNSHARDED_PARAM, Category.UNSHARDED_GRAD, Category.ALL_GATHER)] = UNIT
+    cls[isin(Category.SHARDED_PARAM, Category.SHARDED_GRAD, Category.OPTIMIZER_STATE)] = SHARD
     if w0:
-        f = fc.facts(d)
+        f = d.fsdp
         cls[f.ag_input] = SHARD
         # Unsharded sizes: each parameter's, each unit's flat buffer, each unshard event's sum.
-        un = isin(UNSHARDED_PARAM) | (isin(ALL_GATHER) & f.primary)
+        un = isin(Category.UNSHARDED_PARAM) | (isin(Category.ALL_GATHER) & f.primary)
         fulls = set(size[un].tolist())
         ev = f.event[f.event >= 0]
         if ev.size:
@@ -210,11 +198,12 @@ def scaling(d: DeviceAnalysis, w0: int | None) -> np.ndarray:
             fulls |= {2 * x for x in fulls}
         shard_like = np.isin(size * w0, np.array(sorted(fulls), np.int64))
         # a parameter's gradient that FSDP's post-backward reduces is the full unit's
-        grads = np.flatnonzero(isin(GRADIENT) & (size > SCALAR_BYTES))
+        grads = np.flatnonzero(isin(Category.GRADIENT) & (size > SCALAR_BYTES))
         weight_grad = np.zeros(len(size), bool)
         weight_grad[grads[_param_grads(d, grads, set(size[f.fsdp1_flat].tolist()))]] = True
-        cls[isin(PARAMETER, OTHER, UNTRACED, REDUCE_SCATTER) & shard_like] = SHARD
-        cls[isin(REDUCE_SCATTER) & ~shard_like] = UNIT
+        cls[isin(Category.PARAMETER, Category.OTHER, Category.UNTRACED,
+                 Category.REDUCE_SCATTER) & shard_like] = SHARD
+        cls[isin(Category.REDUCE_SCATTER) & ~shard_like] = UNIT
         cls[weight_grad] = UNIT
     cls[size <= SCALAR_BYTES] = CONST
     return cls
@@ -263,33 +252,27 @@ class Unit:
 def _named_rows(d: DeviceAnalysis, pattern: re.Pattern) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     for row, name in d.annotation_rows(pattern):
-        out.setdefault(pattern.match(name).group(1), []).append(row)
+        m = pattern.match(name)
+        if m:
+            out.setdefault(m.group(1), []).append(row)
     return out
 
 
 def units(d: DeviceAnalysis, it) -> tuple[list[Unit], object]:
-    """`_units` of iteration `it`, computed once per device."""
-    memo = d.memo("forecast.units", dict)
-    if it.index not in memo:
-        memo[it.index] = _units(d, it)
-    return memo[it.index]
-
-
-def _units(d: DeviceAnalysis, it) -> tuple[list[Unit], object]:
     """Non-root FSDP units of iteration `it` in forward order, and the root's key.
 
     Forward unshard events name the units (by FQN when the trace carries FSDP2's ranges, else by
     event); backward unshards of the same unit are matched by name, else last-in-first-out by
     size (backward runs the units in reverse). Unit boundaries come from FSDP's own ranges when
     present, else from when its unshards were allocated and freed."""
-    f = fc.facts(d)
+    f = d.fsdp
     hi = it.end
-    un = np.flatnonzero(d.mask(UNSHARDED_PARAM) & (d.iteration == it.index) &
+    un = np.flatnonzero(d.mask(Category.UNSHARDED_PARAM) & (d.iteration == it.index) &
                         (d.lt.alloc_row >= 0))
     un = un[np.argsort(d.lt.alloc_row[un], kind="stable")]
-    fw = un[d.phase[un] == FORWARD]
-    bw = un[np.isin(d.phase[un], [BACKWARD, RECOMPUTE])]
-    fend = fc.forward_end(it)
+    fw = un[d.phase[un] == Phase.FORWARD]
+    bw = un[np.isin(d.phase[un], BACKWARD_PHASES)]
+    fend = forward_end(it)
 
     def group(blocks):
         out: dict = {}
@@ -303,7 +286,7 @@ def _units(d: DeviceAnalysis, it) -> tuple[list[Unit], object]:
         return [], None
     keys = list(fg)
     alive = [k for k in keys if (d.lt.free_row[fg[k]] > fend).any()]
-    root = fc.ROOT if fc.ROOT in fg else (
+    root = ROOT if ROOT in fg else (
         alive[0] if alive and all(not isinstance(k, str) for k in keys) else None)
     # backward unshards of unnamed units: match to forward units last-in-first-out by size
     if any(not isinstance(k, str) for k in bg):
@@ -327,7 +310,7 @@ def _units(d: DeviceAnalysis, it) -> tuple[list[Unit], object]:
         r = [x for x in rows if a <= x <= b]
         return r[0] if r else -1
 
-    ag = np.flatnonzero(d.mask(ALL_GATHER) & f.primary & (d.iteration == it.index))
+    ag = np.flatnonzero(d.mask(Category.ALL_GATHER) & f.primary & (d.iteration == it.index))
     out = []
     starts = [int(d.lt.alloc_row[fg[k]].min()) for k in keys]
     for i, k in enumerate(keys):
@@ -354,8 +337,8 @@ def _units(d: DeviceAnalysis, it) -> tuple[list[Unit], object]:
             mine = ag[mods] if ag.size else ag
         else:  # the all-gather issued just before the unshard (FSDP1: none, it is the flat)
             mine = np.zeros(0, np.int64)
-        fa = mine[d.phase[mine] == FORWARD] if mine.size else mine
-        ba = mine[np.isin(d.phase[mine], [BACKWARD, RECOMPUTE])] if mine.size else mine
+        fa = mine[d.phase[mine] == Phase.FORWARD] if mine.size else mine
+        ba = mine[np.isin(d.phase[mine], BACKWARD_PHASES)] if mine.size else mine
         out.append(Unit(k, f0, f1, b0, b1, v, b, fa, ba))
     return out, root
 
@@ -379,23 +362,21 @@ def base_plan(d: DeviceAnalysis) -> Plan:
     return Plan(d.lt.alloc_row.copy(), d.lt.free_row.copy(), np.ones(len(d.lt), bool))
 
 
-def detect_strategy(d: DeviceAnalysis) -> str:
+def detect_strategy(d: DeviceAnalysis, us: dict) -> str:
     """shard_grad_op when non-root units keep forward unshards alive into backward."""
-    kept = 0
-    for it in d.tl.iterations:
-        us, _ = units(d, it)
-        fend = fc.forward_end(it)
-        kept += sum(1 for u in us if (d.lt.free_row[u.fwd] > fend).all())
-        if us:
-            return SHARD_GRAD_OP if kept > len(us) // 2 else FULL_SHARD
+    for it in d.tl.iterations:  # the first iteration with units decides
+        if us[it.index]:
+            fend = forward_end(it)
+            kept = sum(1 for u in us[it.index] if (d.lt.free_row[u.fwd] > fend).all())
+            return SHARD_GRAD_OP if kept > len(us[it.index]) // 2 else FULL_SHARD
     return FULL_SHARD
 
 
-def to_shard_grad_op(d: DeviceAnalysis, p: Plan) -> None:
+def to_shard_grad_op(d: DeviceAnalysis, us: dict, p: Plan) -> None:
     """Keep each unit's forward unshard until its post-backward; no re-gather in backward."""
     for it in d.tl.iterations:
-        fend = fc.forward_end(it)
-        for u in units(d, it)[0]:
+        fend = forward_end(it)
+        for u in us[it.index]:
             if not u.bwd.size or (d.lt.free_row[u.fwd] > fend).all():
                 continue
             p.free_row[u.fwd] = np.maximum(p.free_row[u.fwd], int(d.lt.free_row[u.bwd].max()))
@@ -403,17 +384,17 @@ def to_shard_grad_op(d: DeviceAnalysis, p: Plan) -> None:
             p.keep[u.bwd_ag] = False
 
 
-def to_full_shard(d: DeviceAnalysis, p: Plan) -> None:
+def to_full_shard(d: DeviceAnalysis, us: dict, p: Plan) -> None:
     """Free each unit's unshard at its post-forward; gather it again for its backward. FSDP's
     default backward prefetch issues the all-gather when the unit before it (in backward order)
     starts its backward: the all-gather output (FSDP1: the unsharded flat parameter itself) is
     allocated then; FSDP2 copies out into the unsharded parameters at the unit's pre-backward
     (where it is not in the trace: when the unit before it finished its backward)."""
-    flat = fc.facts(d).fsdp1_flat
+    flat = d.fsdp.fsdp1_flat
     for it in d.tl.iterations:
-        fend = fc.forward_end(it)
-        us = [u for u in units(d, it)[0] if (d.lt.free_row[u.fwd] > fend).all()]
-        order = sorted(us, key=lambda u: u.b1 if u.b1 >= 0 else d.lt.rows)
+        fend = forward_end(it)
+        kept = [u for u in us[it.index] if (d.lt.free_row[u.fwd] > fend).all()]
+        order = sorted(kept, key=lambda u: u.b1 if u.b1 >= 0 else d.lt.rows)
         prev_b0 = prev_b1 = it.backward_start
         for u in order:
             b0 = u.b0 if u.b0 >= 0 else prev_b1
@@ -426,24 +407,24 @@ def to_full_shard(d: DeviceAnalysis, p: Plan) -> None:
             prev_b0, prev_b1 = b0, (u.b1 if u.b1 >= 0 else b0)
 
 
-def to_no_shard(d: DeviceAnalysis, p: Plan) -> None:
+def to_no_shard(d: DeviceAnalysis, us: dict, p: Plan) -> None:
     """No unshard at all: parameters are whole (shard factor 1), nothing is gathered."""
-    for cat in (UNSHARDED_PARAM, ALL_GATHER):
+    for cat in (Category.UNSHARDED_PARAM, Category.ALL_GATHER):
         p.keep[d.mask(cat)] = False
 
 
 def _unit_activations(d: DeviceAnalysis, u: Unit) -> np.ndarray:
     """Activations made in unit `u`'s forward and freed in its backward: what it saved."""
-    m = d.mask(ACTIVATION) & (d.lt.alloc_row >= u.f0) & (d.lt.alloc_row <= u.f1) & \
+    m = d.mask(Category.ACTIVATION) & (d.lt.alloc_row >= u.f0) & (d.lt.alloc_row <= u.f1) & \
         (d.lt.free_row >= u.b0) & (d.lt.free_row <= u.b1)
     return np.flatnonzero(m)
 
 
-def to_checkpointed(d: DeviceAnalysis, p: Plan) -> None:
+def to_checkpointed(d: DeviceAnalysis, us: dict, p: Plan) -> None:
     """Checkpoint every unit: what it saved is freed right after its forward uses it and made
     again (recomputed) when its backward starts."""
     for it in d.tl.iterations:
-        for u in units(d, it)[0]:
+        for u in us[it.index]:
             if u.b0 < 0 or u.b1 < 0:
                 continue
             saved = _unit_activations(d, u)
@@ -455,14 +436,14 @@ def to_checkpointed(d: DeviceAnalysis, p: Plan) -> None:
                 p.copies.append((b, u.b0, fr))
 
 
-def to_not_checkpointed(d: DeviceAnalysis, p: Plan) -> None:
+def to_not_checkpointed(d: DeviceAnalysis, us: dict, p: Plan) -> None:
     """No checkpointing: what each unit's recompute made and its backward consumed is made in
     its forward instead (at the same offset from the unit's pre-forward) and kept; what the
     recompute made and freed itself was a forward transient, already in the trace."""
-    rc_all = np.flatnonzero(d.mask(RECOMPUTE_ACTIVATION) & (d.lt.alloc_row >= 0))
+    rc_all = np.flatnonzero(d.mask(Category.RECOMPUTE_ACTIVATION) & (d.lt.alloc_row >= 0))
     rc_phase = d.tl.phase
     for it in d.tl.iterations:
-        for u in units(d, it)[0]:
+        for u in us[it.index]:
             if u.b0 < 0 or u.b1 < 0:
                 continue
             a = d.lt.alloc_row[rc_all]
@@ -472,7 +453,7 @@ def to_not_checkpointed(d: DeviceAnalysis, p: Plan) -> None:
             start = int(d.lt.alloc_row[mine].min())
             for b in mine.tolist():
                 fr = int(d.lt.free_row[b])
-                if fr < d.lt.rows and rc_phase[fr] == RECOMPUTE:
+                if fr < d.lt.rows and rc_phase[fr] == Phase.RECOMPUTE:
                     p.keep[b] = False
                     continue
                 p.alloc_row[b] = min(u.f0 + int(d.lt.alloc_row[b]) - start, u.f1)
@@ -481,12 +462,19 @@ def to_not_checkpointed(d: DeviceAnalysis, p: Plan) -> None:
 # ---------------------------------------------------------------------------- evaluate
 
 
-def evaluate(d: DeviceAnalysis, p: Plan, sizes: np.ndarray, cls: np.ndarray) -> dict:
+class Replayed(NamedTuple):
+    peak: int
+    row: int
+    breakdown: dict[str, int]  # category -> bytes alive at the peak
+    by_scaling: dict[str, int]  # scaling class -> bytes alive at the peak
+
+
+def evaluate(d: DeviceAnalysis, p: Plan, sizes: np.ndarray, cls: np.ndarray) -> Replayed:
     sz = np.where(p.keep, sizes, 0)
     extra = [(a, e, int(sizes[b])) for b, a, e in p.copies] + p.fixed_extra
     live = d.lt.replay(free_row=p.free_row, alloc_row=p.alloc_row, size=sz, extra=extra)
     if not len(live):
-        return {"peak": 0, "row": -1}
+        return Replayed(0, -1, {}, {})
     row = int(np.argmax(live))
     alive = (p.alloc_row <= row) & (p.free_row > row) & p.keep
     bd = np.bincount(d.category[alive], weights=sz[alive], minlength=len(CATEGORIES))
@@ -497,11 +485,11 @@ def evaluate(d: DeviceAnalysis, p: Plan, sizes: np.ndarray, cls: np.ndarray) -> 
             bs[cls[b]] += sizes[b]
     for a, e, n in p.fixed_extra:
         if a <= row < e:
-            bd[CAT_CODE[OTHER]] += n
+            bd[CAT_CODE[Category.OTHER]] += n
             bs[CONST] += n
-    return {"peak": int(live[row]), "row": row,
-            "breakdown": {CATEGORIES[i]: int(v) for i, v in enumerate(bd) if v},
-            "by_scaling": {SCALING[i]: int(v) for i, v in enumerate(bs) if v}}
+    return Replayed(int(live[row]), row,
+                    {str(CATEGORIES[i]): int(v) for i, v in enumerate(bd) if v},
+                    {SCALING[i]: int(v) for i, v in enumerate(bs) if v})
 
 
 class Forecaster:
@@ -509,18 +497,23 @@ class Forecaster:
 
     def __init__(self, d: DeviceAnalysis):
         self.d = d
-        self.w0 = fc.world_size(d)
-        self.fsdp = bool(d.mask(UNSHARDED_PARAM, ALL_GATHER, REDUCE_SCATTER, SHARDED_GRAD).any())
+        self.w0 = d.fsdp.world.size
+        self.fsdp = bool(d.mask(Category.UNSHARDED_PARAM, Category.ALL_GATHER,
+                                Category.REDUCE_SCATTER, Category.SHARDED_GRAD).any())
         self.cls = scaling(d, self.w0)
-        self.strategy = detect_strategy(d) if self.fsdp else "none"
-        self.checkpointing = FULL if (d.tl.phase == RECOMPUTE).any() or \
-            d.mask(RECOMPUTE_ACTIVATION).any() else NONE
+        # FSDP units of every iteration (forward order), found once
+        self.units = {it.index: units(d, it)[0] for it in d.tl.iterations}
+        self.strategy = detect_strategy(d, self.units) if self.fsdp else "none"
+        self.checkpointing = FULL if (d.tl.phase == Phase.RECOMPUTE).any() or \
+            d.mask(Category.RECOMPUTE_ACTIVATION).any() else NONE
         self.findings = [f for rule in RULES for f in rule.check(d) if f.device == d.device]
-        self.fixes = counterfactuals(d)
+        # each anomaly's fix as its rule replayed it
+        self.fixes = {f.rule: f.replay for f in self.findings
+                      if f.verdict == Verdict.ANOMALOUS and f.replay is not None}
 
     @property
     def anomalies(self):
-        return [f for f in self.findings if f.verdict == ANOMALOUS]
+        return [f for f in self.findings if f.verdict == Verdict.ANOMALOUS]
 
     def baseline(self) -> Scenario:
         return Scenario(self.w0 or 1, self.strategy, self.checkpointing, 1.0)
@@ -543,14 +536,14 @@ class Forecaster:
                 raise Refused("the recorded world size is unknown (no recorder provenance and "
                               "no reduce-scatter pair to infer it from)")
         if sc.strategy.startswith("hsdp:"):
-            r = sc.strategy.split(":", 1)[1]
-            if not r.isdigit() or int(r) < 1 or sc.world_size % int(r):
+            reps = sc.strategy.split(":", 1)[1]
+            if not reps.isdigit() or int(reps) < 1 or sc.world_size % int(reps):
                 raise Refused(f"hsdp:R needs R (replicas) dividing the world size {sc.world_size}")
         p = base_plan(d)
         if sc.fix:
             if sc.fix not in self.fixes:
                 raise Refused(f"the rule {sc.fix} gave no replayable fix for this recording")
-            fr, ar, extra = self.fixes[sc.fix]
+            fr, ar, extra = self.fixes[sc.fix]  # a Replay
             if fr is not None:
                 p.free_row = np.minimum(p.free_row, fr)
             if ar is not None:
@@ -560,30 +553,29 @@ class Forecaster:
         want = FULL_SHARD if want == "hsdp" else want
         have = base.strategy
         if want != have and self.fsdp:
-            if not any(units(d, it)[0] for it in d.tl.iterations):
+            if not any(self.units.values()):
                 raise Refused("no FSDP unit's forward unshard is in the trace, so when its "
                               "parameters would be freed or gathered cannot be placed")
             if want == NO_SHARD:
-                to_no_shard(d, p)
+                to_no_shard(d, self.units, p)
             elif want == SHARD_GRAD_OP and have == FULL_SHARD:
-                to_shard_grad_op(d, p)
+                to_shard_grad_op(d, self.units, p)
             elif want == FULL_SHARD and have == SHARD_GRAD_OP:
-                to_full_shard(d, p)
+                to_full_shard(d, self.units, p)
             else:
                 raise Refused(f"cannot forecast {want} from a {have} recording")
         if sc.checkpointing != base.checkpointing:
-            if not any(u.b0 >= 0 and u.b1 >= 0 for it in d.tl.iterations
-                       for u in units(d, it)[0]):
+            if not any(u.b0 >= 0 and u.b1 >= 0 for us in self.units.values() for u in us):
                 raise Refused("checkpointing needs module boundaries (FSDP units' forward and "
                               "backward) in the trace, and this recording has none")
-            (to_checkpointed if sc.checkpointing == FULL else to_not_checkpointed)(d, p)
+            move = to_checkpointed if sc.checkpointing == FULL else to_not_checkpointed
+            move(d, self.units, p)
         sizes = scaled_sizes(d, self.cls, self.w0, sc)
         r = evaluate(d, p, sizes, self.cls)
-        it = d.tl.iteration_of(r["row"])
-        bd = r.get("breakdown", {})
-        return Prediction(sc, r["peak"], r["row"], d.phase_name(r["row"]),
-                          it.index if it else None, bd, r.get("by_scaling", {}),
-                          max(bd, key=bd.get) if bd else None)
+        it = d.tl.iteration_of(r.row)
+        return Prediction(sc, r.peak, r.row, d.phase_name(r.row), it.index if it else None,
+                          r.breakdown, r.by_scaling,
+                          max(r.breakdown, key=lambda k: r.breakdown[k]) if r.breakdown else None)
 
 
 # ---------------------------------------------------------------------------- facade
@@ -619,7 +611,7 @@ def forecast(snapshot: Snapshot, world_sizes=(), strategies=(), checkpointing=()
     notes = []
     if not fx.w0 and fx.fsdp:
         notes.append("recorded world size unknown: world-size scenarios are refused")
-    elif fc.facts(d).world_estimated:
+    elif d.fsdp.world.estimated:
         notes.append(f"recorded world size {fx.w0} inferred from reduce-scatter sizes "
                      "(no recorder provenance)")
     scen = _scenarios(fx, world_sizes, strategies, checkpointing, micro_batch_scales)
@@ -662,7 +654,7 @@ def _fit(fx: Forecaster, capacity: int, scen: list[Scenario]) -> dict:
     out: dict = {"capacity_bytes": capacity}
     for w in _FIT_WORLDS:
         p = fx.predict(replace(ref, world_size=w))
-        if p.refused:
+        if p.refused or p.predicted_peak_bytes is None:
             out["smallest_world_size"] = None
             out["reason"] = p.refused
             break
@@ -678,15 +670,15 @@ def _fit(fx: Forecaster, capacity: int, scen: list[Scenario]) -> dict:
     # forward (one more all-gather per unit in backward), checkpointing (about one more
     # forward), half the micro-batch (twice the steps, or gradient accumulation)
     out["cheapest_change"] = None
-    for knob, value in (("strategy", FULL_SHARD), ("checkpointing", FULL),
-                        ("micro_batch_scale", 0.5)):
-        sc = replace(base, **{knob: value})
+    changes = ((replace(base, strategy=FULL_SHARD), {"strategy": FULL_SHARD}),
+               (replace(base, checkpointing=FULL), {"checkpointing": FULL}),
+               (replace(base, micro_batch_scale=0.5), {"micro_batch_scale": 0.5}))
+    for sc, change in changes:
         if sc == base:
             continue
         p = fx.predict(sc)
-        if p.refused is None and p.predicted_peak_bytes <= capacity:
-            out["cheapest_change"] = {"change": {knob: value},
-                                      "peak_bytes": p.predicted_peak_bytes}
+        if p.predicted_peak_bytes is not None and p.predicted_peak_bytes <= capacity:
+            out["cheapest_change"] = {"change": change, "peak_bytes": p.predicted_peak_bytes}
             break
     return out
 

@@ -6,8 +6,10 @@ from collections import defaultdict
 
 import numpy as np
 
-from snapforensics.analysis.classify import BACKWARD, CATEGORIES, FORWARD, PATHS, RECOMPUTE
+from snapforensics.analysis.classify import PATHS
 from snapforensics.analysis.context import DeviceAnalysis
+from snapforensics.analysis.diagnosis import Replay
+from snapforensics.analysis.vocab import CATEGORIES, Phase
 
 
 def by_module(d: DeviceAnalysis, blocks: np.ndarray, limit: int = 12) -> list[dict]:
@@ -66,8 +68,8 @@ def by_path(d: DeviceAnalysis, blocks: np.ndarray) -> dict[str, int]:
 def peaks(d: DeviceAnalysis, live: np.ndarray) -> dict[str, int]:
     """Overall, forward and backward peaks of a live-bytes series over this trace's phases."""
     ph = d.tl.phase
-    fw = ph == FORWARD
-    bw = (ph == BACKWARD) | (ph == RECOMPUTE)
+    fw = ph == Phase.FORWARD
+    bw = (ph == Phase.BACKWARD) | (ph == Phase.RECOMPUTE)
     return {"overall_bytes": int(live.max()) if len(live) else 0,
             "forward_bytes": int(live[fw].max()) if fw.any() else 0,
             "backward_bytes": int(live[bw].max()) if bw.any() else 0}
@@ -78,17 +80,13 @@ def replay_peaks(d: DeviceAnalysis, free_row: np.ndarray) -> dict[str, int]:
     return peaks(d, d.lt.replay(free_row))
 
 
-def counterfactual(d: DeviceAnalysis, rule: str, free_row: np.ndarray | None = None,
-                   alloc_row: np.ndarray | None = None, extra: list = ()) -> dict[str, int]:
-    """Peaks of the trace replayed with a fix's moved rows, which are kept on `d` under the
-    rule's id (`counterfactuals(d)`) so the forecast can replay the run with the fix applied."""
-    d.cache.setdefault("counterfactuals", {})[rule] = (free_row, alloc_row, list(extra))
-    return peaks(d, d.lt.replay(free_row=free_row, alloc_row=alloc_row, extra=extra))
-
-
-def counterfactuals(d: DeviceAnalysis) -> dict[str, tuple]:
-    """rule id -> (free_row, alloc_row, extra) of each fix a rule replayed on this device."""
-    return d.cache.get("counterfactuals", {})
+def counterfactual(d: DeviceAnalysis, free_row: np.ndarray | None = None,
+                   alloc_row: np.ndarray | None = None, extra: tuple = ()
+                   ) -> tuple[dict[str, int], Replay]:
+    """Peaks of the trace replayed with a fix's moved rows, and that replay (a finding keeps
+    it, so the forecast can apply the fix before its own scenario)."""
+    r = Replay(free_row, alloc_row, tuple(extra))
+    return peaks(d, d.lt.replay(free_row=free_row, alloc_row=alloc_row, extra=list(extra))), r
 
 
 def human(n: float) -> str:
