@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from snapforensics.errors import SnapError
-from snapforensics.report.forecast import FORMATS
+from snapforensics.report import FORMATS
 
 
 def _list(text: str | None, conv, what: str) -> list:
