@@ -145,7 +145,7 @@ def test_every_format_renders(name, fmt):
     d = diagnosed(name)
     out = render_text(d, fmt)
     if fmt == "json":
-        assert json.loads(out)["findings"] == [dataclasses.asdict(f) for f in d.findings]
+        assert json.loads(out)["findings"] == [f.to_dict() for f in d.findings]
         return
     text = htmllib.unescape(out) if fmt == "html" else " ".join(out.split())
     # every human format leads with the same headline and names every finding's rule
