@@ -91,11 +91,6 @@ class Scenario:
             return max(self.world_size // r, 1)
         return self.world_size
 
-    def label(self) -> str:
-        s = (f"W={self.world_size} {self.strategy} ckpt={self.checkpointing} "
-             f"mb x{self.micro_batch_scale:g}")
-        return s + (f" + fix {self.fix}" if self.fix else "")
-
 
 @dataclass
 class Prediction:
@@ -335,7 +330,7 @@ def units(d: DeviceAnalysis, it) -> tuple[list[Unit], object]:
         if name is not None:
             mods = np.array([d.module_of(x) == name for x in ag.tolist()], bool)
             mine = ag[mods] if ag.size else ag
-        else:  # the all-gather issued just before the unshard (FSDP1: none, it is the flat)
+        else:  # unnamed (FSDP1): its unsharded flat parameter is the all-gather output itself
             mine = np.zeros(0, np.int64)
         fa = mine[d.phase[mine] == Phase.FORWARD] if mine.size else mine
         ba = mine[np.isin(d.phase[mine], BACKWARD_PHASES)] if mine.size else mine
