@@ -633,6 +633,7 @@ def forecast(snapshot: Snapshot, world_sizes=(), strategies=(), checkpointing=()
                 "checkpointing": fx.checkpointing, "peak_bytes": d.peak_bytes,
                 "phase": d.phase_name(d.peak_row), "row": d.peak_row,
                 "replayed_peak_bytes": bl.predicted_peak_bytes, "breakdown": bl.breakdown,
+                "by_scaling": bl.by_scaling,
                 "device": d.device, "anomalies": [f.rule for f in fx.anomalies]}
     return Forecast(snapshot.source, snapshot.rank, baseline, preds, notes, capacity, fit)
 

@@ -54,13 +54,14 @@ def _fit_lines(f: Forecast) -> list[str]:
 
 
 def _scaling_lines(f: Forecast) -> list[str]:
-    """How the components at the recorded peak scale (the model, in one line each)."""
-    first = next((p for p in f.scenarios if not p.refused and p.by_scaling), None)
-    rows = f.baseline.get("breakdown") or {}
-    out = [f"{c}: {human(v)}" for c, v in sorted(rows.items(), key=lambda x: -x[1])[:6]]
-    if first:
-        out.append("by how it scales: " + "; ".join(f"{SCALING_TEXT[k]} {human(v)}" for k, v in
-                                                    first.by_scaling.items()))
+    """What is alive at the recorded peak, by category and by how it scales (the model)."""
+    b = f.baseline
+    rows = b.get("breakdown") or {}
+    out = ["alive at the recorded peak: " + ", ".join(
+        f"{c} {human(v)}" for c, v in sorted(rows.items(), key=lambda x: -x[1]))]
+    if b.get("by_scaling"):
+        out.append("by how it scales: " + "; ".join(
+            f"{SCALING_TEXT[k]} {human(v)}" for k, v in b["by_scaling"].items()))
     return out
 
 
