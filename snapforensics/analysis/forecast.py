@@ -176,7 +176,11 @@ def scaling(d: DeviceAnalysis, w0: int | None) -> np.ndarray:
     cat, size = d.category, d.lt.size
     cls = np.full(len(size), CONST, np.int8)
     isin = lambda *cs: np.isin(cat, [CAT_CODE[c] for c in cs])  # noqa: E731
-    cls[isin(Category.ACTIVATION, Category.RECOMPUTE_ACTIVATION, Category.GRADIENT)] = BATCH
+    # what the training loop makes around the model (data, the loss's log-softmax) is
+    # unclassified but made in forward/backward: it grows with the batch like activations
+    step = np.isin(d.phase, [Phase.FORWARD, *BACKWARD_PHASES])
+    cls[isin(Category.ACTIVATION, Category.RECOMPUTE_ACTIVATION, Category.GRADIENT) |
+        (isin(Category.OTHER) & step)] = BATCH
     cls[isin(Category.UNSHARDED_PARAM, Category.UNSHARDED_GRAD, Category.ALL_GATHER)] = UNIT
     cls[isin(Category.SHARDED_PARAM, Category.SHARDED_GRAD, Category.OPTIMIZER_STATE)] = SHARD
     if w0:
@@ -196,8 +200,10 @@ def scaling(d: DeviceAnalysis, w0: int | None) -> np.ndarray:
         grads = np.flatnonzero(isin(Category.GRADIENT) & (size > SCALAR_BYTES))
         weight_grad = np.zeros(len(size), bool)
         weight_grad[grads[_param_grads(d, grads, set(size[f.fsdp1_flat].tolist()))]] = True
-        cls[isin(Category.PARAMETER, Category.OTHER, Category.UNTRACED,
-                 Category.REDUCE_SCATTER) & shard_like] = SHARD
+        # a shard is made at init or by the optimizer, never by forward or backward
+        cls[isin(Category.PARAMETER, Category.OTHER, Category.UNTRACED) & shard_like & ~step] = \
+            SHARD
+        cls[isin(Category.REDUCE_SCATTER) & shard_like] = SHARD
         cls[isin(Category.REDUCE_SCATTER) & ~shard_like] = UNIT
         cls[weight_grad] = UNIT
     cls[size <= SCALAR_BYTES] = CONST
