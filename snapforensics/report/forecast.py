@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import html as _html
 
-from snapforensics.analysis.forecast import SCALING_TEXT, Forecast, Prediction
 from snapforensics.analysis.evidence import human
+from snapforensics.analysis.forecast import SCALING_TEXT, Forecast, Prediction
 
 COLUMNS = ("W", "strategy", "ckpt", "micro-batch", "fix applied", "predicted peak",
            "vs recorded", "phase (row)", "dominant", "fits")
