@@ -8,6 +8,7 @@ import numpy as np
 
 from snapforensics.analysis.classify import PATHS
 from snapforensics.analysis.context import DeviceAnalysis
+from snapforensics.analysis.diagnosis import Replay
 from snapforensics.analysis.vocab import CATEGORIES, Phase
 
 
@@ -78,6 +79,15 @@ def peaks(d: DeviceAnalysis, live: np.ndarray) -> dict[str, int]:
 def replay_peaks(d: DeviceAnalysis, free_row: np.ndarray) -> dict[str, int]:
     """Peaks of the trace replayed with moved frees."""
     return peaks(d, d.lt.replay(free_row))
+
+
+def counterfactual(d: DeviceAnalysis, free_row: np.ndarray | None = None,
+                   alloc_row: np.ndarray | None = None, extra: tuple = ()
+                   ) -> tuple[dict[str, int], Replay]:
+    """Peaks of the trace replayed with a fix's moved rows, and that replay (a finding keeps
+    it, so the forecast can apply the fix before its own scenario)."""
+    r = Replay(free_row, alloc_row, tuple(extra))
+    return peaks(d, d.lt.replay(free_row=free_row, alloc_row=alloc_row, extra=list(extra))), r
 
 
 def human(n: float) -> str:
