@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import corpus_file
+from corpus import corpus_file
 
 from snapforensics.analysis import diagnose
 from snapforensics.snapshot import cache

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import corpus_files
+from corpus import corpus_files
 
 from snapforensics import parallel
 from snapforensics.analysis.fleet import fleet
@@ -95,8 +95,8 @@ def test_hostile_file_name_is_neutralized(tmp_path):
     shutil.copy(BUGGY, d / "rank0_<img src=x onerror=alert(1)>|x.pickle.gz")
     shutil.copy(FIXED, d / "rank1.pickle.gz")
     f = fleet(parallel.run([d], jobs=1, progress=False))
-    assert "<img" not in report.render_html(f)
-    md = report.render_markdown(f)
+    assert "<img" not in report.html(f)
+    md = report.markdown(f)
     assert "<img" not in md and not re.search(r"(?<!\\)\|x", md)  # no new table column
 
 

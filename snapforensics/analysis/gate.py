@@ -34,10 +34,12 @@ class RunComparison:
     pairs: list[Comparison]  # one per rank present in both runs, in rank order
     overall: dict[str, Any]  # the highest peak over ranks, before and after
     unpaired: list[str] = field(default_factory=list)  # files with no counterpart
+    gate: list[str] | None = None  # why `--fail-on` failed ([] passed); None: no gate asked
 
     def to_dict(self) -> dict[str, Any]:
-        return {"schema": SCHEMA, "a": self.a, "b": self.b, "overall": self.overall,
-                "unpaired": self.unpaired, "ranks": [p.to_dict() for p in self.pairs]}
+        out = {"schema": SCHEMA, "a": self.a, "b": self.b, "overall": self.overall,
+               "unpaired": self.unpaired, "ranks": [p.to_dict() for p in self.pairs]}
+        return out if self.gate is None else out | {"gate": {"failures": self.gate}}
 
 
 def _rank_key(d: Diagnosis, n: int) -> Any:
@@ -66,13 +68,13 @@ def compare_runs(a: str, b: str, diags_a: Sequence[Diagnosis],
         "ranks": len(pairs), "peak_bytes": _change(pa, pb),
         "largest_growth": {"label": worst.deltas[0]["label"], "rank": worst.deltas[0]["rank"],
                            **worst.deltas[0]["peaks"]["overall_bytes"]},
-        "new_anomalies": sorted({f["rule"] for p in pairs for f in _new_anomalies(p.deltas[0])}),
+        "new_anomalies": sorted({f["rule"] for p in pairs for f in new_anomalies(p.deltas[0])}),
         "gone_anomalies": sorted({f["rule"] for p in pairs
                                   for f in p.deltas[0]["findings"]["disappeared"]
                                   if f["verdict"] == "anomalous"})})
 
 
-def _new_anomalies(delta: dict[str, Any]) -> list[dict[str, Any]]:
+def new_anomalies(delta: dict[str, Any]) -> list[dict[str, Any]]:
     f = delta["findings"]
     return [x for x in f["appeared"] if x["verdict"] == "anomalous"] + \
         [x for x in f["persisted"] if x["verdict_after"] == "anomalous"
@@ -110,5 +112,5 @@ def failures(comparisons: Sequence[Comparison], conditions: Sequence[str]) -> li
                                f"(more than {pct:g}%)")
                 if kind == "new-anomaly":
                     out += [f"{d['label']}: new anomaly {x['rule']}" for x in
-                            _new_anomalies(d)]
+                            new_anomalies(d)]
     return out

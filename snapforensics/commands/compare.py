@@ -1,24 +1,44 @@
 """`snapforensics compare A B [C ...]`: before/after a fix, rank vs rank, or two run folders
-rank by rank; `--fail-on` turns it into a CI gate (exit 1)."""
+rank by rank, relative to A; `--fail-on` makes it a CI gate (exit 1)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import click
 
+from snapforensics.commands._options import report_options, run_options
 from snapforensics.errors import EXIT_ANOMALY
 
-FORMATS = ("terminal", "markdown", "json", "html")
+
+def compare_paths(paths: Sequence[str | Path], mode: str = "auto", **run):
+    """Expand folders and globs, diagnose each file once, compare (analysis.compare)."""
+    from snapforensics.analysis.compare import compare
+    from snapforensics.commands.inputs import diagnose_paths, expand
+    from snapforensics.errors import SnapError
+
+    files = expand(paths)
+    if len(files) < 2:
+        raise SnapError("compare needs at least two snapshots (baseline first), "
+                        f"got {len(files)}")
+    return compare(diagnose_paths(files, **run), mode=mode)
+
+
+def compare_folders(a: str, b: str, **run):
+    """Two run folders, rank by rank (analysis.gate.compare_runs)."""
+    from snapforensics.analysis.gate import compare_runs
+    from snapforensics.commands.inputs import diagnose_paths, expand
+
+    fa, fb = expand([a]), expand([b])
+    diags = diagnose_paths(fa + fb, **run)
+    return compare_runs(a, b, diags[:len(fa)], diags[len(fa):])
 
 
 @click.command("compare")
 @click.argument("snapshots", nargs=-1, required=True)
-@click.option("--format", "fmt", type=click.Choice(FORMATS), default="terminal",
-              show_default=True, help="Report format.")
-@click.option("-o", "--output", type=click.Path(path_type=Path),
-              help="Write the report to FILE instead of stdout.")
+@report_options("compare")
 @click.option("--mode", type=click.Choice(["auto", "before-after", "ranks"]), default="auto",
               show_default=True,
               help="auto: ranks when every input is a distinct rank of one run (same folder or "
@@ -26,12 +46,9 @@ FORMATS = ("terminal", "markdown", "json", "html")
 @click.option("--fail-on", "fail_on", multiple=True, metavar="regression=P%|new-anomaly",
               help="Exit 1 when a peak grew by more than P% over the baseline, or an anomaly "
                    "appears that the baseline did not have (repeatable; CI gate).")
-@click.option("-j", "--jobs", type=click.IntRange(min=1), default=None,
-              help="Inputs diagnosed at once [default: the core count, memory permitting].")
-@click.option("--no-cache", is_flag=True, help="Neither read nor write the cache.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def compare_command(snapshots: tuple[str, ...], fmt: str, output: Path | None, mode: str,
-                    fail_on: tuple[str, ...], jobs: int | None, no_cache: bool,
+@run_options
+def compare_command(snapshots: tuple[str, ...], fmt: str | None, output: str | None,
+                    mode: str, fail_on: tuple[str, ...], jobs: int | None, no_cache: bool,
                     quiet: bool) -> int:
     """Compare snapshots against the first: before/after a fix (A = baseline, B = after) or
     the ranks of one run (a folder or rank*.pickle glob). Two run folders are compared rank by
@@ -39,52 +56,22 @@ def compare_command(snapshots: tuple[str, ...], fmt: str, output: Path | None, m
     that appear / disappear / persist, A's predicted peak vs B's measured peak, and the rank
     that deviates most from the median."""
     from snapforensics.analysis import gate
-    from snapforensics.analysis.compare import compare, diagnose_paths
-    from snapforensics.parallel import expand
-    from snapforensics.report import compare as report
-    from snapforensics.report import write_file
+    from snapforensics.report.output import choose_format, emit
 
     gate.parse(fail_on)  # a typo in the gate is an error before minutes of work
-    opts = {"jobs": jobs, "cache": not no_cache, "progress": not quiet}
-    if len(snapshots) == 2 and all(os.path.isdir(s) for s in snapshots) and mode != "ranks":
-        a, b = expand([snapshots[0]]), expand([snapshots[1]])
-        diags = diagnose_paths(a + b, **opts)
-        runs = gate.compare_runs(snapshots[0], snapshots[1], diags[:len(a)], diags[len(a):])
-        failed = gate.failures(runs.pairs, fail_on) if fail_on else []
-        if output is None and fmt == "terminal":
-            from rich.console import Console
-            report.render_runs(runs, fmt, failed, Console())
-        else:
-            _emit(report.render_runs(runs, fmt, failed) or "", output, write_file)
-        return _verdict(failed)
-
-    srcs = expand(snapshots)
-    if len(srcs) < 2:
-        from snapforensics.errors import SnapError
-        raise SnapError(f"compare needs at least two snapshots (baseline first), got {len(srcs)}")
-    c = compare(diagnose_paths(srcs, **opts), mode=mode.replace("-", "_"))
-    failed = gate.failures([c], fail_on) if fail_on else []
-    if output is None and fmt == "terminal":
-        from rich.console import Console
-        report.render_terminal(c, Console())
+    run = {"jobs": jobs, "cache": not no_cache, "progress": not quiet}
+    folders = len(snapshots) == 2 and all(map(os.path.isdir, snapshots)) and mode != "ranks"
+    kind = "compare_runs" if folders else "compare"
+    choose_format(kind, fmt, output)  # a bad -o fails before the diagnoses
+    if folders:
+        doc = compare_folders(*snapshots, **run)
+        pairs = doc.pairs
     else:
-        text = report.render_html(c, failed) if fmt == "html" else report.render_text(c, fmt)
-        if fmt == "json" and fail_on:
-            from snapforensics.report.json import dumps
-            text = dumps(c.to_dict() | {"gate": {"failures": failed}}, indent=True)
-        _emit(text, output, write_file)
-    return _verdict(failed)
-
-
-def _emit(text: str, output: Path | None, write_file) -> None:
-    if output is None:
-        click.echo(text)
-    else:
-        write_file(output, text)
-
-
-def _verdict(failed: list[str]) -> int:
-    """The gate's result on stderr (whatever the report's format and destination)."""
-    for x in failed:
+        doc = compare_paths(snapshots, mode=mode.replace("-", "_"), **run)
+        pairs = [doc]
+    if fail_on:
+        doc.gate = gate.failures(pairs, fail_on)
+    emit(kind, doc, fmt, output)
+    for x in doc.gate or []:
         click.echo(f"snapforensics: gate failed: {x}", err=True)
-    return EXIT_ANOMALY if failed else 0
+    return EXIT_ANOMALY if doc.gate else 0

@@ -1,4 +1,4 @@
-"""Rendering of a Fleet (analysis/fleet.py): terminal, markdown, json, html.
+"""Rendering of a Fleet (analysis/fleet.py): terminal, markdown, html (json: report/json).
 
 Every format says the same thing in the same order: the headline, the ranks worst first with
 their peaks and distance from the median, then the findings by rule (one line when on every
@@ -11,8 +11,10 @@ from typing import Any
 
 from snapforensics.analysis.fleet import Fleet
 from snapforensics.report.common import human
-
-FORMATS = ("terminal", "markdown", "json", "html")
+from snapforensics.report.registry import PLAIN, Screen
+from snapforensics.report.sanitize import NAME, ROWS, TEXT, markdown_code, markdown_span
+from snapforensics.report.sanitize import markdown as md
+from snapforensics.report.terminal import t
 
 
 def headline(f: Fleet) -> str:
@@ -67,70 +69,57 @@ def finding_rows(f: Fleet) -> list[list[str]]:
     return [[r["verdict"], r["title"], where(r, n), _size(r), r["rule"]] for r in f.findings]
 
 
-def render_text(f: Fleet, fmt: str) -> str:
-    if fmt == "json":
-        from snapforensics.report.json import dumps
-        return dumps(f.to_dict(), indent=True)
-    if fmt == "markdown":
-        return render_markdown(f)
-    if fmt == "html":
-        return render_html(f)
-    from io import StringIO
-
-    from rich.console import Console
-    buf = StringIO()
-    render_terminal(f, Console(file=buf, width=120, force_terminal=False, no_color=True))
-    return buf.getvalue()
-
-
-def render_terminal(f: Fleet, console) -> None:
+def terminal(f: Fleet, screen: Screen = PLAIN) -> str:
     from rich.table import Table
-    from rich.text import Text
 
-    console.print(Text("snapforensics fleet", style="bold"))
-    console.print(Text(headline(f), style="bold red" if f.anomalies else "bold green"))
-    t = Table(show_edge=False)
-    for i, h in enumerate(RANK_HEAD):
-        t.add_column(h, justify="right" if 0 < i < 5 else "left")
+    console = screen.console()
+    console.print(t("snapforensics fleet", NAME, "bold"))
+    console.print(t(headline(f), TEXT, "bold red" if f.anomalies else "bold green"))
+    tab = Table(show_edge=False)
+    for i, head in enumerate(RANK_HEAD):
+        tab.add_column(head, justify="right" if 0 < i < 5 else "left", overflow="fold")
     for row in rank_rows(f):
-        t.add_row(*map(Text, row))
+        tab.add_row(*(t(x, TEXT) for x in row))
     if f.ranks:
-        console.print(t)
+        console.print(tab)
     if f.findings:
         ft = Table(show_edge=False, title="findings by rank", title_justify="left")
-        for h in FINDING_HEAD:
-            ft.add_column(h)
+        for head in FINDING_HEAD:
+            ft.add_column(head, overflow="fold")
         for row, r in zip(finding_rows(f), f.findings):
-            ft.add_row(*map(Text, row), style="red" if r["verdict"] == "anomalous" and
-                       not r["on_all_ranks"] else None)
+            ft.add_row(*(t(x, TEXT) for x in row), style="red" if r["verdict"] == "anomalous"
+                       and not r["on_all_ranks"] else None)
         console.print(ft)
-    for e in f.errors:
-        console.print(Text(f"unreadable: {e['source']}: {e['error']}", style="yellow"))
-    for w in f.warnings:
-        console.print(Text(f"warning: {w}", style="yellow"))
+    for line in _notes(f):
+        console.print(t(line, TEXT, "yellow"))
+    return console.file.getvalue()
 
 
-def render_markdown(f: Fleet) -> str:
-    from snapforensics.report.pages import md, md_table
+def _notes(f: Fleet) -> list[str]:
+    return ([f"unreadable: {e['source']}: {e['error']}" for e in f.errors[:ROWS]]
+            + [f"warning: {w}" for w in f.warnings[:ROWS]])
 
-    out = ["# snapforensics fleet", "", f"**{md(headline(f))}**", ""]
+
+def markdown(f: Fleet, screen: Screen = PLAIN) -> str:
+    from snapforensics.report.pages import md_table
+
+    out = ["# snapforensics fleet", "", f"**{md(headline(f), TEXT)}**", ""]
     if f.ranks:
         out += ["## Ranks, worst first", ""] + md_table(RANK_HEAD, rank_rows(f))
     if f.findings:
         out += ["## Findings by rank", ""] + md_table(FINDING_HEAD, finding_rows(f))
         for r in f.anomalies[:3]:
             if r.get("fix"):
-                out += [f"Fix for `{r['rule']}`:", "", "```python", r["fix"], "```", ""]
-    for e in f.errors:
-        out.append(f"- unreadable: {md(e['source'])}: {md(e['error'])}")
-    for w in f.warnings:
-        out.append(f"- warning: {md(w)}")
+                out += [f"Fix for {markdown_span(r['rule'])}:", "",
+                        *markdown_code(r["fix"].splitlines(), "python"), ""]
+    out += [f"- {md(x, TEXT)}" for x in _notes(f)]
     return "\n".join(out).rstrip() + "\n"
 
 
-def render_html(f: Fleet) -> str:
+def html(f: Fleet, screen: Screen = PLAIN) -> str:
     """One self-contained offline page (no script, no URL fetched)."""
-    from snapforensics.report.pages import h, lines, page, table
+    from snapforensics.report.pages import lines, page, table
+    from snapforensics.report.sanitize import html as h
 
     body = []
     if f.ranks:
@@ -138,8 +127,7 @@ def render_html(f: Fleet) -> str:
     if f.findings:
         cls = [f"{r['verdict']}{'' if r['on_all_ranks'] else ' specific'}" for r in f.findings]
         body.append("<h2>Findings by rank</h2>" + table(FINDING_HEAD, finding_rows(f), cls))
-        body += [f"<p>Fix for <code>{h(r['rule'])}</code>:</p><pre>{h(r['fix'])}</pre>"
+        body += [f"<p>Fix for <code>{h(r['rule'])}</code>:</p><pre>{h(r['fix'], TEXT)}</pre>"
                  for r in f.anomalies[:3] if r.get("fix")]
-    body += lines([f"unreadable: {e['source']}: {e['error']}" for e in f.errors])
-    body += lines([f"warning: {w}" for w in f.warnings])
+    body += lines(_notes(f))
     return page("snapforensics fleet", headline(f), body, f.tool)
