@@ -38,6 +38,7 @@ import tempfile
 import zipfile
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import orjson
@@ -284,7 +285,8 @@ def _save(s: Snapshot, f) -> None:
             "format": s.format, "warnings": s.warnings,
             "kind": {f.name: getattr(s.kind, f.name) for f in fields(s.kind)}}
     a["meta"] = np.frombuffer(orjson.dumps(meta, option=orjson.OPT_NON_STR_KEYS), np.uint8)
-    np.savez(f, **{k: np.ascontiguousarray(v) for k, v in a.items()})
+    arrays: dict[str, Any] = {k: np.ascontiguousarray(v) for k, v in a.items()}
+    np.savez(f, allow_pickle=False, **arrays)
 
 
 # ---------------------------------------------------------------------------------- reading
