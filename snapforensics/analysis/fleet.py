@@ -61,13 +61,17 @@ def fleet(docs: list[dict[str, Any]]) -> Fleet:
 
 
 def _by_rule(inputs: list[dict], diags: list[Diagnosis]) -> list[dict[str, Any]]:
+    """One row per rule; its ranks are rank numbers when those tell the inputs apart, else
+    the inputs' labels (copies of one recording share its rank)."""
+    ranks = [i["rank"] for i in inputs]
+    by_rank = None not in ranks and len(set(ranks)) == len(ranks)
     rows: dict[str, dict[str, Any]] = {}
     for inp, d in zip(inputs, diags):
         fixes = {f.rule: f for f in d.findings if f.fix}
         for f in inp["findings"]:
             r = rows.setdefault(f["rule"], {"rule": f["rule"], "verdict": f["verdict"],
                                             "title": f["title"], "ranks": [], "bytes": []})
-            r["ranks"].append(inp["label"] if inp["rank"] is None else inp["rank"])
+            r["ranks"].append(inp["rank"] if by_rank else inp["label"])
             r["bytes"].append(f["bytes"])
             if _SEVERITY.get(f["verdict"], 3) < _SEVERITY.get(r["verdict"], 3):
                 r["verdict"], r["title"] = f["verdict"], f["title"]

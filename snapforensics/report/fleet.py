@@ -46,6 +46,8 @@ def where(row: dict[str, Any], n: int) -> str:
     if row["on_all_ranks"]:
         return f"all {n} ranks" if n > 1 else "the only rank"
     shown = ", ".join(map(str, row["ranks"][:12])) + (" ..." if len(row["ranks"]) > 12 else "")
+    if not all(isinstance(r, int) for r in row["ranks"]):  # labels: ranks did not tell apart
+        return f"{shown} only"
     return f"rank{'s' if row['rank_count'] > 1 else ''} {shown} only"
 
 
@@ -70,25 +72,29 @@ def finding_rows(f: Fleet) -> list[list[str]]:
 
 
 def terminal(f: Fleet, screen: Screen = PLAIN) -> str:
+    """Fitted to the width: anomalies counted per rank, each finding's rule id on its own line
+    under its title (ids are long and must stay copy-pasteable)."""
     from rich.table import Table
+    from rich.text import Text
 
     console = screen.console()
     console.print(t("snapforensics fleet", NAME, "bold"))
     console.print(t(headline(f), TEXT, "bold red" if f.anomalies else "bold green"))
     tab = Table(show_edge=False)
     for i, head in enumerate(RANK_HEAD):
-        tab.add_column(head, justify="right" if 0 < i < 5 else "left", overflow="fold")
-    for row in rank_rows(f):
-        tab.add_row(*(t(x, TEXT) for x in row))
+        tab.add_column(head, justify="left" if i in (0, 5) else "right", overflow="fold")
+    for row, r in zip(rank_rows(f), f.ranks):
+        tab.add_row(*(t(x, TEXT) for x in row[:-1]), str(len(r["anomalies"])))
     if f.ranks:
         console.print(tab)
     if f.findings:
         ft = Table(show_edge=False, title="findings by rank", title_justify="left")
-        for head in FINDING_HEAD:
+        for head in ("verdict", "where", "bytes", "finding / rule"):
             ft.add_column(head, overflow="fold")
-        for row, r in zip(finding_rows(f), f.findings):
-            ft.add_row(*(t(x, TEXT) for x in row), style="red" if r["verdict"] == "anomalous"
-                       and not r["on_all_ranks"] else None)
+        for (verdict, title, where_, size, rule), r in zip(finding_rows(f), f.findings):
+            cell = Text.assemble(t(title, TEXT), "\n", t(rule, NAME, "dim"))
+            ft.add_row(t(verdict), t(where_, TEXT), size, cell,
+                       style="red" if verdict == "anomalous" and not r["on_all_ranks"] else None)
         console.print(ft)
     for line in _notes(f):
         console.print(t(line, TEXT, "yellow"))
