@@ -13,9 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import corpus_file
+from corpus import corpus_file
 
 from snapforensics.analysis.compare import BEFORE_AFTER, RANKS, SCHEMA
+from snapforensics.analysis.rules import fsdp_reduce_scatter, fsdp_reshard
 from snapforensics.analysis.vocab import Category
 from snapforensics.commands.compare import compare_paths
 from snapforensics.errors import SnapError
@@ -26,8 +27,7 @@ def render_text(c, fmt):
     return render("compare", c, fmt)
 
 REPO = Path(__file__).resolve().parents[1]
-RESHARD = "fsdp.unsharded_params_not_resharded"
-REDUCE = "fsdp.reduce_scatter_accumulation"
+RESHARD, REDUCE = fsdp_reshard.RULE, fsdp_reduce_scatter.RULE
 FORWARD = "NiuHuangxiaozi_forward_200.pickle"
 FWD_BWD = "NiuHuangxiaozi_fwd_bwd_200_mixed.pickle"
 

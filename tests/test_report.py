@@ -146,7 +146,7 @@ def test_every_format_renders(name, fmt):
     d = diagnosed(name)
     out = render_text(d, fmt)
     if fmt == "json":
-        assert json.loads(out)["findings"] == [dataclasses.asdict(f) for f in d.findings]
+        assert json.loads(out)["findings"] == [f.to_dict() for f in d.findings]
         return
     text = htmllib.unescape(out) if fmt == "html" else rendered_text(out) \
         if fmt == "markdown" else " ".join(out.split())

@@ -175,7 +175,7 @@ def _predictions(base: Diagnosis, after: Diagnosis, fb: dict[str, dict]) -> list
         k = (f.rule, f.device)
         if k not in best or (f.saving_bytes or 0) > (best[k].saving_bytes or 0):
             best[k] = f
-    out = []
+    out: list[dict[str, Any]] = []
     for (rule, dev), f in best.items():
         bdev = next((x for x in base.devices if x.device == dev), base.primary)
         adev = next((x for x in after.devices if x.device == dev), after.primary)
@@ -183,7 +183,7 @@ def _predictions(base: Diagnosis, after: Diagnosis, fb: dict[str, dict]) -> list
             continue
         measured = int(adev.peaks["overall_bytes"])
         before = int(bdev.peaks["overall_bytes"])
-        pred = int(f.predicted_peak_bytes)
+        pred = int(f.predicted_peak_bytes or 0)  # never None: filtered above
         out.append({
             "rule": rule, "device": dev,
             "fixed": rule not in fb or fb[rule]["verdict"] != Verdict.ANOMALOUS,
@@ -240,7 +240,8 @@ def _warnings(diags: Sequence[Diagnosis], inputs: list[dict], mode: str) -> list
             out.append("some inputs show no rank (in the file or its name): labelled by file")
         elif len(set(ranks)) != len(ranks):
             out.append("the same rank is given more than once")
-        ws = {d.provenance.get("world_size") for d in diags} - {None}
+        # a stranger's provenance may hold anything: only an int is a world size
+        ws = {w for d in diags if type(w := d.provenance.get("world_size")) is int}
         if len(ws) == 1 and None not in ranks:
             missing = sorted(set(range(next(iter(ws)))) - set(ranks))
             if missing:
