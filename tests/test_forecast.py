@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import corpus_file
+from corpus import corpus_file
 
 from snapforensics.analysis.context import analyse
 from snapforensics.analysis.forecast import (
@@ -228,7 +228,10 @@ def test_cli_json_contract_and_bad_arguments(tmp_path, capsys):
 
 
 def test_every_format_renders_the_same_scenarios(tmp_path):
-    from snapforensics.report.forecast import render_text
+    from snapforensics.report import render
+
+    def render_text(f, fmt):
+        return render("forecast", f, fmt)
 
     f = forecast(load(BUGGY), world_sizes=[8], capacity=parse_size("1GiB"))
     for fmt in ("markdown", "html", "terminal"):

@@ -1,11 +1,19 @@
-"""Renderers of a Forecast: terminal, markdown, json, html (one table, the same facts)."""
+"""Renderers of a Forecast: terminal, markdown, html (one table, the same facts); JSON is
+report/json.py. The source path and notes come from outside: each string passes its sink's
+function of report/sanitize.py.
+"""
 
 from __future__ import annotations
 
-import html as _html
+from rich.table import Table
 
 from snapforensics.analysis.evidence import human
 from snapforensics.analysis.forecast import SCALING_TEXT, Forecast, Prediction
+from snapforensics.report.registry import PLAIN, Screen
+from snapforensics.report.sanitize import FRAME, NAME, ROWS, TEXT
+from snapforensics.report.sanitize import html as esc
+from snapforensics.report.sanitize import markdown as md
+from snapforensics.report.terminal import t
 
 COLUMNS = ("W", "strategy", "ckpt", "micro-batch", "fix applied", "predicted peak",
            "vs recorded", "phase (row)", "dominant", "fits")
@@ -65,63 +73,47 @@ def _scaling_lines(f: Forecast) -> list[str]:
     return out
 
 
-def render_text(f: Forecast, fmt: str) -> str:
-    if fmt == "json":
-        from snapforensics.report.json import dumps
-        return dumps(f.to_dict(), indent=True)
-    if fmt == "markdown":
-        return _markdown(f)
-    if fmt == "html":
-        return _html_page(f)
-    from io import StringIO
-
-    from rich.console import Console
-    buf = StringIO()
-    render_terminal(f, Console(file=buf, width=140, force_terminal=False, no_color=True))
-    return buf.getvalue()
-
-
-def render_terminal(f: Forecast, console) -> None:
-    from rich.table import Table
-    from rich.text import Text
-
-    console.print(Text(f"snapforensics forecast: {f.source}", style="bold"))
-    console.print(Text(_baseline_line(f)))
-    for n in f.notes:
-        console.print(Text(f"note: {n}", style="yellow"))
-    t = Table(show_edge=False)
+def terminal(f: Forecast, screen: Screen = PLAIN) -> str:
+    console = screen.console(width=140)
+    console.print(t(f"snapforensics forecast: {f.source}", FRAME, "bold"))
+    console.print(t(_baseline_line(f), TEXT))
+    for n in f.notes[:ROWS]:
+        console.print(t(f"note: {n}", TEXT, "yellow"))
+    tab = Table(show_edge=False)
     for c in COLUMNS:
-        t.add_column(c, justify="right" if c in ("predicted peak", "vs recorded") else "left")
+        tab.add_column(c, justify="right" if c in ("predicted peak", "vs recorded") else "left",
+                       overflow="fold")
     rec = f.baseline["peak_bytes"]
     for p in f.scenarios:
-        t.add_row(*[Text(x) for x in _row(p, rec)])
-    console.print(t)
+        tab.add_row(*[t(x) for x in _row(p, rec)])
+    console.print(tab)
     for line in _scaling_lines(f) + _fit_lines(f):
-        console.print(Text(line))
+        console.print(t(line, TEXT))
+    return console.file.getvalue()
 
 
-def _md(s: str) -> str:
-    return s.replace("|", "\\|").replace("`", "'").replace("\n", " ")
-
-
-def _markdown(f: Forecast) -> str:
-    out = [f"# snapforensics forecast: `{_md(f.source)}`", "", f"- {_baseline_line(f)}"]
-    out += [f"- note: {_md(n)}" for n in f.notes]
+def markdown(f: Forecast, screen: Screen = PLAIN) -> str:
+    out = [f"# snapforensics forecast: {md(f.source, FRAME)}", "",
+           f"- {md(_baseline_line(f), TEXT)}"]
+    out += [f"- note: {md(n, TEXT)}" for n in f.notes[:ROWS]]
     out += ["", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     rec = f.baseline["peak_bytes"]
-    out += ["| " + " | ".join(_md(x) for x in _row(p, rec)) + " |" for p in f.scenarios]
-    out += [""] + [f"- {_md(x)}" for x in _scaling_lines(f) + _fit_lines(f)]
+    out += ["| " + " | ".join(md(x, NAME) for x in _row(p, rec)) + " |" for p in f.scenarios]
+    out += [""] + [f"- {md(x, TEXT)}" for x in _scaling_lines(f) + _fit_lines(f)]
     out += ["", "Each block scales by what made it: " + ", ".join(SCALING_TEXT.values()) +
             " (docs/forecast.md)."]
     return "\n".join(out) + "\n"
 
 
-def _html_page(f: Forecast) -> str:
-    e = lambda x: _html.escape(str(x), quote=True)  # noqa: E731
+def html(f: Forecast, screen: Screen = PLAIN) -> str:
+    def e(x: object) -> str:
+        return esc(x, TEXT)
+
     rec = f.baseline["peak_bytes"]
     rows = "".join("<tr>" + "".join(f"<td>{e(x)}</td>" for x in _row(p, rec)) + "</tr>"
                    for p in f.scenarios)
-    items = "".join(f"<li>{e(x)}</li>" for x in f.notes + _scaling_lines(f) + _fit_lines(f))
+    items = "".join(f"<li>{e(x)}</li>"
+                    for x in f.notes[:ROWS] + _scaling_lines(f) + _fit_lines(f))
     head = "".join(f"<th>{e(c)}</th>" for c in COLUMNS)
     return (
         "<!doctype html><html><head><meta charset='utf-8'>"
