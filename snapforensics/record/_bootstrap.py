@@ -118,6 +118,7 @@ class _TermAsExit:
     def __init__(self) -> None:
         self.installed = False
         self.previous: Any = None
+        self.sigint: Any = None
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -132,15 +133,20 @@ class _TermAsExit:
 
     @staticmethod
     def _handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second one must not cut the dump
         raise SystemExit(128 + signum)
 
     def dumping(self) -> None:
+        """SIGTERM and SIGINT wait until the snapshot is written (SIGKILL still works)."""
         if self.installed:
+            self.sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     def restore(self) -> None:
         if self.installed:
             signal.signal(signal.SIGTERM, self.previous)
+            if self.sigint is not None:
+                signal.signal(signal.SIGINT, self.sigint)
             self.installed = False
 
 
