@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, NamedTuple
+
+import numpy as np
 
 from snapforensics.analysis.vocab import Verdict
 
 SCHEMA = "snapforensics.diagnosis/1"
+
+
+class Replay(NamedTuple):
+    """A fix as a counterfactual trace: blocks' moved rows (None: unchanged) and extra
+    (start_row, end_row, bytes) intervals, as `Lifetimes.replay` takes them."""
+
+    free_row: np.ndarray | None = None
+    alloc_row: np.ndarray | None = None
+    extra: tuple = ()
 
 
 @dataclass
@@ -23,6 +34,13 @@ class Finding:
     predicted_peak_bytes: int | None = None
     saving_bytes: int | None = None
     evidence: dict[str, Any] = field(default_factory=dict)
+    # the fix as a counterfactual trace (moved rows), for the forecast; not in the JSON
+    replay: Replay | None = field(default=None, repr=False, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(replace(self, replay=None))
+        del out["replay"]
+        return out
 
 
 @dataclass
@@ -79,5 +97,5 @@ class Diagnosis:
             "warnings": self.warnings,
             "peaks": self.peaks,
             "devices": [asdict(d) for d in self.devices],
-            "findings": [asdict(f) for f in self.findings],
+            "findings": [f.to_dict() for f in self.findings],
         }

@@ -50,6 +50,8 @@ modules unit by unit):
 - ``fsdp1_shard_grad_op``: ``fsdp1`` with ``ShardingStrategy.SHARD_GRAD_OP`` (parameters stay
   unsharded from forward to backward) and ``MixedPrecision(param_dtype=bfloat16,
   reduce_dtype=float32)`` (a low-precision ``_mp_shard`` per unshard, fp32 gradient reduction).
+- ``fsdp1_shard_grad_op_fp32``: ``fsdp1`` with ``SHARD_GRAD_OP`` and no mixed precision: the same
+  run as ``fsdp1`` but for the sharding strategy (the forecast's strategy check compares them).
 - ``fsdp1_reentrant``: FSDP1 ``FULL_SHARD`` per block with HF-style gradient checkpointing: a
   *reentrant* ``checkpoint`` around each FSDP-wrapped block. The recompute re-runs the unit's
   pre-forward (all-gather) and post-forward (reshard), then its pre-backward hook all-gathers it
@@ -305,6 +307,10 @@ def v_fsdp1_shard_grad_op(model, mesh):
     return _fsdp1(model, mesh, "SHARD_GRAD_OP", mp=True)
 
 
+def v_fsdp1_shard_grad_op_fp32(model, mesh):
+    return _fsdp1(model, mesh, "SHARD_GRAD_OP")
+
+
 VARIANTS: dict[str, Callable[[Transformer, object], Plan]] = {
     "buggy": v_buggy,
     "fixed": v_fixed,
@@ -319,6 +325,7 @@ VARIANTS: dict[str, Callable[[Transformer, object], Plan]] = {
     "no_rate_limit": v_no_rate_limit,
     "fsdp1": v_fsdp1,
     "fsdp1_shard_grad_op": v_fsdp1_shard_grad_op,
+    "fsdp1_shard_grad_op_fp32": v_fsdp1_shard_grad_op_fp32,
     "fsdp1_reentrant": v_fsdp1_reentrant,
 }
 
