@@ -2,8 +2,9 @@
 
 ``python -m snapforensics.record._bootstrap OPTIONS_JSON TARGET [ARGS...]`` (one rank, launched
 by ``snapforensics record``). ``OPTIONS_JSON`` carries ``out``, ``device``, ``stacks``,
-``max_entries``, ``module``, ``steps`` (``[A, B]``: record optimizer steps A..B-1 only). The script sees ``sys.argv`` and ``sys.path[0]`` as under
-``python TARGET ARGS`` / ``python -m TARGET ARGS``.
+``max_entries``, ``module``, ``steps`` (``[A, B]``: record optimizer steps A..B-1 only). The
+script sees ``sys.argv`` and ``sys.path[0]`` as under ``python TARGET ARGS`` /
+``python -m TARGET ARGS``.
 
 Whatever happens to the script (normal end, ``sys.exit(n)``, an exception, SIGTERM from the
 launcher, Ctrl-C), the snapshot is written to ``OUT/rank{RANK}.pickle`` (atomically, mode 0644)
