@@ -268,8 +268,10 @@ class _OutLock:
                             "choose another --out", exit_code=EXIT_BAD_INPUT) from None
         self.fd = fd
         others = sorted(p.name for p in self.out.iterdir() if p.name != LOCK_NAME)
-        if others and not self.force:
-            self.__exit__(None, None, None)
+        if others and not self.force:  # leave the folder exactly as it was
+            (self.out / LOCK_NAME).unlink(missing_ok=True)
+            os.close(fd)
+            self.fd = None
             raise SnapError(f"--out {self.out} is not empty ({others[0]}"
                             f"{f' and {len(others) - 1} more' if len(others) > 1 else ''}); "
                             "choose a new folder, or --force to replace its snapshots",
