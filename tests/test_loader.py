@@ -7,7 +7,6 @@ Where no corpus file has a feature, the input is made by editing a real corpus f
 from __future__ import annotations
 
 import gzip
-import io
 import math
 import os
 import pickle
@@ -15,8 +14,8 @@ import time
 
 import numpy as np
 import pytest
+from corpus import corpus_file
 
-from conftest import corpus_file
 from snapforensics.analysis import diagnose
 from snapforensics.errors import EXIT_BAD_INPUT, SnapError
 from snapforensics.snapshot import columns, load, normalize, rank_from_name, unpickle

@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 
 from snapforensics import __version__
-from snapforensics.analysis.classify import CATEGORIES, PHASE_NAMES
 from snapforensics.analysis.context import DeviceAnalysis, analyse
-from snapforensics.analysis.diagnosis import Diagnosis, DeviceSummary
+from snapforensics.analysis.diagnosis import DeviceSummary, Diagnosis
+from snapforensics.analysis.evidence import human, top_stacks
+from snapforensics.analysis.evidence import peaks as phase_peaks
 from snapforensics.analysis.rules import RULES
-from snapforensics.analysis.rules.evidence import human, top_stacks
-from snapforensics.analysis.rules.evidence import peaks as phase_peaks  # noqa: I001
+from snapforensics.analysis.vocab import CATEGORIES, Phase
 from snapforensics.snapshot.model import Snapshot, Trace
 
 
@@ -80,10 +80,10 @@ def _iteration(d: DeviceAnalysis, it) -> dict:
     ph = d.tl.phase[it.start:it.end + 1]
     live = d.lt.live[it.start:it.end + 1]
     phases = {}
-    for code, name in enumerate(PHASE_NAMES):
-        m = ph == code
+    for phase in Phase:
+        m = ph == phase
         if m.any():
-            phases[name] = {"peak_bytes": int(live[m].max()), "rows": int(m.sum())}
+            phases[phase.label] = {"peak_bytes": int(live[m].max()), "rows": int(m.sum())}
     return {"index": it.index, "forward_peak_bytes": it.forward_peak,
             "backward_peak_bytes": it.backward_peak, "start_row": it.start, "end_row": it.end,
             "phases": phases}
@@ -95,10 +95,11 @@ def _timeline(d: DeviceAnalysis, points: int = 1200) -> list[list]:
     if not len(live):
         return []
     edges = np.unique(np.linspace(0, len(live), min(points, len(live)) + 1).astype(np.int64))
+    labels = [p.label for p in Phase]
     out = []
     for a, b in zip(edges[:-1], edges[1:]):
         r = int(a + np.argmax(live[a:b]))
-        out.append([r, int(live[r]), PHASE_NAMES[int(d.tl.phase[r])]])
+        out.append([r, int(live[r]), labels[int(d.tl.phase[r])]])
     return out
 
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-SCHEMA = "snapforensics.diagnosis/1"
+from snapforensics.analysis.vocab import Verdict
 
-ANOMALOUS, EXPECTED, INFO = "anomalous", "expected", "info"
+SCHEMA = "snapforensics.diagnosis/1"
 
 
 @dataclass
 class Finding:
     rule: str  # stable id, e.g. fsdp.unsharded_params_not_resharded
-    verdict: str  # anomalous | expected | info
+    verdict: Verdict
     title: str
     cause: str  # the root cause, in words
     bytes: int
@@ -66,7 +66,7 @@ class Diagnosis:
 
     @property
     def anomalies(self) -> list[Finding]:
-        return [f for f in self.findings if f.verdict == ANOMALOUS]
+        return [f for f in self.findings if f.verdict == Verdict.ANOMALOUS]
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -24,14 +24,15 @@ outside the repeated layers (embedding, head, loss) are assumed kept.
 from __future__ import annotations
 
 from collections import Counter
+from typing import NamedTuple
 
 import numpy as np
 
-from snapforensics.analysis.classify import ACTIVATION, CATEGORIES, RECOMPUTE, RECOMPUTE_ACTIVATION
-from snapforensics.analysis.context import CAT_CODE, DeviceAnalysis
-from snapforensics.analysis.diagnosis import INFO, Finding
-from snapforensics.analysis.rules.allocator import generic_keys, repeated_module
-from snapforensics.analysis.rules.evidence import human, top_stacks
+from snapforensics.analysis.context import DeviceAnalysis
+from snapforensics.analysis.diagnosis import Finding
+from snapforensics.analysis.evidence import human, top_stacks
+from snapforensics.analysis.stacks import generic_keys, repeated_module
+from snapforensics.analysis.vocab import CAT_CODE, CATEGORIES, Category, Phase, Verdict
 
 RULE = "activations.no_checkpointing"
 MIN_SHARE = 0.30  # activations / forward peak
@@ -52,19 +53,30 @@ apply_activation_checkpointing(
 #     gradient_checkpointing_kwargs={{"use_reentrant": False}})"""
 
 
-def _layers(d: DeviceAnalysis, blocks: np.ndarray) -> tuple[int, int, int, np.ndarray]:
-    """(L layers, bytes of one layer, layer input bytes, the repeating blocks)."""
+class Layers(NamedTuple):
+    repeats: int  # L repetitions of the same layer
+    layer_bytes: int  # activations of one layer
+    input_bytes: int  # one layer's input (what checkpointing keeps per layer)
+    blocks: np.ndarray  # the repeating blocks
+
+
+class Saving(NamedTuple):
+    activations: int  # activations of the iteration alive at the row
+    saved: int  # what checkpointing saves there
+
+
+def _layers(d: DeviceAnalysis, blocks: np.ndarray) -> Layers:
     if not blocks.size:
-        return 0, 0, 0, blocks
+        return Layers(0, 0, 0, blocks)
     keys = generic_keys(d, d.lt.stack[blocks])
     uk, kinv, counts = np.unique(keys, return_inverse=True, return_counts=True)
     per_block_count = counts[kinv]
-    by_count = Counter()
+    by_count: Counter[int] = Counter()
     for c, s in zip(per_block_count.tolist(), d.lt.size[blocks].tolist()):
         if c > 1:
             by_count[c] += s
     if not by_count:
-        return 0, 0, 0, blocks[:0]
+        return Layers(0, 0, 0, blocks[:0])
     # A stack called twice per layer (two norms on one line) repeats 2L times: the layer count
     # is the repeat count whose multiples carry the most bytes, among counts that carry a
     # real share (>= 25%) of the repeating bytes on their own (so a stray 2 does not win).
@@ -79,18 +91,19 @@ def _layers(d: DeviceAnalysis, blocks: np.ndarray) -> tuple[int, int, int, np.nd
     layer = int(d.lt.size[rep].sum()) // L
     sizes = Counter(d.lt.size[rep].tolist())
     h = max(sizes, key=lambda s: (sizes[s], s)) if sizes else 0
-    return int(L), layer, int(h), rep
+    return Layers(int(L), layer, int(h), rep)
 
 
-def _saving(d: DeviceAnalysis, row: int, it_index: int, kept_cap: int) -> tuple[int, int]:
-    """(activations of iteration `it_index` alive after `row`, what checkpointing saves there)."""
-    m = d.lt.alive_at(row) & (d.category == CAT_CODE[ACTIVATION]) & (d.iteration == it_index)
+def _saving(d: DeviceAnalysis, row: int, it_index: int, kept_cap: int) -> Saving:
+    """Activations of iteration `it_index` alive after `row`, and what checkpointing saves."""
+    m = d.lt.alive_at(row) & (d.category == CAT_CODE[Category.ACTIVATION]) & \
+        (d.iteration == it_index)
     a = int(d.lt.size[m].sum())
-    return a, max(0, a - min(a, kept_cap))
+    return Saving(a, max(0, a - min(a, kept_cap)))
 
 
 def check(d: DeviceAnalysis) -> list[Finding]:
-    if (d.tl.phase == RECOMPUTE).any() or d.mask(RECOMPUTE_ACTIVATION).any():
+    if (d.tl.phase == Phase.RECOMPUTE).any() or d.mask(Category.RECOMPUTE_ACTIVATION).any():
         return []
     its = [it for it in d.tl.iterations if it.backward_start >= 0 and it.forward_peak_row >= 0]
     if not its or d.peak_bytes <= 0:
@@ -99,11 +112,11 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     r = it.forward_peak_row
     alive = np.flatnonzero(d.lt.alive_at(r))
     by_cat = np.bincount(d.category[alive], weights=d.lt.size[alive], minlength=len(CATEGORIES))
-    act_blocks = alive[(d.category[alive] == CAT_CODE[ACTIVATION]) &
+    act_blocks = alive[(d.category[alive] == CAT_CODE[Category.ACTIVATION]) &
                        (d.iteration[alive] == it.index)]
     act = int(d.lt.size[act_blocks].sum())
     fwd = int(d.lt.live[r])
-    if fwd <= 0 or act < MIN_SHARE * fwd or by_cat.argmax() != CAT_CODE[ACTIVATION]:
+    if fwd <= 0 or act < MIN_SHARE * fwd or by_cat.argmax() != CAT_CODE[Category.ACTIVATION]:
         return []
     L, layer, h, rep = _layers(d, act_blocks)
     if L < 2:
@@ -113,7 +126,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     _, save_fwd = _saving(d, r, it.index, kept_cap)
     p = d.peak_row
     pit = d.tl.iteration_of(p)
-    act_p, save_peak = _saving(d, p, pit.index, kept_cap) if pit else (0, 0)
+    act_p, save_peak = _saving(d, p, pit.index, kept_cap) if pit else Saving(0, 0)
     if save_peak < MIN_SAVING * d.peak_bytes:
         return []
     name = repeated_module(d, d.lt.stack[rep], L)
@@ -128,7 +141,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         f"{human(save_peak)} less at the overall peak ({d.phase_name(p)}), for one extra "
         f"forward per step.")
     return [Finding(
-        rule=RULE, verdict=INFO,
+        rule=RULE, verdict=Verdict.INFO,
         title="Activations dominate the peak and nothing is checkpointed",
         cause=cause, bytes=act, blocks=int(act_blocks.size), device=d.device,
         fix=FIX.format(layer=name or "TransformerBlock  # your layer class"),

@@ -22,15 +22,15 @@ its copied-out parameters no earlier than that.
 from __future__ import annotations
 
 import heapq
+from typing import NamedTuple
 
 import numpy as np
 
-from snapforensics.analysis.classify import BACKWARD, FORWARD, PHASE_NAMES, RECOMPUTE, \
-    UNSHARDED_PARAM
-from snapforensics.analysis.context import CAT_CODE, DeviceAnalysis
-from snapforensics.analysis.diagnosis import ANOMALOUS, INFO, Finding
-from snapforensics.analysis.rules import fsdp_common as fc
-from snapforensics.analysis.rules.evidence import peaks, by_module, human, top_stacks
+from snapforensics.analysis.context import DeviceAnalysis
+from snapforensics.analysis.diagnosis import Finding
+from snapforensics.analysis.evidence import by_module, human, peaks, top_stacks
+from snapforensics.analysis.fsdp_units import forward_end, unit_of_event
+from snapforensics.analysis.vocab import BACKWARD_PHASES, CAT_CODE, Category, Phase, Verdict
 
 RULE = "fsdp.too_many_concurrent_all_gathers"
 LIMIT = 2
@@ -47,17 +47,17 @@ for i, block in enumerate(blocks):
 def _in_flight(d: DeviceAnalysis, params: bool = False) -> np.ndarray:
     """All-gather outputs (with `params`, also the unsharded parameters copied out of them)
     made in forward/backward that are neither kept across phases nor stale."""
-    f = fc.facts(d)
-    stale = fc.stale_unshards(d)
-    what = f.primary | (d.category == CAT_CODE[UNSHARDED_PARAM]) if params else f.primary
+    f = d.fsdp
+    stale = f.stale
+    what = f.primary | (d.category == CAT_CODE[Category.UNSHARDED_PARAM]) if params else f.primary
     m = what & ~stale & (d.lt.alloc_row >= 0) & (d.iteration >= 0) & \
-        np.isin(d.phase, [FORWARD, BACKWARD, RECOMPUTE])
+        np.isin(d.phase, [Phase.FORWARD, Phase.BACKWARD, Phase.RECOMPUTE])
     idx = np.flatnonzero(m)
     keep = []
     for b in idx.tolist():
         it = d.tl.iterations[int(d.iteration[b])]
         fr = int(d.lt.free_row[b])
-        if d.phase[b] == FORWARD and it.backward_start >= 0 and fr > fc.forward_end(it):
+        if d.phase[b] == Phase.FORWARD and it.backward_start >= 0 and fr > forward_end(it):
             continue  # kept from forward to backward on purpose
         if it.backward_end >= 0 and fr > it.backward_end:
             continue  # never resharded after backward
@@ -69,13 +69,24 @@ def _effective_free(d: DeviceAnalysis, blocks: np.ndarray) -> dict[int, int]:
     """When each all-gather output stops standing for its unit: once its unit copied the
     parameters out of it, those parameters do (a buffer whose release the trace shows late,
     e.g. dropped on a thread the recorder does not see, is not a unit still in flight)."""
-    return {b: fr for b, (fr, _) in _copy_outs(d, blocks).items()}
+    return {b: c.done_row for b, c in _copy_outs(d, blocks).items()}
 
 
-def _copy_outs(d: DeviceAnalysis, blocks: np.ndarray) -> dict[int, tuple[int, np.ndarray]]:
-    """For each FSDP2 all-gather output: (the row its unit's copy-out is done with it, the
-    unshard event's blocks copied out of it). FSDP1's flat parameter is its own copy-out."""
-    f = fc.facts(d)
+class CopyOut(NamedTuple):
+    done_row: int  # the row its unit's copy-out is done with the all-gather output
+    blocks: np.ndarray  # the unshard event's blocks copied out of it
+
+
+class Concurrency(NamedTuple):
+    units: int  # most distinct units alive at once
+    row: int  # where (-1: none)
+    alive: np.ndarray  # the blocks alive there
+
+
+def _copy_outs(d: DeviceAnalysis, blocks: np.ndarray) -> dict[int, CopyOut]:
+    """The copy-out of each FSDP2 all-gather output among `blocks`. FSDP1's flat parameter is
+    its own copy-out."""
+    f = d.fsdp
     ev = f.event
     events: dict[int, list[int]] = {}
     for b in np.flatnonzero(ev >= 0).tolist():
@@ -83,7 +94,7 @@ def _copy_outs(d: DeviceAnalysis, blocks: np.ndarray) -> dict[int, tuple[int, np
     starts = sorted((int(d.lt.alloc_row[v].min()), k) for k, v in
                     ((k, np.array(v)) for k, v in events.items()))
     rows = np.array([r for r, _ in starts], np.int64)
-    out = {}
+    out: dict[int, CopyOut] = {}
     for b in blocks.tolist():
         if not f.primary[b] or f.fsdp1_flat[b]:
             continue
@@ -95,19 +106,18 @@ def _copy_outs(d: DeviceAnalysis, blocks: np.ndarray) -> dict[int, tuple[int, np
                 break
             blk = np.array(events[k])
             if m is not None:
-                same = fc.unit_of_event(d, blk) == m
+                same = unit_of_event(d, blk) == m
             else:
                 same = 0.9 * size <= int(d.lt.size[blk].sum()) <= size
             if same:
-                out[b] = (min(fr, int(d.lt.free_row[blk].max())), blk)
+                out[b] = CopyOut(min(fr, int(d.lt.free_row[blk].max())), blk)
                 break
     return out
 
 
-def _max_concurrency(d: DeviceAnalysis, blocks: np.ndarray):
-    """(max distinct units alive at once, row, the blocks alive there)."""
+def _max_concurrency(d: DeviceAnalysis, blocks: np.ndarray) -> Concurrency:
     if not blocks.size:
-        return 0, -1, blocks
+        return Concurrency(0, -1, blocks)
     eff = _effective_free(d, blocks)
     ev = []
     for b in blocks.tolist():
@@ -115,7 +125,8 @@ def _max_concurrency(d: DeviceAnalysis, blocks: np.ndarray):
         ev.append((eff.get(b, int(d.lt.free_row[b])), 0, b))  # frees first at the same row
     ev.sort()
     alive: dict[int, None] = {}
-    best, best_row, best_set = 0, -1, []
+    best, best_row = 0, -1
+    best_set: list[int] = []
     for row, kind, b in ev:
         if kind:
             alive[b] = None
@@ -124,7 +135,7 @@ def _max_concurrency(d: DeviceAnalysis, blocks: np.ndarray):
                 best, best_row, best_set = len(units), row, list(alive)
         else:
             alive.pop(b, None)
-    return best, best_row, np.array(best_set, np.int64)
+    return Concurrency(best, best_row, np.array(best_set, np.int64))
 
 
 def _rate_limited(d: DeviceAnalysis, blocks: np.ndarray) -> np.ndarray:
@@ -145,7 +156,7 @@ def _rate_limited(d: DeviceAnalysis, blocks: np.ndarray) -> np.ndarray:
             while frees and frees[0] <= a:
                 heapq.heappop(frees)
         alloc[b] = a
-        blk = outs[b][1] if b in outs else None
+        blk = outs[b].blocks if b in outs else None
         if blk is not None and blk.size:
             alloc[blk] = np.minimum(np.maximum(d.lt.alloc_row[blk], a), d.lt.free_row[blk])
             heapq.heappush(frees, int(d.lt.free_row[blk].max()))
@@ -163,10 +174,10 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     named = all(d.module_of(b) is not None for b in blocks.tolist())
     counted = _in_flight(d, params=True) if named else blocks
     per_phase = {}
-    for name, phases in (("forward", [FORWARD]), ("backward", [BACKWARD, RECOMPUTE])):
+    for name, phases in (("forward", [Phase.FORWARD]), ("backward", BACKWARD_PHASES)):
         sel = counted[np.isin(d.phase[counted], phases)]
         per_phase[name] = _max_concurrency(d, sel)
-    phase = max(per_phase, key=lambda k: per_phase[k][0])
+    phase = max(per_phase, key=lambda k: per_phase[k].units)
     n, row, alive = per_phase[phase]
     if n <= LIMIT:
         return []
@@ -179,17 +190,17 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     alloc = _rate_limited(d, blocks)
     after = peaks(d, d.lt.replay(alloc_row=alloc))
     saving = max(d.peak_bytes - after["overall_bytes"], 0)
-    verdict = ANOMALOUS if saving >= _MIN_SAVING * d.peak_bytes else INFO
+    verdict = Verdict.ANOMALOUS if saving >= _MIN_SAVING * d.peak_bytes else Verdict.INFO
     it = int(d.iteration[alive[0]]) if alive.size else -1
     cause = (
         f"{n} FSDP units had their all-gathered parameters in flight at once during {phase} "
-        f"(row {row}, iteration {it}, {PHASE_NAMES[int(d.tl.phase[row])]}): "
+        f"(row {row}, iteration {it}, {d.phase_name(row)}): "
         f"{human(alive_bytes)} of all-gathered memory alive together, {human(excess)} of it "
         f"beyond the {LIMIT} units FSDP needs (the one computing and the next). Prefetch lists "
         "reaching several units ahead (set_modules_to_forward_prefetch / "
         "set_modules_to_backward_prefetch), or FSDP1 limit_all_gathers=False, gather more "
         "units before the earlier ones are freed." + (
-            "" if verdict == ANOMALOUS else
+            "" if verdict == Verdict.ANOMALOUS else
             f" Rate-limiting them would lower the peak by only {human(saving)}: not what sets "
             "the peak here."))
     return [Finding(

@@ -17,13 +17,15 @@ predicted peak keeps the first gather alive through the unit's backward instead.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
-from snapforensics.analysis.classify import BACKWARD, RECOMPUTE
 from snapforensics.analysis.context import DeviceAnalysis
-from snapforensics.analysis.diagnosis import ANOMALOUS, Finding
-from snapforensics.analysis.rules import fsdp_common as fc
-from snapforensics.analysis.rules.evidence import by_module, by_path, human, peaks, top_stacks
+from snapforensics.analysis.diagnosis import Finding
+from snapforensics.analysis.evidence import by_module, by_path, human, peaks, top_stacks
+from snapforensics.analysis.fsdp_units import FsdpUnits, forward_end, unit_of_event
+from snapforensics.analysis.vocab import BACKWARD_PHASES, Verdict
 
 RULE = "fsdp.double_all_gather_in_backward"
 
@@ -41,16 +43,28 @@ apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block),
 _RATIO = 1.5  # unnamed units: backward unshards vs units resharded in forward
 
 
-def _events_by_iteration(d: DeviceAnalysis, f: fc.Facts, stale: np.ndarray):
-    """iteration -> (events resharded during forward, backward events) as lists of block arrays."""
+class IterationEvents(NamedTuple):
+    """One iteration's unshard events, each the array of its blocks."""
+
+    resharded_in_forward: list[np.ndarray]
+    backward: list[np.ndarray]
+
+
+class Pair(NamedTuple):
+    """Two gathers of the same unit in one backward."""
+
+    first: np.ndarray
+    second: np.ndarray
+
+
+def _events_by_iteration(d: DeviceAnalysis, f: FsdpUnits,
+                         stale: np.ndarray) -> dict[int, IterationEvents]:
     ev = f.event
     idx = np.flatnonzero(ev >= 0)
     groups: dict[int, list[int]] = {}
     for b in idx.tolist():
         groups.setdefault(int(ev[b]), []).append(b)
-    out: dict[int, tuple[list, list]] = {}
-    for it in d.tl.iterations:
-        out[it.index] = ([], [])
+    out = {it.index: IterationEvents([], []) for it in d.tl.iterations}
     starts = np.array([it.start for it in d.tl.iterations], np.int64)
     for blocks in groups.values():
         bl = np.array(blocks, np.int64)
@@ -60,36 +74,36 @@ def _events_by_iteration(d: DeviceAnalysis, f: fc.Facts, stale: np.ndarray):
         k = int(np.searchsorted(starts, fr, side="right")) - 1
         if 0 <= k < len(d.tl.iterations):
             it = d.tl.iterations[k]
-            if it.backward_start >= 0 and it.start <= fr <= fc.forward_end(it) and \
+            if it.backward_start >= 0 and it.start <= fr <= forward_end(it) and \
                     int(d.lt.alloc_row[b]) < fr:
-                out[k][0].append(bl)
-        if d.phase[b] in (BACKWARD, RECOMPUTE) and d.iteration[b] >= 0 and not stale[bl].any():
-            out[int(d.iteration[b])][1].append(bl)
+                out[k].resharded_in_forward.append(bl)
+        if d.phase[b] in BACKWARD_PHASES and d.iteration[b] >= 0 and not stale[bl].any():
+            out[int(d.iteration[b])].backward.append(bl)
     return out
 
 
-def _pairs(d: DeviceAnalysis, bw: list) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(first, second) gathers of the same unit: same name, else the next event of equal size
-    that starts after the first was freed."""
+def _pairs(d: DeviceAnalysis, bw: list[np.ndarray]) -> list[Pair]:
+    """Gathers of the same unit: same name, else the next event of equal size that starts
+    after the first was freed."""
     bw = sorted(bw, key=lambda bl: int(d.lt.alloc_row[bl].min()))
-    used = set()
-    pairs = []
+    used: set[int] = set()
+    pairs: list[Pair] = []
     for i, first in enumerate(bw):
         if i in used:
             continue
-        m = fc.unit_of_event(d, first)
+        m = unit_of_event(d, first)
         size = int(d.lt.size[first].sum())
         end = int(d.lt.free_row[first].max())
         for j in range(i + 1, len(bw)):
             if j in used:
                 continue
             second = bw[j]
-            m2 = fc.unit_of_event(d, second)
+            m2 = unit_of_event(d, second)
             same = (m is not None and m == m2) or (
                 m is None and m2 is None and int(d.lt.size[second].sum()) == size and
                 int(d.lt.alloc_row[second].min()) >= end)
             if same:
-                pairs.append((first, second))
+                pairs.append(Pair(first, second))
                 used.update((i, j))
                 break
             if m is None and int(d.lt.alloc_row[second].min()) >= end:
@@ -98,24 +112,24 @@ def _pairs(d: DeviceAnalysis, bw: list) -> list[tuple[np.ndarray, np.ndarray]]:
 
 
 def check(d: DeviceAnalysis) -> list[Finding]:
-    f = fc.facts(d)
-    stale = fc.stale_unshards(d)
+    f = d.fsdp
+    stale = d.fsdp.stale
     found: dict[int, list] = {}
     for k, (resharded, bw) in _events_by_iteration(d, f, stale).items():
         if not bw:
             continue
-        named = all(fc.unit_of_event(d, bl) is not None for bl in bw + resharded)
+        named = all(unit_of_event(d, bl) is not None for bl in bw + resharded)
         if named:
-            exp: dict[str, int] = {}
-            got: dict[str, int] = {}
+            exp: dict[str | None, int] = {}
+            got: dict[str | None, int] = {}
             for bl in resharded:
-                exp[fc.unit_of_event(d, bl)] = exp.get(fc.unit_of_event(d, bl), 0) + 1
+                exp[unit_of_event(d, bl)] = exp.get(unit_of_event(d, bl), 0) + 1
             for bl in bw:
-                got[fc.unit_of_event(d, bl)] = got.get(fc.unit_of_event(d, bl), 0) + 1
+                got[unit_of_event(d, bl)] = got.get(unit_of_event(d, bl), 0) + 1
             doubled = {u for u, n in got.items() if n >= 2 and n >= 2 * exp.get(u, 0)}
             if not doubled:
                 continue
-            pairs = [p for p in _pairs(d, bw) if fc.unit_of_event(d, p[0]) in doubled]
+            pairs = [p for p in _pairs(d, bw) if unit_of_event(d, p.first) in doubled]
         else:
             if len(bw) < _RATIO * len(resharded) or len(bw) - len(resharded) < 1:
                 continue
@@ -132,7 +146,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
             free_row[second] = d.lt.alloc_row[second]
     after = peaks(d, d.lt.replay(free_row=free_row))
     per_iter = {k: sum(int(d.lt.size[s].sum()) for _, s in p) for k, p in found.items()}
-    worst = max(per_iter, key=per_iter.get)
+    worst = max(per_iter, key=per_iter.__getitem__)
     seconds = np.concatenate([s for _, s in found[worst]])
     firsts = np.concatenate([fi for fi, _ in found[worst]])
     paths = {f"{label}: {p}": v for label, bl in (("first", firsts), ("second", seconds))
@@ -146,7 +160,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         "all-gather of its full parameters per step, and the reshard/re-gather churns the "
         "allocator. The memory peak barely moves; the communication is doubled.")
     return [Finding(
-        rule=RULE, verdict=ANOMALOUS,
+        rule=RULE, verdict=Verdict.ANOMALOUS,
         title="Units all-gathered twice per backward (recompute reshards, backward re-gathers)",
         cause=cause, bytes=per_iter[worst], blocks=int(len(seconds)), device=d.device, fix=FIX,
         predicted_peak_bytes=after["overall_bytes"],

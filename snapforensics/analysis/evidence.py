@@ -6,8 +6,9 @@ from collections import defaultdict
 
 import numpy as np
 
-from snapforensics.analysis.classify import BACKWARD, CATEGORIES, FORWARD, PATHS, RECOMPUTE
+from snapforensics.analysis.classify import PATHS
 from snapforensics.analysis.context import DeviceAnalysis
+from snapforensics.analysis.vocab import CATEGORIES, Phase
 
 
 def by_module(d: DeviceAnalysis, blocks: np.ndarray, limit: int = 12) -> list[dict]:
@@ -16,9 +17,8 @@ def by_module(d: DeviceAnalysis, blocks: np.ndarray, limit: int = 12) -> list[di
         m = d.module_of(b) or "(unknown module)"
         acc[m][0] += int(d.lt.size[b])
         acc[m][1] += 1
-    rows = [{"module": m, "bytes": v[0], "blocks": v[1]} for m, v in acc.items()]
-    rows.sort(key=lambda r: -r["bytes"])
-    return rows[:limit]
+    order = sorted(acc.items(), key=lambda mv: -mv[1][0])[:limit]
+    return [{"module": m, "bytes": v[0], "blocks": v[1]} for m, v in order]
 
 
 def top_stacks(d: DeviceAnalysis, blocks: np.ndarray, limit: int = 3) -> list[dict]:
@@ -40,7 +40,9 @@ def top_stacks(d: DeviceAnalysis, blocks: np.ndarray, limit: int = 3) -> list[di
 def per_iteration(d: DeviceAnalysis, blocks: np.ndarray) -> dict[int, int]:
     """Bytes of `blocks` by the iteration that allocated them."""
     its, inv = np.unique(d.iteration[blocks], return_inverse=True)
-    sums = np.bincount(inv, weights=d.lt.size[blocks]) if len(blocks) else []
+    if not len(blocks):
+        return {}
+    sums = np.bincount(inv, weights=d.lt.size[blocks])
     return {int(i): int(v) for i, v in zip(its, sums)}
 
 
@@ -66,8 +68,8 @@ def by_path(d: DeviceAnalysis, blocks: np.ndarray) -> dict[str, int]:
 def peaks(d: DeviceAnalysis, live: np.ndarray) -> dict[str, int]:
     """Overall, forward and backward peaks of a live-bytes series over this trace's phases."""
     ph = d.tl.phase
-    fw = ph == FORWARD
-    bw = (ph == BACKWARD) | (ph == RECOMPUTE)
+    fw = ph == Phase.FORWARD
+    bw = (ph == Phase.BACKWARD) | (ph == Phase.RECOMPUTE)
     return {"overall_bytes": int(live.max()) if len(live) else 0,
             "forward_bytes": int(live[fw].max()) if fw.any() else 0,
             "backward_bytes": int(live[bw].max()) if bw.any() else 0}
