@@ -20,7 +20,8 @@ def _row(p: Prediction, recorded: int) -> list[str]:
     pk = p.predicted_peak_bytes or 0
     delta = f"{(pk - recorded) / recorded:+.0%}" if recorded else "n/a"
     fits = "" if p.fits is None else ("yes" if p.fits else "NO")
-    return head + [human(pk), delta, f"{p.phase} ({p.peak_row})", p.dominant or "-", fits]
+    dom = f"{p.dominant} ({SCALING_TEXT[p.scales[p.dominant]]})" if p.dominant else "-"
+    return head + [human(pk), delta, f"{p.phase} ({p.peak_row})", dom, fits]
 
 
 def _baseline_line(f: Forecast) -> str:
@@ -57,8 +58,10 @@ def _scaling_lines(f: Forecast) -> list[str]:
     """What is alive at the recorded peak, by category and by how it scales (the model)."""
     b = f.baseline
     rows = b.get("breakdown") or {}
+    scales = b.get("scales") or {}
     out = ["alive at the recorded peak: " + ", ".join(
-        f"{c} {human(v)}" for c, v in sorted(rows.items(), key=lambda x: -x[1]))]
+        f"{c} {human(v)} ({SCALING_TEXT[scales[c]]})" if c in scales else f"{c} {human(v)}"
+        for c, v in sorted(rows.items(), key=lambda x: -x[1]))]
     if b.get("by_scaling"):
         out.append("by how it scales: " + "; ".join(
             f"{SCALING_TEXT[k]} {human(v)}" for k, v in b["by_scaling"].items()))
@@ -111,8 +114,9 @@ def _markdown(f: Forecast) -> str:
     rec = f.baseline["peak_bytes"]
     out += ["| " + " | ".join(_md(x) for x in _row(p, rec)) + " |" for p in f.scenarios]
     out += [""] + [f"- {_md(x)}" for x in _scaling_lines(f) + _fit_lines(f)]
-    out += ["", "Each block scales by what made it: " + ", ".join(SCALING_TEXT.values()) +
-            " (docs/forecast.md)."]
+    out += ["", "Each block scales by what made it: 1/W (sharded state, FSDP's padding), unit "
+            "size (unsharded parameters and collective buffers), x micro-batch (activations), "
+            "constant (the rest). See docs/forecast.md."]
     return "\n".join(out) + "\n"
 
 
