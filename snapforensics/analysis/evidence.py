@@ -18,9 +18,8 @@ def by_module(d: DeviceAnalysis, blocks: np.ndarray, limit: int = 12) -> list[di
         m = d.module_of(b) or "(unknown module)"
         acc[m][0] += int(d.lt.size[b])
         acc[m][1] += 1
-    rows = [{"module": m, "bytes": v[0], "blocks": v[1]} for m, v in acc.items()]
-    rows.sort(key=lambda r: -r["bytes"])
-    return rows[:limit]
+    order = sorted(acc.items(), key=lambda mv: -mv[1][0])[:limit]
+    return [{"module": m, "bytes": v[0], "blocks": v[1]} for m, v in order]
 
 
 def top_stacks(d: DeviceAnalysis, blocks: np.ndarray, limit: int = 3) -> list[dict]:
@@ -42,7 +41,9 @@ def top_stacks(d: DeviceAnalysis, blocks: np.ndarray, limit: int = 3) -> list[di
 def per_iteration(d: DeviceAnalysis, blocks: np.ndarray) -> dict[int, int]:
     """Bytes of `blocks` by the iteration that allocated them."""
     its, inv = np.unique(d.iteration[blocks], return_inverse=True)
-    sums = np.bincount(inv, weights=d.lt.size[blocks]) if len(blocks) else []
+    if not len(blocks):
+        return {}
+    sums = np.bincount(inv, weights=d.lt.size[blocks])
     return {int(i): int(v) for i, v in zip(its, sums)}
 
 

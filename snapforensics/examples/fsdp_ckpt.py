@@ -62,8 +62,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import socket
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -405,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         batch = args.batch or plan.batch or 2
         kept = []  # only the leak variant fills it
         for step in range(args.steps):
+            started, started_cpu = time.perf_counter(), time.process_time()
             optim.zero_grad()
             for mb in range(plan.micro_batches):
                 last = mb == plan.micro_batches - 1
@@ -419,8 +422,13 @@ def main(argv: list[str] | None = None) -> int:
                     confidence = logits.softmax(-1).amax(-1).mean()
                     kept.append((loss, logits, confidence))
             optim.step()
-            if rank == 0:
-                print(f"[fsdp_ckpt:{args.variant}] step {step} loss {loss.item():.4f}", flush=True)
+            if rank == 0:  # step times: what benchmarks/bench_record.py compares
+                print(f"[fsdp_ckpt:{args.variant}] step {step} loss {loss.item():.4f} "
+                      f"({time.perf_counter() - started:.3f} s, "
+                      f"cpu {time.process_time() - started_cpu:.3f} s)", flush=True)
+        if rank == 0:
+            rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            print(f"[fsdp_ckpt:{args.variant}] peak RSS {rss_mb:.1f} MB", flush=True)
     finally:
         dist.destroy_process_group()
     return 0

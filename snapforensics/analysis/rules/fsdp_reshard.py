@@ -43,7 +43,9 @@ def _reshard_rows(d: DeviceAnalysis, blocks: np.ndarray) -> np.ndarray:
     """
     post: dict[str, list[int]] = {}
     for row, name in d.annotation_rows(_POST_BACKWARD):
-        post.setdefault(_POST_BACKWARD.match(name).group(1), []).append(row)
+        hit = _POST_BACKWARD.match(name)
+        if hit:
+            post.setdefault(hit.group(1), []).append(row)
     rs = np.flatnonzero(d.mask(Category.REDUCE_SCATTER, Category.SHARDED_GRAD))
     rs_rows = np.sort(d.lt.alloc_row[rs])
     rs_by_mod: dict[str, list[int]] = {}
@@ -76,7 +78,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     # Most bytes left unsharded at once in each backward; report the worst iteration.
     per_iter = {int(i): max_alive(d, blocks[d.iteration[blocks] == i])
                 for i in np.unique(d.iteration[blocks])}
-    worst = max(per_iter, key=per_iter.get)
+    worst = max(per_iter, key=per_iter.__getitem__)
     if per_iter[worst] < MIN_SHARE * d.peak_bytes:
         return []
     worst_blocks = blocks[d.iteration[blocks] == worst]

@@ -52,7 +52,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     if not stale.size:
         return []
     per_iter = per_iteration(d, stale)
-    worst = max(per_iter, key=per_iter.get)
+    worst = max(per_iter, key=per_iter.__getitem__)
     blocks = stale[d.iteration[stale] == worst]
     # Alive together at worst (they accumulate): the most bytes alive at once in that iteration.
     at_once = max_alive(d, blocks)
