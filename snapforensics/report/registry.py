@@ -35,6 +35,12 @@ RENDERERS: dict[str, dict[str, str]] = {
         "markdown": "snapforensics.report.compare:markdown",
         "json": "snapforensics.report.json:render",
     },
+    "forecast": {
+        "terminal": "snapforensics.report.forecast:terminal",
+        "markdown": "snapforensics.report.forecast:markdown",
+        "json": "snapforensics.report.json:render",
+        "html": "snapforensics.report.forecast:html",
+    },
 }
 
 
