@@ -54,12 +54,6 @@ RENDERERS: dict[str, dict[str, str]] = {
         "json": "snapforensics.report.json:render",
         "html": "snapforensics.report.forecast:html",
     },
-    "forecast": {
-        "terminal": "snapforensics.report.forecast:terminal",
-        "markdown": "snapforensics.report.forecast:markdown",
-        "json": "snapforensics.report.json:render",
-        "html": "snapforensics.report.forecast:html",
-    },
 }
 
 
