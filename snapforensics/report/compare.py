@@ -150,7 +150,7 @@ def category_rows(c: Comparison) -> list[tuple[str, list[str]]]:
 # ---------------------------------------------------------------------------------- formats
 
 def terminal(c: Comparison, screen: Screen = PLAIN) -> str:
-    console = screen.console()
+    console = screen.console(width=120)
     mode = "before/after" if c.mode == BEFORE_AFTER else "rank vs rank"
     console.print(t(f"snapforensics compare ({mode}, baseline {c.baseline['label']})", FRAME,
                     "bold"))
