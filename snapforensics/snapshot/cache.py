@@ -31,7 +31,6 @@ with a K/M/G suffix; default 2G; 0 disables the cache). `SNAPFORENSICS_NO_CACHE=
 from __future__ import annotations
 
 import hashlib
-import importlib
 import os
 import re
 import tempfile
@@ -44,6 +43,7 @@ import numpy as np
 import orjson
 
 from snapforensics import __version__
+from snapforensics.snapshot import normalization as loader
 from snapforensics.snapshot.columns import MAX_BYTES, MAX_DEVICE, MAX_TOTAL
 from snapforensics.snapshot.format import rank_from_name
 from snapforensics.snapshot.model import (
@@ -58,8 +58,6 @@ from snapforensics.snapshot.model import (
     Trace,
 )
 
-# the module (the package re-exports a function of the same name)
-loader = importlib.import_module("snapforensics.snapshot.normalize")
 SCHEMA = 1
 DEFAULT_LIMIT = 2 << 30
 FULL_HASH_MAX = 4 << 20
