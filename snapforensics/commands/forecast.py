@@ -60,6 +60,7 @@ def forecast_command(snapshot: Path, world_size, strategy, checkpointing, micro_
     from snapforensics.report.output import choose_format, emit
     from snapforensics.snapshot import load
 
+    choose_format("forecast", fmt, output)  # a bad -o fails before the analysis
     cap = None
     if capacity:
         try:
@@ -72,6 +73,5 @@ def forecast_command(snapshot: Path, world_size, strategy, checkpointing, micro_
     worlds = _list(world_size, _positive_int, "world-size")
     strategies = _list(strategy, _strategy, "strategy")
     scales = _list(micro_batch_scale, _scale, "micro-batch-scale")
-    choose_format("forecast", fmt, output)  # a bad -o fails before the replays
     emit("forecast", forecast(load(snapshot), worlds, strategies, ckpt, scales, cap), fmt, output)
     return 0

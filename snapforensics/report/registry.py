@@ -34,6 +34,19 @@ RENDERERS: dict[str, dict[str, str]] = {
         "terminal": "snapforensics.report.compare:terminal",
         "markdown": "snapforensics.report.compare:markdown",
         "json": "snapforensics.report.json:render",
+        "html": "snapforensics.report.compare:html",
+    },
+    "compare_runs": {
+        "terminal": "snapforensics.report.compare:runs_terminal",
+        "markdown": "snapforensics.report.compare:runs_markdown",
+        "json": "snapforensics.report.json:render",
+        "html": "snapforensics.report.compare:runs_html",
+    },
+    "fleet": {
+        "terminal": "snapforensics.report.fleet:terminal",
+        "markdown": "snapforensics.report.fleet:markdown",
+        "json": "snapforensics.report.json:render",
+        "html": "snapforensics.report.fleet:html",
     },
     "forecast": {
         "terminal": "snapforensics.report.forecast:terminal",
