@@ -375,10 +375,11 @@ def test_explicit_format_wins_and_unknown_extension_is_refused(cli, tmp_path):
     r = cli("diagnose", str(FIXTURE), "--format", "json", "-o", str(tmp_path / "r.md"))
     assert r.returncode == 0 and json.loads((tmp_path / "r.md").read_text())
     one_line_exit_2(cli("diagnose", str(FIXTURE), "-o", str(tmp_path / "r.pdf")))
-    r = cli("compare", str(FIXTURE), str(FIXED), "-o", str(tmp_path / "c.html"))
+    one_line_exit_2(cli("compare", str(FIXTURE), str(FIXED), "-o", str(tmp_path / "c.pdf")))
+    assert not (tmp_path / "r.pdf").exists() and not (tmp_path / "c.pdf").exists()
+    r = cli("compare", str(FIXTURE), str(FIXED), "-o", str(tmp_path / "c.html"))  # issue 9
     assert r.returncode == 0 and (tmp_path / "c.html").read_text().lower().startswith(
         "<!doctype html>")
-    assert not (tmp_path / "r.pdf").exists()
 
 
 def test_dash_is_stdout(cli):

@@ -3,8 +3,6 @@ fleet report for a run folder, a glob or several files (every rank diagnosed in 
 
 from __future__ import annotations
 
-import os
-
 import click
 
 from snapforensics.commands._options import report_options, run_options
@@ -29,16 +27,16 @@ def diagnose_command(snapshots: tuple[str, ...], fmt: str | None, output: str | 
     folder (its rank*.pickle) give one fleet report: peaks per rank with their spread, findings
     by rank, the worst rank first."""
     from snapforensics.analysis.diagnosis import Diagnosis
-    from snapforensics.parallel import is_url, run
+    from snapforensics.parallel import expand, local_path, run
     from snapforensics.report.output import choose_format, emit
 
-    one = snapshots[0]
-    single = len(snapshots) == 1 and (is_url(one) or os.path.isfile(one) or (
-        not os.path.exists(one) and not any(c in one for c in "*?[")))
+    srcs = expand(snapshots)
+    # one file (a path or URL), not a folder or a glob
+    single = len(snapshots) == 1 and srcs in ([snapshots[0]], [local_path(snapshots[0])])
     kind = "diagnosis" if single else "fleet"
     choose_format(kind, fmt, output)  # a bad -o fails before the analysis
-    docs = run(snapshots, jobs=jobs, cache=not no_cache, scheduler=scheduler,
-               progress=not quiet)
+    docs = run(srcs, jobs=jobs, cache=not no_cache, scheduler=scheduler, progress=not quiet,
+               expanded=True)
     if single:
         if "error" in docs[0]:
             raise SnapError(f"{docs[0]['source']}: {docs[0]['error']}")
