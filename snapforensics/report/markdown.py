@@ -80,5 +80,5 @@ def render(d: Diagnosis, screen: Screen = PLAIN) -> str:
         for s in (f.evidence.get("stacks") or [])[:1]:
             out += ["Representative stack:", "", *code(s["stack"][:FRAMES]), ""]
         if f.fix:
-            out += ["Fix:", "", *code(lines(f.fix, FRAME, FRAMES), "python"), ""]
+            out += ["Fix:", "", *code(lines(f.fix, FRAMES), "python"), ""]
     return "\n".join(out)
