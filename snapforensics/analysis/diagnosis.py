@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
+
+import numpy as np
 
 SCHEMA = "snapforensics.diagnosis/1"
 
 ANOMALOUS, EXPECTED, INFO = "anomalous", "expected", "info"
+INTERNAL = {"json": False}  # field metadata: kept for renderers and the API, not in the JSON
+
+
+def public(obj: Any) -> dict[str, Any]:
+    """A dataclass as JSON-ready data, without its INTERNAL fields (never even copied)."""
+    hidden = {f.name: None for f in fields(obj) if f.metadata.get("json") is False}
+    out = asdict(replace(obj, **hidden))
+    for k in hidden:
+        del out[k]
+    return out
 
 
 @dataclass
@@ -23,6 +35,15 @@ class Finding:
     predicted_peak_bytes: int | None = None
     saving_bytes: int | None = None
     evidence: dict[str, Any] = field(default_factory=dict)
+    # live bytes per trace row of the trace replayed with the fix applied (the replay that gives
+    # predicted_peak_bytes), for the plots; not part of the JSON
+    predicted_live: np.ndarray | None = field(default=None, repr=False, compare=False,
+                                              metadata=INTERNAL)
+
+
+def top_anomaly(findings: list[Finding]) -> Finding | None:
+    bad = [f for f in findings if f.verdict == ANOMALOUS]
+    return max(bad, key=lambda f: f.saving_bytes or f.bytes) if bad else None
 
 
 @dataclass
@@ -39,6 +60,8 @@ class DeviceSummary:
     segments: dict[str, int]
     # live bytes over the trace, downsampled keeping each bucket's max: [row, bytes, phase]
     timeline: list[list] = field(default_factory=list)
+    # the timeline plot's series (analysis/timeline.py), for renderers; not part of the JSON
+    plot: Any = field(default=None, repr=False, compare=False, metadata=INTERNAL)
 
 
 @dataclass
@@ -68,6 +91,11 @@ class Diagnosis:
     def anomalies(self) -> list[Finding]:
         return [f for f in self.findings if f.verdict == ANOMALOUS]
 
+    @property
+    def top(self) -> Finding | None:
+        """The anomaly to fix first (the headline's): the largest saving, else the most bytes."""
+        return top_anomaly(self.findings)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "schema": SCHEMA,
@@ -78,6 +106,6 @@ class Diagnosis:
             "provenance": self.provenance,
             "warnings": self.warnings,
             "peaks": self.peaks,
-            "devices": [asdict(d) for d in self.devices],
-            "findings": [asdict(f) for f in self.findings],
+            "devices": [public(d) for d in self.devices],
+            "findings": [public(f) for f in self.findings],
         }

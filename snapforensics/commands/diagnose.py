@@ -20,13 +20,19 @@ from snapforensics.report import FORMATS
               show_default=True, help="Exit 1 when a finding with this verdict is found (CI gate).")
 @click.option("--redact-paths", is_flag=True,
               help="Keep only file names / package-relative paths (for public tickets).")
+@click.option("--category", "categories", multiple=True, metavar="NAME=REGEX",
+              help="User category (repeatable): blocks whose stack frames ('function "
+                   "file:line') or record_function ranges match REGEX are reported as NAME, "
+                   "after the built-in classification; the first match wins.")
 def diagnose_command(snapshot: Path, fmt: str, output: Path | None, fail_on: str,
-                     redact_paths: bool) -> int:
+                     redact_paths: bool, categories: tuple[str, ...]) -> int:
     """Diagnose one memory snapshot (.pickle, .pkl, gzip'd too)."""
     from snapforensics.analysis import diagnose
+    from snapforensics.analysis.classify import user_categories
     from snapforensics.snapshot import load
 
-    d = diagnose(load(snapshot))
+    user = user_categories(categories)  # a bad regex fails before the file is read
+    d = diagnose(load(snapshot), user)
     if redact_paths:
         from snapforensics.report.redact import redact
         d = redact(d)

@@ -177,7 +177,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         unit_bytes[k] = unit_bytes.get(k, 0) + int(d.lt.size[b])
     excess = int(sum(sorted(unit_bytes.values(), reverse=True)[LIMIT:]))
     alloc = _rate_limited(d, blocks)
-    after = peaks(d, d.lt.replay(alloc_row=alloc))
+    predicted = d.lt.replay(alloc_row=alloc)
+    after = peaks(d, predicted)
     saving = max(d.peak_bytes - after["overall_bytes"], 0)
     verdict = ANOMALOUS if saving >= _MIN_SAVING * d.peak_bytes else INFO
     it = int(d.iteration[alive[0]]) if alive.size else -1
@@ -196,7 +197,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         rule=RULE, verdict=verdict,
         title=f"{n} all-gathers in flight at once (more than {LIMIT}): no rate limit",
         cause=cause, bytes=alive_bytes, blocks=int(len(alive)), device=d.device, fix=FIX,
-        predicted_peak_bytes=after["overall_bytes"],
+        predicted_peak_bytes=after["overall_bytes"], predicted_live=predicted,
         saving_bytes=saving,
         evidence={
             "phase": phase,

@@ -130,7 +130,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
             keep_until = int(d.lt.free_row[second].max())
             free_row[first] = np.maximum(free_row[first], keep_until)
             free_row[second] = d.lt.alloc_row[second]
-    after = peaks(d, d.lt.replay(free_row=free_row))
+    predicted = d.lt.replay(free_row=free_row)
+    after = peaks(d, predicted)
     per_iter = {k: sum(int(d.lt.size[s].sum()) for _, s in p) for k, p in found.items()}
     worst = max(per_iter, key=per_iter.get)
     seconds = np.concatenate([s for _, s in found[worst]])
@@ -149,7 +150,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         rule=RULE, verdict=ANOMALOUS,
         title="Units all-gathered twice per backward (recompute reshards, backward re-gathers)",
         cause=cause, bytes=per_iter[worst], blocks=int(len(seconds)), device=d.device, fix=FIX,
-        predicted_peak_bytes=after["overall_bytes"],
+        predicted_peak_bytes=after["overall_bytes"], predicted_live=predicted,
         saving_bytes=max(d.peak_bytes - after["overall_bytes"], 0),
         evidence={
             "iteration": worst,

@@ -94,7 +94,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     for name in ("reduce_in_higher_precision", "fp32_accumulated_grads"):
         if name in parts:
             size[parts[name]] = (size[parts[name]] / r).astype(np.int64)
-    after = peaks(d, d.lt.replay(size=size))
+    predicted = d.lt.replay(size=size)
+    after = peaks(d, predicted)
     alive = d.lt.alive_at(peak_row) if peak_row >= 0 else np.zeros(len(d.lt), bool)
     by_part = {}
     for name, m in parts.items():
@@ -134,6 +135,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         cause=cause, bytes=at_peak, blocks=int(len(blocks)), device=d.device,
         fix=FIX if (wide or ug.any()) else None,
         predicted_peak_bytes=after["overall_bytes"] if (wide or ug.any()) else None,
+        predicted_live=predicted if (wide or ug.any()) else None,
         saving_bytes=max(d.peak_bytes - after["overall_bytes"], 0) if (wide or ug.any())
         else None,
         evidence={

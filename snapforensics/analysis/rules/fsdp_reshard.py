@@ -16,7 +16,7 @@ from snapforensics.analysis.classify import BACKWARD, RECOMPUTE, REDUCE_SCATTER,
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import ANOMALOUS, Finding
 from snapforensics.analysis.rules.evidence import by_module, by_path, human, max_alive, \
-    replay_peaks, top_stacks
+    peaks, top_stacks
 
 RULE = "fsdp.unsharded_params_not_resharded"
 _POST_BACKWARD = re.compile(r"^FSDP::post_backward_(?:accumulate|reshard|reduce) \((.*)\)$")
@@ -119,7 +119,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     free_row = d.lt.free_row.copy()
     free_row[blocks] = _reshard_rows(d, blocks)
     before = {"overall_bytes": d.peak_bytes}
-    after = replay_peaks(d, free_row)
+    predicted = d.lt.replay(free_row)
+    after = peaks(d, predicted)
     paths = by_path(d, worst_blocks)
     n_mod = len({d.module_of(b) for b in worst_blocks.tolist()})
     via = ", ".join(f"{p} ({human(v)})" for p, v in sorted(paths.items(), key=lambda x: -x[1]))
@@ -135,7 +136,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         rule=RULE, verdict=ANOMALOUS,
         title="Parameters unsharded in backward/recompute are not resharded",
         cause=cause, bytes=per_iter[worst], blocks=int(len(worst_blocks)), device=d.device,
-        fix=FIX, predicted_peak_bytes=after["overall_bytes"],
+        fix=FIX, predicted_peak_bytes=after["overall_bytes"], predicted_live=predicted,
         saving_bytes=before["overall_bytes"] - after["overall_bytes"],
         evidence={
             "iteration": worst,

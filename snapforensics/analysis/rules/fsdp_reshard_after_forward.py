@@ -133,7 +133,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     blocks = np.concatenate(list(kept.values()))
     kept_bytes = int(d.lt.size[blocks].sum())
     free_row, extra = _counterfactual(d, plans)
-    after = peaks(d, d.lt.replay(free_row=free_row, extra=extra))
+    predicted = d.lt.replay(free_row=free_row, extra=extra)
+    after = peaks(d, predicted)
     before = d.peak_bytes
     named = [k for k in kept if isinstance(k, str)]
     mods = [{"module": k if isinstance(k, str) else f"(unit {n})",
@@ -161,7 +162,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         title="Parameters kept unsharded from forward to backward (reshard_after_forward=False "
               "/ SHARD_GRAD_OP)",
         cause=cause, bytes=kept_bytes, blocks=int(len(blocks)), device=d.device, fix=FIX,
-        predicted_peak_bytes=after["overall_bytes"],
+        predicted_peak_bytes=after["overall_bytes"], predicted_live=predicted,
         saving_bytes=max(before - after["overall_bytes"], 0),
         evidence={
             "iteration": worst,

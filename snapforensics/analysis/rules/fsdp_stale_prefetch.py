@@ -52,7 +52,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     at_once = max_alive(d, blocks)
     free_row = d.lt.free_row.copy()
     free_row[stale] = d.lt.alloc_row[stale]  # never allocated
-    after = peaks(d, d.lt.replay(free_row=free_row))
+    predicted = d.lt.replay(free_row=free_row)
+    after = peaks(d, predicted)
     paths = by_path(d, blocks)
     via = ", ".join(f"{p} ({human(v)})" for p, v in sorted(paths.items(), key=lambda x: -x[1]))
     cause = (
@@ -67,7 +68,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         rule=RULE, verdict=ANOMALOUS,
         title="Unused all-gather buffers from prefetch during backward, freed only at the end",
         cause=cause, bytes=per_iter[worst], blocks=int(len(blocks)), device=d.device, fix=FIX,
-        predicted_peak_bytes=after["overall_bytes"],
+        predicted_peak_bytes=after["overall_bytes"], predicted_live=predicted,
         saving_bytes=max(d.peak_bytes - after["overall_bytes"], 0),
         evidence={
             "iteration": worst,

@@ -21,7 +21,7 @@ from snapforensics.analysis.classify import ACTIVATION, CATEGORIES
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import ANOMALOUS, Finding
 from snapforensics.analysis.rules.allocator import user_frame
-from snapforensics.analysis.rules.evidence import human, replay_peaks, top_stacks
+from snapforensics.analysis.rules.evidence import human, peaks, top_stacks
 
 RULE = "leak.iteration_growth"
 MIN_RATE = 0.001  # growth per iteration, of the peak
@@ -81,7 +81,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     one = leaked[d.iteration[leaked] == one_it]
     free_row = lt.free_row.copy()
     free_row[leaked] = nxt[outlived]
-    after = replay_peaks(d, free_row)
+    predicted = d.lt.replay(free_row)
+    after = peaks(d, predicted)
     where = []
     for sid in np.unique(lt.stack[one]).tolist():
         u = user_frame(d, sid)
@@ -108,7 +109,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         rule=RULE, verdict=ANOMALOUS,
         title="Memory grows iteration over iteration (leak in the training loop)",
         cause=cause, bytes=kept, blocks=int(retained.size), device=d.device,
-        fix=FIX, predicted_peak_bytes=after["overall_bytes"],
+        fix=FIX, predicted_peak_bytes=after["overall_bytes"], predicted_live=predicted,
         saving_bytes=peak - after["overall_bytes"],
         evidence={
             "growth_per_iteration_bytes": int(rate),
