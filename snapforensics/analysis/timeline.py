@@ -150,5 +150,12 @@ def _hover(d: DeviceAnalysis, rows: np.ndarray):
     first = np.zeros(n_groups, np.int64)
     first[group[::-1]] = np.arange(len(group))[::-1]  # some block of each stack
     names = d.category_names
-    return ([d.stack_text(int(g) - 1, STACK_FRAMES) for g in cand.tolist()],
+    return ([_frames(d, int(g) - 1) for g in cand.tolist()],
             [names[d.category[first[g]]] for g in cand.tolist()], top_idx, top_b)
+
+
+def _frames(d: DeviceAnalysis, stack_id: int) -> list[str]:
+    """A stack as the hover shows it: the meaningful frames, op-name frames (`<op>`) dropped
+    when the stack has others."""
+    lines = d.stack_text(stack_id, limit=64)
+    return ([x for x in lines if not x.endswith("  [op]")] or lines)[:STACK_FRAMES]
