@@ -49,7 +49,15 @@ def write_report(d, fmt: str, output: Path | None) -> None:
         from snapforensics.report import terminal
         terminal.render(d, Console())
         return
-    text = render_text(d, fmt)
+    if fmt == "markdown" and output is not None:
+        from snapforensics.report import markdown, plot
+        series = [dev.plot for dev in d.devices if dev.plot is not None]
+        image = output.with_suffix(".png") if series else None
+        if image is not None:  # the plot beside the report, linked by its file name
+            plot.png(series, image)
+        text = markdown.render(d, image.name if image else None)
+    else:
+        text = render_text(d, fmt)
     if output is None:
         click.echo(text)
         return

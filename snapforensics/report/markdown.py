@@ -7,9 +7,19 @@ from snapforensics.report.common import finding_lines, headline, human, peak_lin
     phase_peaks, provenance_line, verdict_order
 
 
-def render(d: Diagnosis) -> str:
+def render(d: Diagnosis, image: str | None = None) -> str:
+    """`image`: the timeline plot's PNG, written beside the report (`-o report.md`)."""
     out = [f"# snapforensics diagnosis: `{d.source}`", "",
-           f"**{headline(d)}**", "", f"- {peak_line(d)}", f"- {provenance_line(d)}"]
+           f"**{headline(d)}**", ""]
+    if d.top is not None and d.top.fix:
+        out += [f"Fix first ({d.top.rule}"
+                + (f", predicted peak after it {human(d.top.predicted_peak_bytes)}"
+                   if d.top.predicted_peak_bytes else "") + "):", "",
+                "```python", d.top.fix, "```", ""]
+    if image:
+        out += [f"![live bytes over time by category; the predicted curve after the fix]"
+                f"({image})", ""]
+    out += [f"- {peak_line(d)}", f"- {provenance_line(d)}"]
     if d.provenance.get("command"):
         out.append(f"- command: `{' '.join(map(str, d.provenance['command']))}`")
     for w in d.warnings:
@@ -29,17 +39,16 @@ def render(d: Diagnosis) -> str:
                     for it in dev.iterations]
             out.append("")
         if dev.categories_at_peak:
-            out += ["| alive at peak, by what made it | bytes |", "|---|---|"]
-            out += [f"| {c} | {human(b)} |" for c, b in
+            total = sum(dev.categories_at_peak.values()) or 1
+            out += ["| alive at peak, by what made it | bytes | share |", "|---|--:|--:|"]
+            out += [f"| {c} | {human(b)} | {100 * b / total:.0f}% |" for c, b in
                     sorted(dev.categories_at_peak.items(), key=lambda x: -x[1])]
             out.append("")
         if dev.top_stacks_at_peak:
             out += ["Top allocating stacks alive at the peak:", ""]
             for s in dev.top_stacks_at_peak[:3]:
-                out.append(f"- {human(s['bytes'])} in {s['blocks']} blocks "
-                           f"({s.get('category', '?')})")
-                out += ["  ```", *[f"  {line}" for line in s["stack"][:8]], "  ```"]
-            out.append("")
+                out += _details(f"{human(s['bytes'])} in {s['blocks']} blocks "
+                                f"({s.get('category', '?')})", s["stack"][:8])
     out += ["## Findings", ""]
     if not d.findings:
         out += ["No findings.", ""]
@@ -52,8 +61,15 @@ def render(d: Diagnosis) -> str:
             out += ["| module | bytes | blocks |", "|---|---|---|"]
             out += [f"| {m['module']} | {human(m['bytes'])} | {m['blocks']} |" for m in mods]
             out.append("")
-        for s in (f.evidence.get("stacks") or [])[:1]:
-            out += ["Representative stack:", "", "```", *s["stack"], "```", ""]
         if f.fix:
             out += ["Fix:", "", "```python", f.fix, "```", ""]
+        for s in (f.evidence.get("stacks") or [])[:1]:
+            out += _details("Representative stack", s["stack"])
     return "\n".join(out)
+
+
+def _details(summary: str, stack: list[str]) -> list[str]:
+    """A collapsed stack: GitHub and GitCode render `<details>` with a fenced block inside
+    when blank lines separate them."""
+    return [f"<details><summary>{summary}</summary>", "", "```", *stack, "```", "", "</details>",
+            ""]

@@ -15,6 +15,7 @@ from typing import Callable
 
 import numpy as np
 
+from snapforensics.analysis.classify import PHASE_NAMES
 from snapforensics.analysis.rules.evidence import human
 from snapforensics.analysis.timeline import Series
 
@@ -120,13 +121,14 @@ def svg(s: Series, esc: Callable[[str], str], script_json: Callable[[object], st
         out.append(f'<line x1="{L}" x2="{W - R}" y1="{yy:.1f}" y2="{yy:.1f}" stroke="#d5dae1"/>'
                    f'<text x="{L - 6}" y="{yy + 4:.1f}" text-anchor="end" font-size="12" '
                    f'fill="#5f6b7a">{esc(label)}</text>')
-    low = np.zeros(len(s.x))
-    for name, layer in zip(s.categories, s.by_category):
-        high = low + layer
-        poly = pts(np.concatenate([X, X[::-1]]), np.concatenate([Y(high), Y(low)[::-1]]))
-        out.append(f'<polygon points="{poly}" fill="{color(name)}" fill-opacity="0.85">'
+    # painter's order: each layer's area runs from the axis to its cumulative top, the tallest
+    # drawn first, so one edge per layer is written (half the points of stacked bands)
+    tops = np.cumsum(s.by_category, axis=0)
+    xs = [f"{a:.1f}" for a in X.tolist()]
+    for name, top_k in reversed(list(zip(s.categories, tops))):
+        edge = " ".join(f"{a},{b:.0f}" for a, b in zip(xs, Y(top_k).tolist()))
+        out.append(f'<polygon points="{L},{base} {edge} {W - R},{base}" fill="{color(name)}">'
                    f'<title>{esc(name)}</title></polygon>')
-        low = high
     if s.reserved is not None:
         out.append(f'<polyline points="{pts(X, Y(s.reserved))}" fill="none" stroke="{RESERVED}" '
                    'stroke-width="1.2" stroke-dasharray="5 3"/>')
@@ -168,23 +170,17 @@ def svg(s: Series, esc: Callable[[str], str], script_json: Callable[[object], st
         for p in dict.fromkeys(p for _, _, p in s.phase_runs())) + ')</span>')
     if s.iterations:
         legend += "<span>dashed: iteration starts</span>"
-    data = {"x0": L, "pw": pw, "W": W, "x": s.x.tolist(), "rows": s.rows.tolist(),
-            "xl": s.x_label, "live": s.live.tolist(),
+    data = {"x0": L, "pw": pw, "W": W, "x": np.round(s.x, 4).tolist(), "rows": s.rows.tolist(),
+            "xl": s.x_label,
             "reserved": s.reserved.tolist() if s.reserved is not None else None,
             "predicted": s.predicted.tolist() if s.predicted is not None else None,
-            "phase": [p for p in _phase_names(s)], "cats": s.categories,
+            "phase": s.phase.tolist(), "phases": PHASE_NAMES, "cats": s.categories,
             "by": s.by_category.tolist(), "stacks": s.stacks, "scat": s.stack_category,
             "top": s.top_stacks.tolist(), "topb": s.top_bytes.tolist()}
     return (f'<div class="sf-plot">{"".join(out)}<div class="sf-tip" hidden></div>'
             f'<div class="legend">{legend}</div>'
             f'<script type="application/json" class="sf-data">{script_json(data)}</script>'
             '</div>')
-
-
-def _phase_names(s: Series) -> list[str]:
-    from snapforensics.analysis.classify import PHASE_NAMES
-
-    return [PHASE_NAMES[p] for p in s.phase.tolist()]
 
 
 CSS = """
@@ -217,7 +213,7 @@ var i=nearest(sx),cx=d.x0+(d.x[i]-x0)/(x1-x0)*d.pw;
 cur.setAttribute("x1",cx);cur.setAttribute("x2",cx);cur.setAttribute("visibility","visible");
 tip.textContent="";
 tip.appendChild(el("div",(d.xl.indexOf("time")===0?d.x[i].toFixed(3)+" s, ":"")+"row "+d.rows[i]+
-" · "+d.phase[i]+" · live "+human(d.live[i])+(d.reserved?" · reserved "+human(d.reserved[i]):"")+
+" · "+d.phases[d.phase[i]]+" · live "+human(d.by.reduce(function(a,b){return a+b[i]},0))+(d.reserved?" · reserved "+human(d.reserved[i]):"")+
 (d.predicted?" · after fix "+human(d.predicted[i]):""),"h"));
 var t=el("table"),order=d.cats.map(function(c,k){return k}).filter(function(k){return d.by[k][i]>0});
 order.sort(function(a,b){return d.by[b][i]-d.by[a][i]});
@@ -243,7 +239,7 @@ def mpl_text(s: str) -> str:
     return "".join(c if c.isprintable() else "?" for c in s)[:80]
 
 
-def png(series: list[Series], path, predicted_title: str | None = None) -> None:
+def png(series: list[Series], path) -> None:
     """One PNG with a panel per device, drawn by matplotlib's Agg canvas (no display, no
     pyplot global state). Category names come from --category: they pass `mpl_text`."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -262,7 +258,7 @@ def png(series: list[Series], path, predicted_title: str | None = None) -> None:
             ax.plot(s.x, s.reserved, color=RESERVED, lw=1, ls="--", label="reserved by the allocator")
         if s.predicted is not None:
             ax.plot(s.x, s.predicted, color=PREDICTED, lw=1.6,
-                    label=mpl_text(f"after the fix ({predicted_title or s.predicted_rule})"))
+                    label="predicted after the fix: " + mpl_text(s.predicted_rule or ""))
         for _, xv in s.iterations if len(s.iterations) <= 200 else []:
             ax.axvline(xv, color="#5f6b7a", lw=0.7, ls=":")
         peak = int(s.live[s.peak])
