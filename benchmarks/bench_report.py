@@ -24,7 +24,6 @@ from bench_load import CORPUS, synthetic  # noqa: E402
 
 from snapforensics.analysis import timeline  # noqa: E402
 from snapforensics.analysis.diagnose import diagnose_devices  # noqa: E402
-from snapforensics.analysis.rules.allocator import reserved_series  # noqa: E402
 from snapforensics.report import render_text  # noqa: E402
 from snapforensics.report.plot import png  # noqa: E402
 from snapforensics.snapshot import load  # noqa: E402
@@ -39,7 +38,7 @@ def measure(path: Path, out: Path) -> dict:
     t_diag = time.perf_counter() - t
     t = time.perf_counter()
     for d in analyses:  # what diagnose spent on the plot series, measured again alone
-        timeline.build(d, diagnosis.top, reserved_series(d))
+        timeline.build(d, diagnosis.top, d.allocator.reserved)
     t_series = time.perf_counter() - t
     t = time.perf_counter()
     html = render_text(diagnosis, "html")

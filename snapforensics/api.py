@@ -16,14 +16,16 @@ from codes), never from one Python object per row. pandas is imported on first u
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from snapforensics.analysis.context import DeviceAnalysis, is_noise
+from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Diagnosis
+from snapforensics.analysis.stacks import is_noise
 from snapforensics.snapshot.model import Frame, Snapshot
 
 if TYPE_CHECKING:
@@ -118,7 +120,7 @@ class Report:
         phase and iteration of its allocation, what made it, its FSDP unit, its stack."""
         import pandas as pd
 
-        from snapforensics.analysis.classify import PHASE_NAMES
+        from snapforensics.analysis.vocab import PHASE_LABELS
 
         parts = []
         for d in self.analyses:
@@ -137,7 +139,7 @@ class Report:
                 "free_row": np.where(alive, -1, lt.free_row),
                 "alloc_time_us": _times(t, lt.alloc_row),
                 "free_time_us": _times(t, np.where(alive, -1, lt.free_row)),
-                "phase": pd.Categorical.from_codes(d.phase.astype(np.int64), PHASE_NAMES),
+                "phase": pd.Categorical.from_codes(d.phase.astype(np.int64), PHASE_LABELS),
                 "iteration": d.iteration,
                 "category": pd.Categorical.from_codes(d.category.astype(np.int64),
                                                       list(d.category_names)),
@@ -153,12 +155,10 @@ class Report:
         caching allocator or when the dump cannot anchor them), phase and iteration."""
         import pandas as pd
 
-        from snapforensics.analysis.classify import PHASE_NAMES
-        from snapforensics.analysis.rules.allocator import reserved_series
-
+        from snapforensics.analysis.vocab import PHASE_LABELS
         parts = []
         for d in self.analyses:
-            res = reserved_series(d) if self.snapshot.kind.caching_allocator else None
+            res = d.allocator.reserved if self.snapshot.kind.caching_allocator else None
             n = d.lt.rows
             parts.append(pd.DataFrame({
                 "device": np.full(n, d.device, np.int32),
@@ -167,7 +167,7 @@ class Report:
                 "live_bytes": d.lt.live,
                 "reserved_bytes": res.astype(np.float64) if res is not None
                 else np.full(n, np.nan),
-                "phase": pd.Categorical.from_codes(d.tl.phase.astype(np.int64), PHASE_NAMES),
+                "phase": pd.Categorical.from_codes(d.tl.phase.astype(np.int64), PHASE_LABELS),
                 "iteration": d.tl.iteration,
             }))
         return _concat(parts)

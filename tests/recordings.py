@@ -2,7 +2,8 @@
 
     from recordings import record_variant, recorded, load_strict, replay_peak
 
-    paths = record_variant("buggy", tmp_path_factory.mktemp("buggy"))   # [rank0.pickle, rank1.pickle]
+    # [rank0.pickle, rank1.pickle]
+    paths = record_variant("buggy", tmp_path_factory.mktemp("buggy"))
 
 `record_variant` runs ``python -m snapforensics record --nproc-per-node N --device cpu --out DIR
 -m snapforensics.examples.fsdp_ckpt -- --variant V --steps S [extra...]`` in a subprocess (CPU,
@@ -26,8 +27,8 @@ import os
 import pickle
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = "snapforensics.examples.fsdp_ckpt"
@@ -37,7 +38,8 @@ _cache: dict[tuple, list[Path]] = {}
 
 def _env() -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
     return env
 
 

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import corpus_file
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import corpus_file
+
 from snapforensics.analysis.compare import BEFORE_AFTER, RANKS, SCHEMA, compare_paths
-from snapforensics.analysis.classify import UNSHARDED_PARAM
+from snapforensics.analysis.vocab import Category
 from snapforensics.errors import SnapError
 from snapforensics.report.compare import render_text
 
@@ -82,7 +82,7 @@ def test_prediction_matches_the_measured_peak_after_the_fix(fix_cmp):
 @pytest.mark.slow
 def test_unsharded_params_at_peak_drop(fix_cmp):
     cats = {x["category"]: x for x in fix_cmp.deltas[0]["categories_at_peak"]}
-    u = cats[UNSHARDED_PARAM]
+    u = cats[Category.UNSHARDED_PARAM]
     assert u["after"] < u["before"] and u["delta_bytes"] < 0
     # what the fix removed is mostly the unsharded parameters
     assert -u["delta_bytes"] >= 0.5 * fix_cmp.deltas[0]["removed_at_peak_bytes"]

@@ -15,8 +15,8 @@ import pickle
 from pathlib import Path
 
 import pytest
-
 from conftest import CORPUS, corpus_file, corpus_files
+
 from snapforensics.analysis import diagnose
 from snapforensics.analysis.lifetimes import compute
 from snapforensics.snapshot import load

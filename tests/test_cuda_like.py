@@ -11,11 +11,10 @@ the autograd engine boundary and stripped of non-Python frames (this is an edite
 from __future__ import annotations
 
 import pytest
+from recordings import recorded  # noqa: E402
 
 from snapforensics.analysis import diagnose
 from snapforensics.snapshot import normalize, read_raw
-
-from recordings import recorded  # noqa: E402
 
 RESHARD = "fsdp.unsharded_params_not_resharded"
 ENGINE = {"_engine_run_backward", "run_backward"}

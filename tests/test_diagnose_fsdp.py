@@ -13,13 +13,7 @@ import sys
 import pytest
 
 from snapforensics.analysis import diagnose
-from snapforensics.analysis.classify import (
-    ALL_GATHER,
-    OPTIMIZER_STATE,
-    REDUCE_SCATTER,
-    SHARDED_GRAD,
-    UNSHARDED_PARAM,
-)
+from snapforensics.analysis.vocab import Category
 from snapforensics.snapshot import load
 
 pytest.importorskip("torch")
@@ -99,7 +93,8 @@ def test_classification_totals(diagnosed):
     _, d = diagnosed("fixed")
     dev = d.primary
     totals = dev.categories_total
-    for cat in (ALL_GATHER, UNSHARDED_PARAM, REDUCE_SCATTER, SHARDED_GRAD, OPTIMIZER_STATE):
+    for cat in (Category.ALL_GATHER, Category.UNSHARDED_PARAM, Category.REDUCE_SCATTER,
+                Category.SHARDED_GRAD, Category.OPTIMIZER_STATE):
         assert totals.get(cat, {}).get("bytes", 0) > 0, (cat, totals)
     # What the bytes must be, from FSDP's arithmetic: AdamW keeps two states per local shard, so
     # the optimizer state alive at the peak is twice the sharded parameters (`parameter`: the
@@ -107,7 +102,7 @@ def test_classification_totals(diagnosed):
     # backward are one shard set, 1/world_size of the unsharded parameters gathered per unit.
     at_peak = dev.categories_at_peak
     shards = at_peak["parameter"]
-    assert abs(at_peak[OPTIMIZER_STATE] - 2 * shards) <= 0.05 * shards, at_peak
+    assert abs(at_peak[Category.OPTIMIZER_STATE] - 2 * shards) <= 0.05 * shards, at_peak
     grads = next(f for f in d.findings if f.rule == "fsdp.reduce_scatter_accumulation").bytes
     assert abs(grads - shards) <= 0.05 * shards, (grads, shards)
     assert dev.iterations and len(dev.iterations) == 3

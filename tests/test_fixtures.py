@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from test_cuda_like import cuda_shaped
 
 from snapforensics.analysis import diagnose
 from snapforensics.snapshot import load, normalize, read_raw
-from test_cuda_like import cuda_shaped
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 RESHARD = "fsdp.unsharded_params_not_resharded"

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
+from conftest import CORPUS  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from conftest import CORPUS  # noqa: E402
 from snapforensics.analysis import diagnose  # noqa: E402
 from snapforensics.errors import SnapError  # noqa: E402
 from snapforensics.snapshot import load, normalize  # noqa: E402
@@ -41,7 +41,8 @@ if not AVAILABLE:
 DATA = {n: (CORPUS / n).read_bytes() for n in AVAILABLE}
 TMP = Path(tempfile.mkdtemp(prefix="snapforensics-fuzz-"))
 atexit.register(shutil.rmtree, TMP, ignore_errors=True)
-FUZZ = settings(max_examples=int(os.environ.get("SNAPFORENSICS_FUZZ_EXAMPLES", "150")), deadline=None, database=None,
+FUZZ = settings(max_examples=int(os.environ.get("SNAPFORENSICS_FUZZ_EXAMPLES", "150")),
+                deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 

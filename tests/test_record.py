@@ -18,8 +18,8 @@ import types
 from pathlib import Path
 
 import pytest
-
 from recordings import REPO, load_strict, recorded, replay_peak, run_cli
+
 from snapforensics.errors import EXIT_RECORD_FAILED, SnapError
 
 PROVENANCE_KEYS = {"recorder", "torch_version", "backend", "cpu_recorded", "rank", "world_size",
@@ -215,7 +215,8 @@ def test_inside_torchrun_records_in_process(scripts, tmp_path):
 
 
 def test_user_errors_are_one_line_exit_3(tmp_path):
-    proc = run_cli(["record", "--out", str(tmp_path / "o"), str(tmp_path / "nope.py")], cwd=tmp_path)
+    proc = run_cli(["record", "--out", str(tmp_path / "o"), str(tmp_path / "nope.py")],
+                   cwd=tmp_path)
     assert proc.returncode == EXIT_RECORD_FAILED
     assert "script not found" in proc.stderr and "Traceback" not in proc.stderr
     proc = run_cli(["record", "--device", "tpu", "x.py"], cwd=tmp_path)
@@ -429,13 +430,15 @@ def test_cli_parsing(monkeypatch, tmp_path):
     assert seen["nproc_per_node"] == 2 and seen["out"] == tmp_path
     r = runner.invoke(record_command, ["--max-entries", "9", "train.py", "-h", "--lr", "1"])
     assert r.exit_code == 5
-    assert (seen["target"], seen["args"], seen["module"]) == ("train.py", ["-h", "--lr", "1"], False)
+    assert (seen["target"], seen["args"], seen["module"]) == \
+        ("train.py", ["-h", "--lr", "1"], False)
     assert seen["max_entries"] == 9 and seen["device"] == "auto" and seen["stacks"] == "python"
 
 
 def test_no_torch_import_at_import_time():
     code = ("import sys; import snapforensics.commands.record, snapforensics.record, "
-            "snapforensics.record.cpu, snapforensics.record.backends, snapforensics.record._bootstrap;"
+            "snapforensics.record.cpu, snapforensics.record.backends, "
+            "snapforensics.record._bootstrap;"
             " assert 'torch' not in sys.modules, 'torch imported'; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -471,7 +474,8 @@ def test_status_json_is_removed_and_parsed(tmp_path):
     statuses = [{"rank": 0, "exit_code": 0, "snapshot": str(tmp_path / "rank0.pickle")},
                 {"rank": 1, "exit_code": 4, "snapshot": str(tmp_path / "rank1.pickle")}]
     res = _result(statuses, tmp_path, expected=[0, 1], launcher_rc=1, quiet=True)
-    assert res.exit_code == 4 and [p.name for p in res.snapshots] == ["rank0.pickle", "rank1.pickle"]
+    assert res.exit_code == 4
+    assert [p.name for p in res.snapshots] == ["rank0.pickle", "rank1.pickle"]
     res = _result(statuses[:1], tmp_path, expected=[0, 1], launcher_rc=-9, quiet=True)
     assert res.exit_code == 137
     with pytest.raises(SnapError):
@@ -521,7 +525,8 @@ def test_oom_observer_writes_its_own_snapshot(monkeypatch, tmp_path):
     oom = load_strict(tmp_path / "out" / "rank0.oom.pickle")
     assert oom["device_traces"][0][0]["action"] == "oom"
     assert oom["snapforensics"]["oom"]["requested"] == 1 << 30
-    assert oom["snapforensics"]["backend"] == "cuda" and oom["snapforensics"]["cpu_recorded"] is False
+    assert oom["snapforensics"]["backend"] == "cuda"
+    assert oom["snapforensics"]["cpu_recorded"] is False
     final = load_strict(tmp_path / "out" / "rank0.pickle")
     assert final["snapforensics"]["script_exit_code"] == 7
     assert json.loads((tmp_path / "out" / ".rank0.status.json").read_text())["oom_snapshot"]

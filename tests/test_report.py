@@ -9,7 +9,7 @@ import os
 import re
 import subprocess
 import sys
-from functools import lru_cache
+from functools import cache
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -45,7 +45,7 @@ def corpus_file(name: str) -> Path:
     return p
 
 
-@lru_cache(maxsize=None)
+@cache
 def _diagnosed(name: str):
     return diagnose(load(corpus_file(name)))
 

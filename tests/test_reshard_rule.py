@@ -11,14 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from recordings import recorded  # noqa: E402
+from test_cuda_like import cuda_shaped  # noqa: E402
 
 from snapforensics.analysis import diagnose
 from snapforensics.analysis.context import analyse
 from snapforensics.analysis.rules import fsdp_reshard
 from snapforensics.snapshot import normalize, read_raw
-
-from recordings import recorded  # noqa: E402
-from test_cuda_like import cuda_shaped  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
@@ -27,7 +26,7 @@ def freed_at_backward_end(path) -> tuple[dict, int]:
     raw, _ = read_raw(path)
     snap = normalize(raw)
     d = analyse(snap, snap.traces[0])
-    leaked = fsdp_reshard.leaked(d)
+    leaked = d.fsdp.leaked
     trace = raw["device_traces"][0]
     moves = {}  # row of a free entry -> row it moves before
     for b in leaked.tolist():

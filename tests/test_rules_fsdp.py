@@ -21,21 +21,9 @@ from pathlib import Path
 import pytest
 
 from snapforensics.analysis import diagnose
-from snapforensics.analysis.classify import (
-    ALL_GATHER,
-    BACKWARD,
-    FORWARD,
-    INIT,
-    PARAMETER,
-    RECOMPUTE,
-    REDUCE_SCATTER,
-    UNKNOWN,
-    SHARDED_GRAD,
-    SHARDED_PARAM,
-    UNSHARDED_PARAM,
-    classify,
-)
-from snapforensics.analysis.context import CAT_CODE, analyse
+from snapforensics.analysis.classify import classify
+from snapforensics.analysis.context import analyse
+from snapforensics.analysis.vocab import CAT_CODE, Category, Phase
 from snapforensics.snapshot import Frame, load, normalize, read_raw
 
 RAF = "fsdp.reshard_after_forward_disabled"
@@ -172,16 +160,16 @@ def _with_recompute_regather(path) -> dict:
     d = analyse(snap, snap.traces[0])
     trace = raw["device_traces"][0]
     unsh = [b for b in range(len(d.lt))
-            if d.lt.alloc_row[b] >= 0 and d.category[b] == CAT_CODE[UNSHARDED_PARAM]]
+            if d.lt.alloc_row[b] >= 0 and d.category[b] == CAT_CODE[Category.UNSHARDED_PARAM]]
     fw: dict[tuple, list[int]] = {}
     bw_first: dict[tuple, int] = {}
     for b in unsh:
         key = (int(d.iteration[b]), d.module_of(b))
         if key[1] in (None, "(root)") or key[0] < 0:
             continue
-        if d.phase[b] == FORWARD:
+        if d.phase[b] == Phase.FORWARD:
             fw.setdefault(key, []).append(b)
-        elif d.phase[b] in (BACKWARD, RECOMPUTE):
+        elif d.phase[b] in (Phase.BACKWARD, Phase.RECOMPUTE):
             bw_first[key] = min(bw_first.get(key, 1 << 62), int(d.lt.alloc_row[b]))
     recompute = [{"filename": "torch/utils/checkpoint.py", "line": 0, "name": "recompute_fn"},
                  {"filename": "torch/utils/checkpoint.py", "line": 0, "name": "unpack_hook"}]
@@ -339,7 +327,8 @@ def test_gradient_sync_off_holds_unsharded_grads_across_micro_batches(diag):
 def test_fsdp1_shard_grad_op_is_classified_and_keeps_params(diag):
     _, d = diag("fsdp1_shard_grad_op")
     totals = d.primary.categories_total
-    for cat in (UNSHARDED_PARAM, ALL_GATHER, REDUCE_SCATTER, SHARDED_GRAD, SHARDED_PARAM):
+    for cat in (Category.UNSHARDED_PARAM, Category.ALL_GATHER, Category.REDUCE_SCATTER,
+                Category.SHARDED_GRAD, Category.SHARDED_PARAM):
         assert totals.get(cat, {}).get("bytes", 0) > 0, (cat, totals)
     f = finding(d, RAF)
     assert f.verdict == "expected"
@@ -364,42 +353,44 @@ def test_classify_fsdp1_names():
             _f("unshard", "torch/distributed/fsdp/_flat_param.py"), _f("_unshard")]
     fwd = classify(flat + [_f("_pre_forward_unshard"), _f("_pre_forward"),
                            _f("forward", "m.py")])
-    assert (fwd.category, fwd.path, fwd.phase) == (UNSHARDED_PARAM, "forward", FORWARD)
+    assert (fwd.category, fwd.path, fwd.phase) == \
+        (Category.UNSHARDED_PARAM, "forward", Phase.FORWARD)
     pre = classify(flat + [_f("_pre_backward_hook"), _f("_engine_run_backward", "a.py")])
-    assert (pre.category, pre.path, pre.phase) == (UNSHARDED_PARAM, "backward_pre_hook", BACKWARD)
+    assert (pre.category, pre.path, pre.phase) == \
+        (Category.UNSHARDED_PARAM, "backward_pre_hook", Phase.BACKWARD)
     pf = classify(flat + [_f("_prefetch_handle"), _f("_pre_backward_hook"),
                           _f("_engine_run_backward", "a.py")])
     assert pf.path == "prefetch"
     # the reentrant recompute: FSDP's pre-forward inside CheckpointFunction.backward
     rc = classify(flat + [_f("_pre_forward_unshard"), _f("_pre_forward"), _f("forward", "m.py"),
                           _f("backward", "torch/utils/checkpoint.py")])
-    assert (rc.path, rc.phase) == ("recompute", RECOMPUTE)
+    assert (rc.path, rc.phase) == ("recompute", Phase.RECOMPUTE)
     mp = classify([_f("_alloc_storage", "torch/distributed/utils.py"),
                    _f("_use_low_precision_shard", "torch/distributed/fsdp/_flat_param.py"),
                    _f("pre_unshard", "torch/distributed/fsdp/_flat_param.py"), _f("_unshard"),
                    _f("_pre_forward_unshard"), _f("_pre_forward")])
-    assert mp.category == ALL_GATHER
+    assert mp.category == Category.ALL_GATHER
     cast = classify([Frame("<op>", 0, "aten::to"), _f("_post_backward_hook"),
                      _f("_engine_run_backward", "a.py")])
-    assert (cast.category, cast.phase) == (REDUCE_SCATTER, BACKWARD)
+    assert (cast.category, cast.phase) == (Category.REDUCE_SCATTER, Phase.BACKWARD)
     rs = classify([_f("_get_reduce_scatter_tensors"), _f("_reduce_grad"),
                    _f("_post_backward_hook")])
-    assert rs.category == REDUCE_SCATTER
+    assert rs.category == Category.REDUCE_SCATTER
     init = [_f("__init__", "torch/distributed/fsdp/fully_sharded_data_parallel.py")]
     full = classify([_f("empty_like", "x.py"),
                      _f("_materialize_meta_module", "torch/distributed/fsdp/_init_utils.py"),
                      _f("_init_param_handle_from_module", "torch/distributed/fsdp/_init_utils.py")
                      ] + init)
-    assert (full.category, full.phase) == (PARAMETER, INIT)
+    assert (full.category, full.phase) == (Category.PARAMETER, Phase.INIT)
     shard = classify([_f("_get_shard", "torch/distributed/fsdp/_flat_param.py"),
                       _f("shard", "torch/distributed/fsdp/_flat_param.py"),
                       _f("_init_param_handle_from_module", "torch/distributed/fsdp/_init_utils.py")
                       ] + init)
-    assert shard.category == SHARDED_PARAM
+    assert shard.category == Category.SHARDED_PARAM
     # FSDP1's record_function ranges alone (CUDA, no Python frames): category and path, no phase
     ranged = classify([], ("FullyShardedDataParallel.forward",
                            "FullyShardedDataParallel._pre_forward"))
-    assert ranged.phase == UNKNOWN  # also open around a reentrant recompute
+    assert ranged.phase == Phase.UNKNOWN  # also open around a reentrant recompute
 
 
 # ------------------------------------------------------------------ CUDA-shaped traces

@@ -25,10 +25,10 @@ import copy
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import corpus_file, corpus_files
+
 from snapforensics.analysis import diagnose
-from snapforensics.analysis.rules.allocator import alloc_conf, expandable_fix
+from snapforensics.analysis.allocator import Allocator
 from snapforensics.snapshot import load, normalize, read_raw
 from snapforensics.snapshot.model import Backend, Format
 
@@ -183,9 +183,11 @@ def test_expandable_fix_names_the_backend_variable_and_keeps_other_settings():
     def fake(backend, settings):
         return SimpleNamespace(snapshot=SimpleNamespace(kind=Format(backend=Backend(backend)),
                                                         allocator_settings=settings))
-    assert alloc_conf(fake("npu", {}))[0] == "PYTORCH_NPU_ALLOC_CONF"
-    assert "PYTORCH_NPU_ALLOC_CONF=expandable_segments:True" in expandable_fix(fake("npu", {}))
-    fix = expandable_fix(fake("cuda", {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}))
+    assert Allocator(fake("npu", {})).conf.var == "PYTORCH_NPU_ALLOC_CONF"
+    npu = Allocator(fake("npu", {})).expandable_fix
+    assert "PYTORCH_NPU_ALLOC_CONF=expandable_segments:True" in npu
+    cuda = fake("cuda", {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"})
+    fix = Allocator(cuda).expandable_fix
     assert "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128,expandable_segments:True" in fix
 
 

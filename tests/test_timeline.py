@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import corpus_file
+
 from snapforensics.analysis.diagnose import diagnose_devices
 from snapforensics.analysis.timeline import POINTS, alive_by, buckets
 from snapforensics.snapshot import load

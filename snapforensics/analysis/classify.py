@@ -12,31 +12,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from snapforensics.analysis.vocab import Category, Phase
 from snapforensics.snapshot.model import Frame
-
-# Categories (stable ids, used in JSON).
-ALL_GATHER = "fsdp.all_gather_buffer"
-UNSHARDED_PARAM = "fsdp.unsharded_param"
-REDUCE_SCATTER = "fsdp.reduce_scatter_buffer"
-SHARDED_GRAD = "fsdp.sharded_grad"
-UNSHARDED_GRAD = "fsdp.unsharded_grad"
-SHARDED_PARAM = "fsdp.sharded_param"
-OPTIMIZER_STATE = "optimizer_state"
-GRADIENT = "gradient"
-ACTIVATION = "activation"
-RECOMPUTE_ACTIVATION = "recompute_activation"
-PARAMETER = "parameter"
-OTHER = "other"
-UNTRACED = "untraced"  # alive before the first trace entry: what made it is not in the file
-CATEGORIES = (ALL_GATHER, UNSHARDED_PARAM, REDUCE_SCATTER, SHARDED_GRAD, UNSHARDED_GRAD,
-              SHARDED_PARAM, OPTIMIZER_STATE, GRADIENT, ACTIVATION, RECOMPUTE_ACTIVATION,
-              PARAMETER, OTHER, UNTRACED)
-FSDP_CATEGORIES = {ALL_GATHER, UNSHARDED_PARAM, REDUCE_SCATTER, SHARDED_GRAD, UNSHARDED_GRAD,
-                   SHARDED_PARAM}
-
-# Phase hints (also the phase codes of phases.py).
-INIT, FORWARD, BACKWARD, RECOMPUTE, OPTIMIZER, UNKNOWN = range(6)
-PHASE_NAMES = ("init", "forward", "backward", "recompute", "optimizer", "unknown")
 
 # Unshard paths.
 PATHS = ("forward", "backward_pre_hook", "recompute", "prefetch", "explicit")
@@ -99,9 +76,9 @@ _FSDP1_RANGES = {
 
 @dataclass(frozen=True)
 class StackInfo:
-    category: str
+    category: Category
     path: str | None  # how FSDP unsharded it (PATHS), for all-gather / unsharded-param blocks
-    phase: int  # phase hint from the stack alone, UNKNOWN if none
+    phase: Phase  # phase hint from the stack alone, UNKNOWN if none
     module: str | None  # FSDP module FQN, when a range or frame names it
     has_frames: bool
 
@@ -143,7 +120,8 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
         n == "backward" and (p.endswith("torch/_tensor.py") or p.endswith("autograd/__init__.py"))
         for n, p in zip(names, files)) or "pre_backward" in rfkinds or any(
         k.startswith("post_backward") for k in rfkinds) or "root_post_backward_callback" in rfkinds
-    in_optim = any(p.startswith("torch/optim/") or "/torch/optim/" in p for p in files) or "Optimizer." in rftext
+    in_optim = any(p.startswith("torch/optim/") or "/torch/optim/" in p for p in files) or \
+        "Optimizer." in rftext
     in_forward = any(n in ("_call_impl", "_wrapped_call_impl") for n in names) or \
         "pre_forward" in rfkinds or "forward" in nameset
     in_init = bool(nameset & _INIT_FUNCS) or bool(nameset & _SHARDED_INIT_FUNCS) or \
@@ -157,48 +135,48 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
         any(n.startswith(("gloo:", "nccl:", "hccl:")) for n in names) or
         any(f.filename == "<snapforensics>" for f in frames))
     if worker_row:
-        phase = UNKNOWN
+        phase = Phase.UNKNOWN
     elif in_recompute:
-        phase = RECOMPUTE
+        phase = Phase.RECOMPUTE
     elif in_backward:
-        phase = BACKWARD
+        phase = Phase.BACKWARD
     elif in_optim:
-        phase = OPTIMIZER
+        phase = Phase.OPTIMIZER
     elif in_forward:
-        phase = FORWARD
+        phase = Phase.FORWARD
     elif in_init:
-        phase = INIT
+        phase = Phase.INIT
     else:
-        phase = UNKNOWN
+        phase = Phase.UNKNOWN
 
     path = None
     if nameset & _UNSHARDED_FUNCS or "all_gather_copy_out" in rfkinds:
-        category = UNSHARDED_PARAM
+        category = Category.UNSHARDED_PARAM
     elif nameset & _ALL_GATHER_FUNCS or "all_gather" in rfkinds:
-        category = ALL_GATHER
+        category = Category.ALL_GATHER
     elif nameset & _UNSHARDED_GRAD_FUNCS or "post_backward_accumulate" in rfkinds:
-        category = UNSHARDED_GRAD
+        category = Category.UNSHARDED_GRAD
     elif nameset & _REDUCE_FUNCS or "post_backward_reduce" in rfkinds or \
             "post_backward_hook" in fsdp1kinds or any(
                 f.name in _FSDP1_REDUCE_HOOKS and _is_fsdp_file(f) for f in frames):
-        category = REDUCE_SCATTER
+        category = Category.REDUCE_SCATTER
     elif nameset & _FULL_INIT_FUNCS and not nameset & _SHARD_FUNCS:
-        category = PARAMETER
+        category = Category.PARAMETER
     elif nameset & _SHARDED_INIT_FUNCS and any(_is_fsdp_file(f) for f in frames):
-        category = SHARDED_PARAM
-    elif phase == OPTIMIZER:
-        category = OPTIMIZER_STATE
-    elif phase == RECOMPUTE:
-        category = RECOMPUTE_ACTIVATION
-    elif phase == BACKWARD:
-        category = GRADIENT
-    elif phase == FORWARD:
-        category = ACTIVATION
-    elif phase == INIT:
-        category = PARAMETER
+        category = Category.SHARDED_PARAM
+    elif phase == Phase.OPTIMIZER:
+        category = Category.OPTIMIZER_STATE
+    elif phase == Phase.RECOMPUTE:
+        category = Category.RECOMPUTE_ACTIVATION
+    elif phase == Phase.BACKWARD:
+        category = Category.GRADIENT
+    elif phase == Phase.FORWARD:
+        category = Category.ACTIVATION
+    elif phase == Phase.INIT:
+        category = Category.PARAMETER
     else:
-        category = OTHER
-    if category in (UNSHARDED_PARAM, ALL_GATHER):
+        category = Category.OTHER
+    if category in (Category.UNSHARDED_PARAM, Category.ALL_GATHER):
         path = _unshard_path(frames, ranges, in_recompute)
     return StackInfo(category, path, phase, module, bool(frames))
 

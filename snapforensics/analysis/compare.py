@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import glob
 import statistics
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from snapforensics import __version__
-from snapforensics.analysis.diagnosis import ANOMALOUS, EXPECTED, INFO, Diagnosis, Finding
+from snapforensics.analysis.diagnosis import Diagnosis, Finding
+from snapforensics.analysis.vocab import Verdict
 from snapforensics.errors import SnapError
 
 SCHEMA = "snapforensics.compare/1"
@@ -31,7 +33,7 @@ MODES = (AUTO, BEFORE_AFTER, RANKS)
 PEAK_KEYS = ("overall_bytes", "forward_bytes", "backward_bytes")
 # A rank whose peak is this far from the median is flagged as imbalanced.
 IMBALANCE_THRESHOLD_PCT = 5.0
-_SEVERITY = {ANOMALOUS: 0, EXPECTED: 1, INFO: 2}
+_SEVERITY = {Verdict.ANOMALOUS: 0, Verdict.EXPECTED: 1, Verdict.INFO: 2}
 _SNAPSHOT_SUFFIXES = (".pickle", ".pkl", ".pickle.gz", ".pkl.gz")
 
 
@@ -236,7 +238,7 @@ def _predictions(base: Diagnosis, after: Diagnosis, fb: dict[str, dict]) -> list
         pred = int(f.predicted_peak_bytes)
         out.append({
             "rule": rule, "device": dev,
-            "fixed": rule not in fb or fb[rule]["verdict"] != ANOMALOUS,
+            "fixed": rule not in fb or fb[rule]["verdict"] != Verdict.ANOMALOUS,
             "baseline_peak_bytes": before,
             "predicted_peak_bytes": pred,
             "measured_peak_bytes": measured,

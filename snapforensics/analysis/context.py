@@ -6,51 +6,20 @@ Built once per device in a single pass; every rule reads it and none re-walks th
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
 
 from snapforensics.analysis import lifetimes, phases
-from snapforensics.analysis.classify import (
-    ACTIVATION,
-    BACKWARD,
-    FORWARD,
-    GRADIENT,
-    OTHER,
-    RECOMPUTE_ACTIVATION,
-    UNTRACED,
-    CATEGORIES,
-    INIT,
-    PATHS,
-    PHASE_NAMES,
-    RECOMPUTE,
-    REDUCE_SCATTER,
-    SHARDED_GRAD,
-    StackInfo,
-    classify,
-)
-from snapforensics.snapshot.model import NO_STACK, Frame, Snapshot, Trace
+from snapforensics.analysis.allocator import Allocator
+from snapforensics.analysis.classify import PATHS, StackInfo, classify
+from snapforensics.analysis.fsdp_units import FsdpUnits
+from snapforensics.analysis.stacks import is_noise
+from snapforensics.analysis.vocab import BACKWARD_PHASES, CAT_CODE, CATEGORIES, Category, Phase
+from snapforensics.snapshot.model import NO_STACK, Snapshot, Trace
 
-CAT_CODE = {c: i for i, c in enumerate(CATEGORIES)}
 PATH_CODE = {p: i for i, p in enumerate(PATHS)}
-
-# Frames that say nothing about what made a block (allocator / interpreter / wrappers).
-_NOISE = re.compile(
-    r"(^torch::|^c10::|^at::|^_Py|^Py[A-Z]|^_start$|^__libc|^std::|CapturedTraceback|"
-    r"^<unknown>$|^\?\?$|^_call_impl$|^_wrapped_call_impl$|^inner$|^_fn$|^wrapper$|"
-    r"^decorate_context$)")
-_NOISE_FILES = ("torch/nn/modules/module.py", "torch/_dynamo/eval_frame.py", "torch/_compile.py")
-
-
-_NATIVE = (".c", ".cc", ".cpp", ".cxx", ".h", ".hpp", ".cu", ".so")
-
-
-def is_noise(f: Frame) -> bool:
-    fn = f.filename.replace("\\", "/")
-    return bool(_NOISE.search(f.name)) or fn in ("", "??") or fn.endswith(_NOISE_FILES) or \
-        fn.endswith(_NATIVE)
-
 
 @dataclass
 class DeviceAnalysis:
@@ -64,15 +33,17 @@ class DeviceAnalysis:
     path: np.ndarray  # int8 per block: index into PATHS, -1 none
     phase: np.ndarray  # int8 per block: phase at its alloc row
     iteration: np.ndarray  # int32 per block: iteration of its alloc row, -1 none
-    # facts several rules derive from the same analysis, computed once (see `memo`)
-    cache: dict = field(default_factory=dict, repr=False)
     # names of the codes in `category`: the built-in CATEGORIES, then user categories
     category_names: tuple[str, ...] = CATEGORIES
 
-    def memo(self, key: str, compute):
-        if key not in self.cache:
-            self.cache[key] = compute()
-        return self.cache[key]
+    # Facts several rules share, by family: each computed on first use, once per device.
+    @cached_property
+    def fsdp(self) -> FsdpUnits:
+        return FsdpUnits(self)
+
+    @cached_property
+    def allocator(self) -> Allocator:
+        return Allocator(self)
 
     @property
     def device(self) -> int:
@@ -91,7 +62,7 @@ class DeviceAnalysis:
     def module_of(self, block: int) -> str | None:
         return self.infos[self.info[block]].module
 
-    def mask(self, *categories: str) -> np.ndarray:
+    def mask(self, *categories: Category) -> np.ndarray:
         codes = [CAT_CODE[c] for c in categories]
         return np.isin(self.category, codes)
 
@@ -141,7 +112,7 @@ class DeviceAnalysis:
         self.category_names = tuple(names)
 
     def phase_name(self, row: int) -> str:
-        return PHASE_NAMES[int(self.tl.phase[row])] if 0 <= row < len(self.tl.phase) else "init"
+        return Phase(int(self.tl.phase[row])).label if 0 <= row < len(self.tl.phase) else "init"
 
 
 def analyse(snapshot: Snapshot, trace: Trace) -> DeviceAnalysis:
@@ -170,15 +141,17 @@ def analyse(snapshot: Snapshot, trace: Trace) -> DeviceAnalysis:
         if len(infos) else np.zeros(0, np.int8)
     born = lt.alloc_row >= 0
     rows = np.clip(lt.alloc_row, 0, max(len(trace) - 1, 0))
-    phase = np.where(born, tl.phase[rows] if len(trace) else INIT, INIT).astype(np.int8)
+    phase = np.where(born, tl.phase[rows] if len(trace) else Phase.INIT, Phase.INIT).astype(np.int8)
     iteration = np.where(born, tl.iteration[rows] if len(trace) else -1, -1).astype(np.int32)
     # A block with no frames and no FSDP range (on CUDA: made by a backward op on the autograd
     # thread) is what its phase makes.
-    frameless = (lt.stack == NO_STACK) & (cat == CAT_CODE[OTHER])
-    for ph, c in ((FORWARD, ACTIVATION), (BACKWARD, GRADIENT), (RECOMPUTE, RECOMPUTE_ACTIVATION)):
+    frameless = (lt.stack == NO_STACK) & (cat == CAT_CODE[Category.OTHER])
+    for ph, c in ((Phase.FORWARD, Category.ACTIVATION), (Phase.BACKWARD, Category.GRADIENT),
+                  (Phase.RECOMPUTE, Category.RECOMPUTE_ACTIVATION)):
         cat[frameless & (phase == ph)] = CAT_CODE[c]
     # A free with no alloc only shows where it was freed; what made it is not in the file.
-    cat[(lt.alloc_row < 0) & ((lt.free_row < lt.rows) | (lt.stack == NO_STACK))] = CAT_CODE[UNTRACED]
+    untraced = (lt.alloc_row < 0) & ((lt.free_row < lt.rows) | (lt.stack == NO_STACK))
+    cat[untraced] = CAT_CODE[Category.UNTRACED]
     d = DeviceAnalysis(snapshot, trace, lt, tl, infos, blk_info, cat, path, phase, iteration)
     _split_sharded_grads(d)
     return d
@@ -186,9 +159,9 @@ def analyse(snapshot: Snapshot, trace: Trace) -> DeviceAnalysis:
 
 def _split_sharded_grads(d: DeviceAnalysis) -> None:
     """A reduce-scatter output that outlives its backward became `param.grad`: a sharded grad."""
-    rs = np.flatnonzero(d.category == CAT_CODE[REDUCE_SCATTER])
+    rs = np.flatnonzero(d.category == CAT_CODE[Category.REDUCE_SCATTER])
     for b in rs.tolist():
         it = d.tl.iteration_of(int(d.lt.alloc_row[b]))
         end = it.backward_end if it and it.backward_end >= 0 else -1
-        if d.phase[b] in (BACKWARD, RECOMPUTE) and end >= 0 and d.lt.free_row[b] > end:
-            d.category[b] = CAT_CODE[SHARDED_GRAD]
+        if d.phase[b] in BACKWARD_PHASES and end >= 0 and d.lt.free_row[b] > end:
+            d.category[b] = CAT_CODE[Category.SHARDED_GRAD]

@@ -8,13 +8,12 @@ import numpy as np
 
 from snapforensics import __version__
 from snapforensics.analysis import timeline
-from snapforensics.analysis.classify import PHASE_NAMES
 from snapforensics.analysis.context import DeviceAnalysis, analyse
-from snapforensics.analysis.diagnosis import Diagnosis, DeviceSummary, Finding, top_anomaly
+from snapforensics.analysis.diagnosis import DeviceSummary, Diagnosis, Finding, top_anomaly
+from snapforensics.analysis.evidence import human, top_stacks
+from snapforensics.analysis.evidence import peaks as phase_peaks
 from snapforensics.analysis.rules import RULES
-from snapforensics.analysis.rules.allocator import reserved_series
-from snapforensics.analysis.rules.evidence import human, top_stacks
-from snapforensics.analysis.rules.evidence import peaks as phase_peaks  # noqa: I001
+from snapforensics.analysis.vocab import Phase
 from snapforensics.snapshot.model import Snapshot, Trace
 
 
@@ -76,7 +75,7 @@ def _summary(snapshot: Snapshot, d: DeviceAnalysis, findings: list[Finding]) -> 
                   "blocks": int((d.category == i).sum())} for i, c in enumerate(names)}
     stacks = top_stacks(d, alive, 5)
     top = top_anomaly([f for f in findings if f.device == d.device])
-    plot = timeline.build(d, top, reserved_series(d) if snapshot.kind.caching_allocator
+    plot = timeline.build(d, top, d.allocator.reserved if snapshot.kind.caching_allocator
                           else None)
     return DeviceSummary(
         device=d.device,
@@ -101,10 +100,10 @@ def _iteration(d: DeviceAnalysis, it) -> dict:
     ph = d.tl.phase[it.start:it.end + 1]
     live = d.lt.live[it.start:it.end + 1]
     phases = {}
-    for code, name in enumerate(PHASE_NAMES):
-        m = ph == code
+    for phase in Phase:
+        m = ph == phase
         if m.any():
-            phases[name] = {"peak_bytes": int(live[m].max()), "rows": int(m.sum())}
+            phases[phase.label] = {"peak_bytes": int(live[m].max()), "rows": int(m.sum())}
     return {"index": it.index, "forward_peak_bytes": it.forward_peak,
             "backward_peak_bytes": it.backward_peak, "start_row": it.start, "end_row": it.end,
             "phases": phases}

@@ -7,9 +7,9 @@ from typing import Any
 
 import numpy as np
 
-SCHEMA = "snapforensics.diagnosis/1"
+from snapforensics.analysis.vocab import Verdict
 
-ANOMALOUS, EXPECTED, INFO = "anomalous", "expected", "info"
+SCHEMA = "snapforensics.diagnosis/1"
 INTERNAL = {"json": False}  # field metadata: kept for renderers and the API, not in the JSON
 
 
@@ -25,7 +25,7 @@ def public(obj: Any) -> dict[str, Any]:
 @dataclass
 class Finding:
     rule: str  # stable id, e.g. fsdp.unsharded_params_not_resharded
-    verdict: str  # anomalous | expected | info
+    verdict: Verdict
     title: str
     cause: str  # the root cause, in words
     bytes: int
@@ -42,7 +42,7 @@ class Finding:
 
 
 def top_anomaly(findings: list[Finding]) -> Finding | None:
-    bad = [f for f in findings if f.verdict == ANOMALOUS]
+    bad = [f for f in findings if f.verdict == Verdict.ANOMALOUS]
     return max(bad, key=lambda f: f.saving_bytes or f.bytes) if bad else None
 
 
@@ -89,7 +89,7 @@ class Diagnosis:
 
     @property
     def anomalies(self) -> list[Finding]:
-        return [f for f in self.findings if f.verdict == ANOMALOUS]
+        return [f for f in self.findings if f.verdict == Verdict.ANOMALOUS]
 
     @property
     def top(self) -> Finding | None:

@@ -92,7 +92,8 @@ def compute(snapshot: Snapshot, trace: Trace) -> Lifetimes:
     orphans = 0
     reused = 0
     logs_requests = bool((action == FREE_REQUESTED).any())
-    rows = np.flatnonzero((action == ALLOC) | (action == FREE_REQUESTED) | (action == FREE_COMPLETED))
+    rows = np.flatnonzero((action == ALLOC) | (action == FREE_REQUESTED) |
+                          (action == FREE_COMPLETED))
     stack = trace.stack
     for i in rows.tolist():
         act = action[i]

@@ -13,14 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from snapforensics.analysis.classify import (
-    BACKWARD,
-    FORWARD,
-    INIT,
-    OPTIMIZER,
-    RECOMPUTE,
-    UNKNOWN,
-)
+from snapforensics.analysis.vocab import Phase
 from snapforensics.snapshot.model import NO_STACK, Annotation, Trace
 
 
@@ -90,21 +83,21 @@ def assign(trace: Trace, hints: np.ndarray, live: np.ndarray,
     """`hints` is the phase hint of each row (UNKNOWN where the row shows none)."""
     n = len(trace)
     rows = np.arange(n)
-    fwd = np.flatnonzero(hints == FORWARD)
+    fwd = np.flatnonzero(hints == Phase.FORWARD)
     first_fwd = int(fwd[0]) if fwd.size else n
     # A row sets the phase when its hint is known (an init hint only before the first forward).
-    known = (hints != UNKNOWN) & ~((hints == INIT) & (rows > first_fwd))
+    known = (hints != Phase.UNKNOWN) & ~((hints == Phase.INIT) & (rows > first_fwd))
     last = np.maximum.accumulate(np.where(known, rows, -1)) if n else rows
-    phase = np.where(last >= 0, hints[np.maximum(last, 0)], INIT).astype(np.int8)
+    phase = np.where(last >= 0, hints[np.maximum(last, 0)], Phase.INIT).astype(np.int8)
     # After recompute rows, a frameless row (a backward op on the autograd thread) means
     # backward again, for it and every unknown row after it until the next known hint.
     frameless = np.cumsum(~known & (trace.stack == NO_STACK))
     since = frameless - np.where(last >= 0, frameless[np.maximum(last, 0)], 0) if n else rows
-    phase[(phase == RECOMPUTE) & ~known & (since > 0)] = BACKWARD
+    phase[(phase == Phase.RECOMPUTE) & ~known & (since > 0)] = Phase.BACKWARD
     # An iteration starts at the first forward and where forward follows backward/optimizer.
-    prev = np.concatenate([[INIT], phase[:-1]]) if n else phase
-    starts = (phase == FORWARD) & (np.isin(prev, [BACKWARD, RECOMPUTE, OPTIMIZER]) |
-                                   (rows == first_fwd))
+    prev = np.concatenate([[Phase.INIT], phase[:-1]]) if n else phase
+    after = np.isin(prev, [Phase.BACKWARD, Phase.RECOMPUTE, Phase.OPTIMIZER])
+    starts = (phase == Phase.FORWARD) & (after | (rows == first_fwd))
     iteration = (np.cumsum(starts) - 1).astype(np.int32)
     it = int(iteration[-1]) if n else -1
     iterations = []
@@ -114,8 +107,8 @@ def assign(trace: Trace, hints: np.ndarray, live: np.ndarray,
         start, end = int(bounds[k]), int(bounds[k + 1]) - 1
         ph = phase[start:end + 1]
         seg = live[start:end + 1]
-        bw = np.flatnonzero((ph == BACKWARD) | (ph == RECOMPUTE))
-        fw = np.flatnonzero(ph == FORWARD)
+        bw = np.flatnonzero((ph == Phase.BACKWARD) | (ph == Phase.RECOMPUTE))
+        fw = np.flatnonzero(ph == Phase.FORWARD)
         fpk = int(fw[np.argmax(seg[fw])]) if fw.size else -1
         bpk = int(bw[np.argmax(seg[bw])]) if bw.size else -1
         iterations.append(Iteration(
@@ -130,5 +123,4 @@ def assign(trace: Trace, hints: np.ndarray, live: np.ndarray,
     return Timeline(phase, iteration, ctx, contexts, iterations)
 
 
-__all__ = ["Iteration", "Timeline", "range_context", "assign", "INIT", "FORWARD", "BACKWARD",
-           "RECOMPUTE", "OPTIMIZER", "UNKNOWN"]
+__all__ = ["Iteration", "Timeline", "range_context", "assign"]

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from snapforensics.analysis.classify import PHASE_NAMES
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding
 from snapforensics.analysis.lifetimes import Lifetimes
+from snapforensics.analysis.vocab import PHASE_LABELS
 
 POINTS = 1200  # ~1 px per point on a wide screen; bounds the report for 1 GB inputs
 HOVER_STACKS = 40  # candidate stacks for the hover: a point shows its top 3 among them
@@ -32,7 +32,7 @@ class Series:
     x: np.ndarray  # float64: seconds since the first row when the file has times, else the row
     x_label: str
     live: np.ndarray  # int64: live bytes at each point
-    phase: np.ndarray  # int8: phase code (PHASE_NAMES) at each point
+    phase: np.ndarray  # int8: phase code (PHASE_LABELS) at each point
     categories: list[str]  # stacked layers, bottom (most bytes on average) first
     by_category: np.ndarray  # int64 (categories, points): bytes alive per category
     reserved: np.ndarray | None  # int64: reserved bytes, bucket max (caching allocator only)
@@ -52,12 +52,12 @@ class Series:
         cut = np.flatnonzero(np.diff(self.phase)) + 1
         starts = np.concatenate([[0], cut])
         ends = np.concatenate([cut, [len(self.x) - 1]])
-        return [(float(self.x[a]), float(self.x[b]), PHASE_NAMES[int(self.phase[a])])
+        return [(float(self.x[a]), float(self.x[b]), PHASE_LABELS[int(self.phase[a])])
                 for a, b in zip(starts.tolist(), ends.tolist())]
 
     def timeline_rows(self) -> list[list]:
         """The JSON's `timeline`: [row, live bytes, phase] per point."""
-        return [[r, b, PHASE_NAMES[p]] for r, b, p in
+        return [[r, b, PHASE_LABELS[p]] for r, b, p in
                 zip(self.rows.tolist(), self.live.tolist(), self.phase.tolist())]
 
 

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import click
 
-
 FORMATS = ("terminal", "markdown", "json")
 
 

@@ -1,4 +1,4 @@
-"""`snapforensics record [OPTIONS] SCRIPT [ARGS]...` / `snapforensics record [OPTIONS] -m MODULE [ARGS]...`.
+"""`snapforensics record [OPTIONS] SCRIPT [ARGS]...` / `... record [OPTIONS] -m MODULE [ARGS]...`.
 
 Runs the training script unmodified (like ``python`` / ``torchrun``) under memory recording and
 writes ``OUT/rank{R}.pickle`` per rank. Exits with the script's own exit code. torch is imported
@@ -35,7 +35,8 @@ _STACKS = ["python", "all"]
 @click.option("-q", "--quiet", is_flag=True, help="No progress lines from the recorder.")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED, metavar="SCRIPT|MODULE [ARGS]...")
 def record_command(out: Path | None, nproc_per_node: int, device: str, stacks: str,
-                   max_entries: int, module: bool, quiet: bool, script_args: tuple[str, ...]) -> None:
+                   max_entries: int, module: bool, quiet: bool,
+                   script_args: tuple[str, ...]) -> None:
     """Record a training run: one memory snapshot per rank.
 
     \b

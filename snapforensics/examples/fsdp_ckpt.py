@@ -28,7 +28,8 @@ modules unit by unit):
 - ``nested``: ``fully_shard`` on each block's ``attn`` and ``mlp`` inside
   ``checkpoint_wrapper(block)``; defaults, no prefetch lists.
 - ``noac``: ``fully_shard`` per block, no checkpointing (activations dominate; batch 8 by default).
-- ``reshard_after_forward_false``: ``fixed`` with ``fully_shard(block, reshard_after_forward=False)``.
+- ``reshard_after_forward_false``: ``fixed`` with
+  ``fully_shard(block, reshard_after_forward=False)``.
 - ``prefetch_in_recompute``: ``nested`` plus ``set_modules_to_forward_prefetch`` from each inner
   unit to the next two (attn_i -> mlp_i, attn_i+1; mlp_i -> attn_i+1, mlp_i+1): the recompute
   re-gathers the next block's attention, which nothing frees until the end of backward.
@@ -61,8 +62,8 @@ import argparse
 import os
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -71,7 +72,6 @@ import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
 
 # ---------------------------------------------------------------------------- model
 
@@ -138,7 +138,8 @@ class Plan:
 
     full_init: bool = False  # build the full model on the device before sharding
     micro_batches: int = 1
-    grad_sync_off_first: bool = False  # set_requires_gradient_sync(False) on non-final micro-batches
+    # set_requires_gradient_sync(False) on non-final micro-batches
+    grad_sync_off_first: bool = False
     keep_graphs: bool = False  # the leak
     batch: int | None = None  # default batch size for this variant (when --batch is not given)
     model: nn.Module | None = None  # the module to train when the variant wraps the model (FSDP1)
@@ -208,7 +209,8 @@ def v_reshard_after_forward_false(model, mesh):
 
 
 def v_prefetch_in_recompute(model, mesh):
-    # each inner unit prefetches the next two (attn_i -> mlp_i, attn_i+1; mlp_i -> attn_i+1, mlp_i+1).
+    # each inner unit prefetches the next two
+    # (attn_i -> mlp_i, attn_i+1; mlp_i -> attn_i+1, mlp_i+1).
     # In backward the recompute of block i runs attn_i's full pre-forward (it is IDLE then), whose
     # prefetch all-gathers attn_i+1 again, already done with its backward: one buffer per layer
     # that only finalize_backward releases.

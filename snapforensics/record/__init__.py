@@ -43,7 +43,7 @@ class RecordResult:
     oom_snapshots: list[Path] = field(default_factory=list)  # OUT/rank{R}.oom.pickle (CUDA/NPU OOM)
 
 
-def in_torchrun(environ: "os._Environ[str] | dict[str, str] | None" = None) -> bool:
+def in_torchrun(environ: os._Environ[str] | dict[str, str] | None = None) -> bool:
     env = os.environ if environ is None else environ
     return bool(env.get("TORCHELASTIC_RUN_ID")) or ("LOCAL_RANK" in env and "WORLD_SIZE" in env)
 
@@ -97,7 +97,8 @@ def _check_target(target: str, module: bool) -> None:
         finally:
             sys.path[:] = saved
         if not found:
-            raise SnapError(f"no module named {top!r} (for -m {target})", exit_code=EXIT_RECORD_FAILED)
+            raise SnapError(f"no module named {top!r} (for -m {target})",
+                            exit_code=EXIT_RECORD_FAILED)
     elif not os.path.exists(target):
         raise SnapError(f"script not found: {target}", exit_code=EXIT_RECORD_FAILED)
 
@@ -176,7 +177,8 @@ def record(target: str, script_args: list[str], *, module: bool = False, out: Pa
             pass
     env = dict(os.environ)
     root = _package_root()
-    env["PYTHONPATH"] = os.pathsep.join([root, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [root, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
     boot = ["-m", "snapforensics.record._bootstrap", json.dumps(opts), target, *script_args]
     if nproc_per_node == 1:
         cmd = [sys.executable, *boot]

@@ -6,8 +6,9 @@ import json
 import os
 import pickle
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 TMP_PREFIX = ".snapforensics-tmp-"
 

@@ -8,7 +8,8 @@ Everything imports torch lazily: this module is imported by the bootstrap only.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from snapforensics.errors import EXIT_RECORD_FAILED, SnapError
 
@@ -184,9 +185,9 @@ class CpuBackend:
         self._prof.__enter__()
 
     def snapshot(self) -> dict:
-        from snapforensics.record.cpu import profile_to_snapshot
-
         import time
+
+        from snapforensics.record.cpu import profile_to_snapshot
 
         prof, self._prof = self._prof, None
         if prof is None:

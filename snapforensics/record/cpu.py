@@ -50,7 +50,7 @@ _MODULE_PREFIX = "nn.Module: "
 
 
 def _event_types():
-    from torch._C._profiler import _EventType, RecordScope  # type: ignore[attr-defined]
+    from torch._C._profiler import RecordScope, _EventType  # type: ignore[attr-defined]
 
     return _EventType, RecordScope
 
@@ -370,7 +370,7 @@ def _build_trace(events: list) -> tuple[list, dict]:
     trace: list[dict] = []
     live: dict[int, tuple[int, list]] = {}
     append = trace.append
-    for t_ns, _, ptr, size, frames, inferred_size in events:
+    for t_ns, _, ptr, size, frames, _inferred_size in events:
         t_us = t_ns / 1000.0
         if size is not None and size >= 0:
             live[ptr] = (size, frames)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from snapforensics.analysis.diagnosis import Diagnosis, Finding
-from snapforensics.analysis.rules.evidence import human
+from snapforensics.analysis.evidence import human
 
 __all__ = ["human", "ratio", "headline", "peak_line", "provenance_line", "finding_lines",
            "phase_peaks", "verdict_order"]

@@ -11,14 +11,22 @@ from __future__ import annotations
 
 import html
 import re
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
-
+from snapforensics.analysis.diagnosis import DeviceSummary, Diagnosis, Finding
 from snapforensics.report import plot
+from snapforensics.report.common import (
+    finding_lines,
+    headline,
+    human,
+    peak_line,
+    phase_peaks,
+    provenance_line,
+    ratio,
+    verdict_order,
+)
 from snapforensics.report.json import dumps
-from snapforensics.analysis.diagnosis import Diagnosis, DeviceSummary, Finding
-from snapforensics.report.common import finding_lines, headline, human, peak_line, phase_peaks, \
-    provenance_line, ratio, verdict_order
 
 VERDICT_LABEL = {"anomalous": "ANOMALOUS", "expected": "EXPECTED", "info": "INFO"}
 

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 from snapforensics.analysis.diagnosis import Diagnosis
-from snapforensics.report.common import finding_lines, headline, human, peak_line, \
-    phase_peaks, provenance_line, verdict_order
+from snapforensics.report.common import (
+    finding_lines,
+    headline,
+    human,
+    peak_line,
+    phase_peaks,
+    provenance_line,
+    verdict_order,
+)
 
 
 def render(d: Diagnosis, image: str | None = None) -> str:
@@ -32,7 +39,8 @@ def render(d: Diagnosis, image: str | None = None) -> str:
                    "allocator on CPU)." if d.format.get("backend") == "cpu" else
                    f"segments reserved {human(dev.segments['reserved_bytes'])} at dump."), ""]
         if dev.iterations:
-            out += ["| iteration | forward peak | backward peak | recompute peak | optimizer peak |",
+            out += ["| iteration | forward peak | backward peak | recompute peak "
+                    "| optimizer peak |",
                     "|---|---|---|---|---|"]
             out += [f"| {it['index']} | {human(it['forward_peak_bytes'])} | "
                     f"{human(it['backward_peak_bytes'])} | {' | '.join(phase_peaks(it))} |"

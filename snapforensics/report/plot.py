@@ -11,13 +11,13 @@ data (read by the script with `textContent`, never parsed as HTML).
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
-from snapforensics.analysis.classify import PHASE_NAMES
-from snapforensics.analysis.rules.evidence import human
+from snapforensics.analysis.evidence import human
 from snapforensics.analysis.timeline import Series
+from snapforensics.analysis.vocab import PHASE_LABELS
 
 PHASE_COLORS = {
     "init": "#9aa3ad",
@@ -174,7 +174,7 @@ def svg(s: Series, esc: Callable[[str], str], script_json: Callable[[object], st
             "xl": s.x_label,
             "reserved": s.reserved.tolist() if s.reserved is not None else None,
             "predicted": s.predicted.tolist() if s.predicted is not None else None,
-            "phase": s.phase.tolist(), "phases": PHASE_NAMES, "cats": s.categories,
+            "phase": s.phase.tolist(), "phases": PHASE_LABELS, "cats": s.categories,
             "by": s.by_category.tolist(), "stacks": s.stacks, "scat": s.stack_category,
             "top": s.top_stacks.tolist(), "topb": s.top_bytes.tolist()}
     return (f'<div class="sf-plot">{"".join(out)}<div class="sf-tip" hidden></div>'
@@ -196,37 +196,66 @@ font-size:11px;white-space:pre-wrap;word-break:break-all}
 # Reads each plot's JSON and fills the tooltip with textContent only: no string from the
 # snapshot is ever parsed as HTML.
 JS = r"""
-(function(){
-function human(n){var u=["B","KiB","MiB","GiB","TiB"],i=0;while(Math.abs(n)>=1024&&i<4){n/=1024;i++}
-return i?n.toFixed(1)+" "+u[i]:n+" B"}
-function el(tag,text,cls){var e=document.createElement(tag);if(text!==undefined)e.textContent=text;
-if(cls)e.className=cls;return e}
-document.querySelectorAll(".sf-plot").forEach(function(box){
-var d=JSON.parse(box.querySelector(".sf-data").textContent);
-var svg=box.querySelector("svg"),tip=box.querySelector(".sf-tip"),cur=svg.querySelector(".sf-cursor");
-var hit=svg.querySelector(".sf-hit"),n=d.x.length,x0=d.x[0],x1=d.x[n-1]>x0?d.x[n-1]:x0+1;
-function nearest(px){var v=x0+(px-d.x0)/d.pw*(x1-x0),lo=0,hi=n-1;
-while(lo<hi){var m=(lo+hi)>>1;if(d.x[m]<v)lo=m+1;else hi=m}
-return lo>0&&v-d.x[lo-1]<d.x[lo]-v?lo-1:lo}
-function show(ev){var r=svg.getBoundingClientRect(),sx=(ev.clientX-r.left)*d.W/r.width;
-var i=nearest(sx),cx=d.x0+(d.x[i]-x0)/(x1-x0)*d.pw;
-cur.setAttribute("x1",cx);cur.setAttribute("x2",cx);cur.setAttribute("visibility","visible");
-tip.textContent="";
-tip.appendChild(el("div",(d.xl.indexOf("time")===0?d.x[i].toFixed(3)+" s, ":"")+"row "+d.rows[i]+
-" · "+d.phases[d.phase[i]]+" · live "+human(d.by.reduce(function(a,b){return a+b[i]},0))+(d.reserved?" · reserved "+human(d.reserved[i]):"")+
-(d.predicted?" · after fix "+human(d.predicted[i]):""),"h"));
-var t=el("table"),order=d.cats.map(function(c,k){return k}).filter(function(k){return d.by[k][i]>0});
-order.sort(function(a,b){return d.by[b][i]-d.by[a][i]});
-order.forEach(function(k){var tr=el("tr");tr.appendChild(el("td",d.cats[k]));
-tr.appendChild(el("td",human(d.by[k][i])));t.appendChild(tr)});tip.appendChild(t);
-d.top[i].forEach(function(s,j){if(s<0)return;
-tip.appendChild(el("div",human(d.topb[i][j])+" ("+d.scat[s]+") allocated by:"));
-tip.appendChild(el("pre",d.stacks[s].slice(0,4).join("\n")))});
-tip.hidden=false;var bw=box.clientWidth,left=(ev.clientX-box.getBoundingClientRect().left);
-tip.style.left=Math.max(0,Math.min(left+14,bw-tip.offsetWidth))+"px";tip.style.top="30px"}
-hit.addEventListener("mousemove",show);
-hit.addEventListener("mouseleave",function(){tip.hidden=true;cur.setAttribute("visibility","hidden")});
-});
+(function () {
+  function human(n) {
+    var u = ["B", "KiB", "MiB", "GiB", "TiB"], i = 0;
+    while (Math.abs(n) >= 1024 && i < 4) { n /= 1024; i++; }
+    return i ? n.toFixed(1) + " " + u[i] : n + " B";
+  }
+  function el(tag, text, cls) {
+    var e = document.createElement(tag);
+    if (text !== undefined) e.textContent = text;
+    if (cls) e.className = cls;
+    return e;
+  }
+  document.querySelectorAll(".sf-plot").forEach(function (box) {
+    var d = JSON.parse(box.querySelector(".sf-data").textContent);
+    var svg = box.querySelector("svg"), tip = box.querySelector(".sf-tip");
+    var cur = svg.querySelector(".sf-cursor"), hit = svg.querySelector(".sf-hit");
+    var n = d.x.length, x0 = d.x[0], x1 = d.x[n - 1] > x0 ? d.x[n - 1] : x0 + 1;
+    function nearest(px) {  // the point whose x is closest to the pointer
+      var v = x0 + (px - d.x0) / d.pw * (x1 - x0), lo = 0, hi = n - 1;
+      while (lo < hi) { var m = (lo + hi) >> 1; if (d.x[m] < v) lo = m + 1; else hi = m; }
+      return lo > 0 && v - d.x[lo - 1] < d.x[lo] - v ? lo - 1 : lo;
+    }
+    function show(ev) {
+      var r = svg.getBoundingClientRect(), i = nearest((ev.clientX - r.left) * d.W / r.width);
+      var cx = d.x0 + (d.x[i] - x0) / (x1 - x0) * d.pw;
+      cur.setAttribute("x1", cx); cur.setAttribute("x2", cx);
+      cur.setAttribute("visibility", "visible");
+      var live = d.by.reduce(function (a, b) { return a + b[i]; }, 0);
+      var head = (d.xl.indexOf("time") === 0 ? d.x[i].toFixed(3) + " s, " : "") +
+        "row " + d.rows[i] + " · " + d.phases[d.phase[i]] + " · live " + human(live) +
+        (d.reserved ? " · reserved " + human(d.reserved[i]) : "") +
+        (d.predicted ? " · after fix " + human(d.predicted[i]) : "");
+      tip.textContent = "";
+      tip.appendChild(el("div", head, "h"));
+      var t = el("table"), order = [];
+      d.cats.forEach(function (c, k) { if (d.by[k][i] > 0) order.push(k); });
+      order.sort(function (a, b) { return d.by[b][i] - d.by[a][i]; });
+      order.forEach(function (k) {
+        var tr = el("tr");
+        tr.appendChild(el("td", d.cats[k]));
+        tr.appendChild(el("td", human(d.by[k][i])));
+        t.appendChild(tr);
+      });
+      tip.appendChild(t);
+      d.top[i].forEach(function (s, j) {
+        if (s < 0) return;
+        tip.appendChild(el("div", human(d.topb[i][j]) + " (" + d.scat[s] + ") allocated by:"));
+        tip.appendChild(el("pre", d.stacks[s].slice(0, 4).join("\n")));
+      });
+      tip.hidden = false;
+      var left = ev.clientX - box.getBoundingClientRect().left;
+      tip.style.left = Math.max(0, Math.min(left + 14, box.clientWidth - tip.offsetWidth)) + "px";
+      tip.style.top = "30px";
+    }
+    hit.addEventListener("mousemove", show);
+    hit.addEventListener("mouseleave", function () {
+      tip.hidden = true;
+      cur.setAttribute("visibility", "hidden");
+    });
+  });
 })();
 """
 
@@ -255,7 +284,8 @@ def png(series: list[Series], path) -> None:
         ax.stackplot(s.x, s.by_category, labels=[mpl_text(c) for c in s.categories],
                      colors=[color(c) for c in s.categories], alpha=0.85, lw=0)
         if s.reserved is not None:
-            ax.plot(s.x, s.reserved, color=RESERVED, lw=1, ls="--", label="reserved by the allocator")
+            ax.plot(s.x, s.reserved, color=RESERVED, lw=1, ls="--",
+                    label="reserved by the allocator")
         if s.predicted is not None:
             ax.plot(s.x, s.predicted, color=PREDICTED, lw=1.6,
                     label="predicted after the fix: " + mpl_text(s.predicted_rule or ""))

@@ -9,8 +9,15 @@ from rich.table import Table
 from rich.text import Text
 
 from snapforensics.analysis.diagnosis import Diagnosis
-from snapforensics.report.common import finding_lines, headline, human, peak_line, \
-    phase_peaks, provenance_line, verdict_order
+from snapforensics.report.common import (
+    finding_lines,
+    headline,
+    human,
+    peak_line,
+    phase_peaks,
+    provenance_line,
+    verdict_order,
+)
 
 COLOR = {"anomalous": "bold red", "expected": "green", "info": "cyan"}
 

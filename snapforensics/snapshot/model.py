@@ -1,6 +1,6 @@
 """The normalized, interned snapshot model every analysis reads.
 
-The loader (`loader.py`) is the only code that sees the raw pickle. Everything after it sees:
+The loader (`unpickle.py` -> `normalize.py`) is the only code that sees the raw pickle. Everything after it sees:
 frames interned once into a table, stacks as tuples of frame ids interned into a table, and
 each device's trace as parallel numpy arrays (one row per trace entry, oldest first).
 """
@@ -33,7 +33,7 @@ A = {name: code for code, name in enumerate(ACTIONS)}
 ALLOC, FREE_REQUESTED, FREE_COMPLETED = A["alloc"], A["free_requested"], A["free_completed"]
 SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP = (
     A["segment_alloc"], A["segment_free"], A["segment_map"], A["segment_unmap"])
-OOM, SNAPSHOT, WORKSPACE_SNAPSHOT = A["oom"], A["snapshot"], A["workspace_snapshot"]
+OOM = A["oom"]
 NO_STACK = -1
 
 
@@ -86,21 +86,17 @@ class Trace:
     stream: np.ndarray  # int32 ids into Snapshot.streams
     time_us: np.ndarray  # float64, NaN where the file has no time
     stack: np.ndarray  # int32 ids into Snapshot.stacks, NO_STACK when the entry had no frames
-    meta: np.ndarray  # int32 ids into Snapshot.strings (user_metadata / compile_context), -1 none
     device_free: dict[int, int] = field(default_factory=dict)  # row -> bytes free (oom rows)
-    # int32 ids into Snapshot.pools (newest torch logs `pool_id` per entry), -1 = default/none
-    pool: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.action)
 
     @classmethod
-    def empty(cls, device: int) -> "Trace":
+    def empty(cls, device: int) -> Trace:
         """A device with segments but no history."""
         z = np.zeros(0, np.int64)
         return cls(device, z.astype(np.int8), z.astype(np.uint64), z, z.astype(np.int32),
-                   z.astype(np.float64), z.astype(np.int32), z.astype(np.int32), {},
-                   z.astype(np.int32))
+                   z.astype(np.float64), z.astype(np.int32), {})
 
 
 @dataclass
@@ -148,7 +144,6 @@ class Snapshot:
     source: str
     frames: list[Frame]
     stacks: list[tuple[int, ...]]  # frame ids, innermost first
-    strings: list[str]
     streams: list[int]
     traces: list[Trace]  # one per device list in the file (empty ones included)
     segments: list[Segment]
@@ -158,7 +153,6 @@ class Snapshot:
     format: dict  # what the loader saw: era, backend (+ backend_evidence), entries, quirks
     rank: int | None
     warnings: list[str]
-    pools: list[tuple[int, ...]] = field(default_factory=list)  # non-default memory pools
     kind: Format = field(default_factory=Format)  # typed: what analyses branch on
 
     @property

@@ -27,11 +27,11 @@ from collections import Counter
 
 import numpy as np
 
-from snapforensics.analysis.classify import ACTIVATION, CATEGORIES, RECOMPUTE, RECOMPUTE_ACTIVATION
-from snapforensics.analysis.context import CAT_CODE, DeviceAnalysis
-from snapforensics.analysis.diagnosis import INFO, Finding
-from snapforensics.analysis.rules.allocator import generic_keys, repeated_module
-from snapforensics.analysis.rules.evidence import human, top_stacks
+from snapforensics.analysis.context import DeviceAnalysis
+from snapforensics.analysis.diagnosis import Finding
+from snapforensics.analysis.evidence import human, top_stacks
+from snapforensics.analysis.stacks import generic_keys, repeated_module
+from snapforensics.analysis.vocab import CAT_CODE, CATEGORIES, Category, Phase, Verdict
 
 RULE = "activations.no_checkpointing"
 MIN_SHARE = 0.30  # activations / forward peak
@@ -84,13 +84,14 @@ def _layers(d: DeviceAnalysis, blocks: np.ndarray) -> tuple[int, int, int, np.nd
 
 def _saving(d: DeviceAnalysis, row: int, it_index: int, kept_cap: int) -> tuple[int, int]:
     """(activations of iteration `it_index` alive after `row`, what checkpointing saves there)."""
-    m = d.lt.alive_at(row) & (d.category == CAT_CODE[ACTIVATION]) & (d.iteration == it_index)
+    m = d.lt.alive_at(row) & (d.category == CAT_CODE[Category.ACTIVATION]) & \
+        (d.iteration == it_index)
     a = int(d.lt.size[m].sum())
     return a, max(0, a - min(a, kept_cap))
 
 
 def check(d: DeviceAnalysis) -> list[Finding]:
-    if (d.tl.phase == RECOMPUTE).any() or d.mask(RECOMPUTE_ACTIVATION).any():
+    if (d.tl.phase == Phase.RECOMPUTE).any() or d.mask(Category.RECOMPUTE_ACTIVATION).any():
         return []
     its = [it for it in d.tl.iterations if it.backward_start >= 0 and it.forward_peak_row >= 0]
     if not its or d.peak_bytes <= 0:
@@ -99,11 +100,11 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     r = it.forward_peak_row
     alive = np.flatnonzero(d.lt.alive_at(r))
     by_cat = np.bincount(d.category[alive], weights=d.lt.size[alive], minlength=len(CATEGORIES))
-    act_blocks = alive[(d.category[alive] == CAT_CODE[ACTIVATION]) &
+    act_blocks = alive[(d.category[alive] == CAT_CODE[Category.ACTIVATION]) &
                        (d.iteration[alive] == it.index)]
     act = int(d.lt.size[act_blocks].sum())
     fwd = int(d.lt.live[r])
-    if fwd <= 0 or act < MIN_SHARE * fwd or by_cat.argmax() != CAT_CODE[ACTIVATION]:
+    if fwd <= 0 or act < MIN_SHARE * fwd or by_cat.argmax() != CAT_CODE[Category.ACTIVATION]:
         return []
     L, layer, h, rep = _layers(d, act_blocks)
     if L < 2:
@@ -128,7 +129,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         f"{human(save_peak)} less at the overall peak ({d.phase_name(p)}), for one extra "
         f"forward per step.")
     return [Finding(
-        rule=RULE, verdict=INFO,
+        rule=RULE, verdict=Verdict.INFO,
         title="Activations dominate the peak and nothing is checkpointed",
         cause=cause, bytes=act, blocks=int(act_blocks.size), device=d.device,
         fix=FIX.format(layer=name or "TransformerBlock  # your layer class"),

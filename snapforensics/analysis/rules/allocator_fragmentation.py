@@ -7,7 +7,7 @@ reserved memory (what nvidia-smi / npu-smi shows, and what runs out) climbs abov
 allocated memory.
 
 Measured: reserved bytes after every row (reconstructed backwards from the dump's segments and
-the `segment_*` rows, see `allocator.reserved_series`) against the live bytes. The waste is the
+the `segment_*` rows, see `Allocator.reserved`) against the live bytes. The waste is the
 peak of reserved minus the peak of allocated: memory the job held but never needed at once.
 Significant when it is at least 20% of the allocated peak and more than two of the allocator's
 20 MiB large segments (below that it is the allocator's own rounding). CPU-recorded snapshots have
@@ -18,19 +18,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from snapforensics.analysis.allocator import LARGE_SEGMENT
 from snapforensics.analysis.context import DeviceAnalysis
-from snapforensics.analysis.diagnosis import ANOMALOUS, INFO, Finding
-from snapforensics.analysis.rules.allocator import (
-    LARGE_SEGMENT,
-    alloc_conf,
-    caching_allocator,
-    device_segments,
-    expandable_fix,
-    expandable_on,
-    next_alloc_size,
-    reserved_series,
-)
-from snapforensics.analysis.rules.evidence import human
+from snapforensics.analysis.diagnosis import Finding
+from snapforensics.analysis.evidence import human
+from snapforensics.analysis.vocab import Verdict
 from snapforensics.snapshot.model import SEGMENT_ALLOC, SEGMENT_MAP
 
 RULE = "allocator.fragmentation"
@@ -39,7 +31,7 @@ MIN_SEGMENTS = 2  # waste must exceed this many large segments
 
 
 def _dump_facts(d: DeviceAnalysis) -> dict:
-    segs = device_segments(d)
+    segs = d.allocator.segments
     split_free = [b.size for s in segs if any(b.state != "inactive" for b in s.blocks)
                   for b in s.blocks if b.state == "inactive"]
     empty = [s.total_size for s in segs if all(b.state == "inactive" for b in s.blocks)]
@@ -56,6 +48,11 @@ def _dump_facts(d: DeviceAnalysis) -> dict:
     }
 
 
+def fix_for(d: DeviceAnalysis) -> str:
+    """Turn expandable segments on, for this file's backend, keeping the other settings."""
+    return d.allocator.expandable_fix
+
+
 # Also run on devices with segments but no history (diagnose.py): judged at dump only.
 SEGMENTS_ONLY = True
 
@@ -67,26 +64,27 @@ def _check_dump(d: DeviceAnalysis) -> list[Finding]:
     waste, alloc = dump["inactive_split_bytes"], dump["allocated_bytes"]
     if alloc <= 0 or waste < MIN_RATIO * alloc or waste <= MIN_SEGMENTS * LARGE_SEGMENT:
         return []
-    already = expandable_on(d)
+    already = d.allocator.expandable
     cause = (f"At dump {human(waste)} ({waste / alloc:.0%} of the {human(alloc)} allocated) is "
              f"free space in {dump['inactive_split_blocks']} holes inside segments that still "
              f"hold live blocks (largest free block {human(dump['largest_free_block_bytes'])}); "
              f"{human(dump['reserved_bytes'])} reserved in {dump['segments']} segments. The "
              "file has no allocation history, so this is the state at dump, not at the peak.")
     return [Finding(
-        rule=RULE, verdict=INFO if already else ANOMALOUS,
+        rule=RULE, verdict=Verdict.INFO if already else Verdict.ANOMALOUS,
         title="Allocator fragmentation at dump: free holes inside used segments",
         cause=cause, bytes=waste, blocks=dump["inactive_split_blocks"], device=d.device,
-        fix=None if already else expandable_fix(d), saving_bytes=None if already else waste,
+        fix=None if already else fix_for(d),
+        saving_bytes=None if already else waste,
         evidence={"at_dump": dump, "expandable_segments": already})]
 
 
 def check(d: DeviceAnalysis) -> list[Finding]:
-    if not caching_allocator(d):
+    if not d.snapshot.kind.caching_allocator:
         return []
     if not d.lt.rows:
         return _check_dump(d)
-    reserved = reserved_series(d)
+    reserved = d.allocator.reserved
     if reserved is None:
         return []
     live = d.lt.live
@@ -100,12 +98,12 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     # segment growth while the cache already held at least the request in free bytes
     grew = np.flatnonzero(np.isin(d.trace.action, [SEGMENT_ALLOC, SEGMENT_MAP]))
     grew = grew[grew > 0]
-    want = next_alloc_size(d, grew)
+    want = d.allocator.next_alloc_size(grew)
     cached_free = reserved[grew - 1] - live[grew - 1]
     while_free = grew[(want > 0) & (cached_free >= want)]
     dump = _dump_facts(d)
-    var, conf = alloc_conf(d)
-    already = expandable_on(d)
+    var, conf = d.allocator.conf
+    already = d.allocator.expandable
     evidence = {
         "allocated_peak_bytes": peak,
         "allocated_peak_row": d.peak_row,
@@ -136,7 +134,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         f"free block is {human(dump['largest_free_block_bytes'])}.")
     if already:
         return [Finding(
-            rule=RULE, verdict=INFO,
+            rule=RULE, verdict=Verdict.INFO,
             title="Reserved memory well above allocated, even with expandable segments",
             cause=cause + " Expandable segments are already on, so the remaining gap is "
                           "memory cached per stream or in private pools (CUDA graphs), or "
@@ -145,12 +143,12 @@ def check(d: DeviceAnalysis) -> list[Finding]:
             bytes=waste, blocks=dump["inactive_split_blocks"], device=d.device,
             evidence=evidence)]
     return [Finding(
-        rule=RULE, verdict=ANOMALOUS,
+        rule=RULE, verdict=Verdict.ANOMALOUS,
         title="Allocator fragmentation: reserved far above allocated",
         cause=cause + " Expandable segments let the allocator grow one mapping per stream "
                       "instead of stranding fixed-size segments, so reserved tracks allocated.",
         bytes=waste, blocks=dump["inactive_split_blocks"], device=d.device,
-        fix=expandable_fix(d),
+        fix=fix_for(d),
         saving_bytes=waste,
         evidence=evidence | {"saving_is": "reserved bytes (upper bound: the waste above the "
                                           "allocated peak); the allocated peak is unchanged"},

@@ -18,9 +18,9 @@ from __future__ import annotations
 import numpy as np
 
 from snapforensics.analysis.context import DeviceAnalysis
-from snapforensics.analysis.diagnosis import ANOMALOUS, INFO, Finding
-from snapforensics.analysis.rules.allocator import caching_allocator, device_segments
-from snapforensics.analysis.rules.evidence import human, top_stacks
+from snapforensics.analysis.diagnosis import Finding
+from snapforensics.analysis.evidence import human, top_stacks
+from snapforensics.analysis.vocab import Verdict
 from snapforensics.snapshot.model import FREE_COMPLETED, Backend
 
 RULE = "allocator.record_stream_delay"
@@ -50,7 +50,7 @@ def fix_for(d: DeviceAnalysis) -> str:
 
 def check(d: DeviceAnalysis) -> list[Finding]:
     lt = d.lt
-    if not caching_allocator(d) or not lt.rows or not len(lt):
+    if not d.snapshot.kind.caching_allocator or not lt.rows or not len(lt):
         return []
     if not (d.trace.action == FREE_COMPLETED).any():
         return []  # this file does not log completions: nothing to compare
@@ -58,7 +58,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     done = lt.completed_row
     delayed = freed & (done > lt.free_row + 1)
     pending = freed & (done < 0)  # requested, never completed before the dump
-    pend_dump = [b for s in device_segments(d) for b in s.blocks
+    pend_dump = [b for s in d.allocator.segments for b in s.blocks
                  if b.state in ("active_pending_free", "active_awaiting_free")]
     if not delayed.any() and not pending.any():
         return []
@@ -115,7 +115,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         f"Up to {human(held_max)} was held that way at once; counting memory as free only when "
         f"it is reusable, the peak is {human(peak_held)} instead of {human(peak)}.")
     return [Finding(
-        rule=RULE, verdict=ANOMALOUS if anomalous else INFO,
+        rule=RULE, verdict=Verdict.ANOMALOUS if anomalous else Verdict.INFO,
         title="Frees delayed by record_stream hold memory" if anomalous else
         "Frees delayed by record_stream (off the peak)",
         cause=cause if anomalous else cause + " The delays do not coincide with the peak.",

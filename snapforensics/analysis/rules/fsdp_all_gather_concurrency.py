@@ -25,12 +25,11 @@ import heapq
 
 import numpy as np
 
-from snapforensics.analysis.classify import BACKWARD, FORWARD, PHASE_NAMES, RECOMPUTE, \
-    UNSHARDED_PARAM
-from snapforensics.analysis.context import CAT_CODE, DeviceAnalysis
-from snapforensics.analysis.diagnosis import ANOMALOUS, INFO, Finding
-from snapforensics.analysis.rules import fsdp_common as fc
-from snapforensics.analysis.rules.evidence import peaks, by_module, human, top_stacks
+from snapforensics.analysis.context import DeviceAnalysis
+from snapforensics.analysis.diagnosis import Finding
+from snapforensics.analysis.evidence import by_module, human, peaks, top_stacks
+from snapforensics.analysis.fsdp_units import forward_end, unit_of_event
+from snapforensics.analysis.vocab import BACKWARD_PHASES, CAT_CODE, Category, Phase, Verdict
 
 RULE = "fsdp.too_many_concurrent_all_gathers"
 LIMIT = 2
@@ -47,17 +46,17 @@ for i, block in enumerate(blocks):
 def _in_flight(d: DeviceAnalysis, params: bool = False) -> np.ndarray:
     """All-gather outputs (with `params`, also the unsharded parameters copied out of them)
     made in forward/backward that are neither kept across phases nor stale."""
-    f = fc.facts(d)
-    stale = fc.stale_unshards(d)
-    what = f.primary | (d.category == CAT_CODE[UNSHARDED_PARAM]) if params else f.primary
+    f = d.fsdp
+    stale = d.fsdp.stale
+    what = f.primary | (d.category == CAT_CODE[Category.UNSHARDED_PARAM]) if params else f.primary
     m = what & ~stale & (d.lt.alloc_row >= 0) & (d.iteration >= 0) & \
-        np.isin(d.phase, [FORWARD, BACKWARD, RECOMPUTE])
+        np.isin(d.phase, [Phase.FORWARD, Phase.BACKWARD, Phase.RECOMPUTE])
     idx = np.flatnonzero(m)
     keep = []
     for b in idx.tolist():
         it = d.tl.iterations[int(d.iteration[b])]
         fr = int(d.lt.free_row[b])
-        if d.phase[b] == FORWARD and it.backward_start >= 0 and fr > fc.forward_end(it):
+        if d.phase[b] == Phase.FORWARD and it.backward_start >= 0 and fr > forward_end(it):
             continue  # kept from forward to backward on purpose
         if it.backward_end >= 0 and fr > it.backward_end:
             continue  # never resharded after backward
@@ -75,7 +74,7 @@ def _effective_free(d: DeviceAnalysis, blocks: np.ndarray) -> dict[int, int]:
 def _copy_outs(d: DeviceAnalysis, blocks: np.ndarray) -> dict[int, tuple[int, np.ndarray]]:
     """For each FSDP2 all-gather output: (the row its unit's copy-out is done with it, the
     unshard event's blocks copied out of it). FSDP1's flat parameter is its own copy-out."""
-    f = fc.facts(d)
+    f = d.fsdp
     ev = f.event
     events: dict[int, list[int]] = {}
     for b in np.flatnonzero(ev >= 0).tolist():
@@ -95,7 +94,7 @@ def _copy_outs(d: DeviceAnalysis, blocks: np.ndarray) -> dict[int, tuple[int, np
                 break
             blk = np.array(events[k])
             if m is not None:
-                same = fc.unit_of_event(d, blk) == m
+                same = unit_of_event(d, blk) == m
             else:
                 same = 0.9 * size <= int(d.lt.size[blk].sum()) <= size
             if same:
@@ -163,7 +162,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     named = all(d.module_of(b) is not None for b in blocks.tolist())
     counted = _in_flight(d, params=True) if named else blocks
     per_phase = {}
-    for name, phases in (("forward", [FORWARD]), ("backward", [BACKWARD, RECOMPUTE])):
+    for name, phases in (("forward", [Phase.FORWARD]), ("backward", BACKWARD_PHASES)):
         sel = counted[np.isin(d.phase[counted], phases)]
         per_phase[name] = _max_concurrency(d, sel)
     phase = max(per_phase, key=lambda k: per_phase[k][0])
@@ -180,17 +179,17 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     predicted = d.lt.replay(alloc_row=alloc)
     after = peaks(d, predicted)
     saving = max(d.peak_bytes - after["overall_bytes"], 0)
-    verdict = ANOMALOUS if saving >= _MIN_SAVING * d.peak_bytes else INFO
+    verdict = Verdict.ANOMALOUS if saving >= _MIN_SAVING * d.peak_bytes else Verdict.INFO
     it = int(d.iteration[alive[0]]) if alive.size else -1
     cause = (
         f"{n} FSDP units had their all-gathered parameters in flight at once during {phase} "
-        f"(row {row}, iteration {it}, {PHASE_NAMES[int(d.tl.phase[row])]}): "
+        f"(row {row}, iteration {it}, {d.phase_name(row)}): "
         f"{human(alive_bytes)} of all-gathered memory alive together, {human(excess)} of it "
         f"beyond the {LIMIT} units FSDP needs (the one computing and the next). Prefetch lists "
         "reaching several units ahead (set_modules_to_forward_prefetch / "
         "set_modules_to_backward_prefetch), or FSDP1 limit_all_gathers=False, gather more "
         "units before the earlier ones are freed." + (
-            "" if verdict == ANOMALOUS else
+            "" if verdict == Verdict.ANOMALOUS else
             f" Rate-limiting them would lower the peak by only {human(saving)}: not what sets "
             "the peak here."))
     return [Finding(

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from snapforensics.analysis.classify import BACKWARD, RECOMPUTE
 from snapforensics.analysis.context import DeviceAnalysis
-from snapforensics.analysis.diagnosis import ANOMALOUS, Finding
-from snapforensics.analysis.rules import fsdp_common as fc
-from snapforensics.analysis.rules.evidence import by_module, by_path, human, peaks, top_stacks
+from snapforensics.analysis.diagnosis import Finding
+from snapforensics.analysis.evidence import by_module, by_path, human, peaks, top_stacks
+from snapforensics.analysis.fsdp_units import FsdpUnits, forward_end, unit_of_event
+from snapforensics.analysis.vocab import BACKWARD_PHASES, Verdict
 
 RULE = "fsdp.double_all_gather_in_backward"
 
@@ -41,7 +41,7 @@ apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block),
 _RATIO = 1.5  # unnamed units: backward unshards vs units resharded in forward
 
 
-def _events_by_iteration(d: DeviceAnalysis, f: fc.Facts, stale: np.ndarray):
+def _events_by_iteration(d: DeviceAnalysis, f: FsdpUnits, stale: np.ndarray):
     """iteration -> (events resharded during forward, backward events) as lists of block arrays."""
     ev = f.event
     idx = np.flatnonzero(ev >= 0)
@@ -60,10 +60,10 @@ def _events_by_iteration(d: DeviceAnalysis, f: fc.Facts, stale: np.ndarray):
         k = int(np.searchsorted(starts, fr, side="right")) - 1
         if 0 <= k < len(d.tl.iterations):
             it = d.tl.iterations[k]
-            if it.backward_start >= 0 and it.start <= fr <= fc.forward_end(it) and \
+            if it.backward_start >= 0 and it.start <= fr <= forward_end(it) and \
                     int(d.lt.alloc_row[b]) < fr:
                 out[k][0].append(bl)
-        if d.phase[b] in (BACKWARD, RECOMPUTE) and d.iteration[b] >= 0 and not stale[bl].any():
+        if d.phase[b] in BACKWARD_PHASES and d.iteration[b] >= 0 and not stale[bl].any():
             out[int(d.iteration[b])][1].append(bl)
     return out
 
@@ -77,14 +77,14 @@ def _pairs(d: DeviceAnalysis, bw: list) -> list[tuple[np.ndarray, np.ndarray]]:
     for i, first in enumerate(bw):
         if i in used:
             continue
-        m = fc.unit_of_event(d, first)
+        m = unit_of_event(d, first)
         size = int(d.lt.size[first].sum())
         end = int(d.lt.free_row[first].max())
         for j in range(i + 1, len(bw)):
             if j in used:
                 continue
             second = bw[j]
-            m2 = fc.unit_of_event(d, second)
+            m2 = unit_of_event(d, second)
             same = (m is not None and m == m2) or (
                 m is None and m2 is None and int(d.lt.size[second].sum()) == size and
                 int(d.lt.alloc_row[second].min()) >= end)
@@ -98,24 +98,24 @@ def _pairs(d: DeviceAnalysis, bw: list) -> list[tuple[np.ndarray, np.ndarray]]:
 
 
 def check(d: DeviceAnalysis) -> list[Finding]:
-    f = fc.facts(d)
-    stale = fc.stale_unshards(d)
+    f = d.fsdp
+    stale = d.fsdp.stale
     found: dict[int, list] = {}
     for k, (resharded, bw) in _events_by_iteration(d, f, stale).items():
         if not bw:
             continue
-        named = all(fc.unit_of_event(d, bl) is not None for bl in bw + resharded)
+        named = all(unit_of_event(d, bl) is not None for bl in bw + resharded)
         if named:
             exp: dict[str, int] = {}
             got: dict[str, int] = {}
             for bl in resharded:
-                exp[fc.unit_of_event(d, bl)] = exp.get(fc.unit_of_event(d, bl), 0) + 1
+                exp[unit_of_event(d, bl)] = exp.get(unit_of_event(d, bl), 0) + 1
             for bl in bw:
-                got[fc.unit_of_event(d, bl)] = got.get(fc.unit_of_event(d, bl), 0) + 1
+                got[unit_of_event(d, bl)] = got.get(unit_of_event(d, bl), 0) + 1
             doubled = {u for u, n in got.items() if n >= 2 and n >= 2 * exp.get(u, 0)}
             if not doubled:
                 continue
-            pairs = [p for p in _pairs(d, bw) if fc.unit_of_event(d, p[0]) in doubled]
+            pairs = [p for p in _pairs(d, bw) if unit_of_event(d, p[0]) in doubled]
         else:
             if len(bw) < _RATIO * len(resharded) or len(bw) - len(resharded) < 1:
                 continue
@@ -147,7 +147,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         "all-gather of its full parameters per step, and the reshard/re-gather churns the "
         "allocator. The memory peak barely moves; the communication is doubled.")
     return [Finding(
-        rule=RULE, verdict=ANOMALOUS,
+        rule=RULE, verdict=Verdict.ANOMALOUS,
         title="Units all-gathered twice per backward (recompute reshards, backward re-gathers)",
         cause=cause, bytes=per_iter[worst], blocks=int(len(seconds)), device=d.device, fix=FIX,
         predicted_peak_bytes=after["overall_bytes"], predicted_live=predicted,

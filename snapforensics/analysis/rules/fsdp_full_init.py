@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from snapforensics.analysis.classify import FSDP_CATEGORIES, PARAMETER, SHARDED_PARAM
-from snapforensics.analysis.context import CAT_CODE, DeviceAnalysis
-from snapforensics.analysis.diagnosis import ANOMALOUS, Finding
-from snapforensics.analysis.rules import fsdp_common as fc
-from snapforensics.analysis.rules.evidence import peaks, human, top_stacks
+from snapforensics.analysis.context import DeviceAnalysis
+from snapforensics.analysis.diagnosis import Finding
+from snapforensics.analysis.evidence import human, peaks, top_stacks
+from snapforensics.analysis.vocab import CAT_CODE, FSDP_CATEGORIES, Category, Verdict
 
 RULE = "fsdp.full_model_materialized_at_init"
 _SHARE_OF_FULL_MODEL = 0.5
@@ -52,7 +51,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         return []  # recording began in training: no init to judge
     if not d.mask(*FSDP_CATEGORIES).any():
         return []  # no FSDP: nothing was sharded
-    world = fc.world_size(d)
+    world = d.fsdp.world.size
     if world is None or world <= 1:
         return []  # unknown or single-rank: no shard size to compare the init peak with
     live = d.lt.live
@@ -60,7 +59,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     init_peak = int(live[peak_row])
     lt = d.lt
     carried = (lt.alloc_row < start) & (lt.free_row >= start)
-    params = d.mask(PARAMETER, SHARDED_PARAM)
+    params = d.mask(Category.PARAMETER, Category.SHARDED_PARAM)
     sharded = int(lt.size[carried & params].sum())
     if sharded <= 0:
         return []
@@ -70,12 +69,12 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     full_model = world * sharded
     if transient < _SHARE_OF_FULL_MODEL * full_model:
         return []
-    param_like = int(lt.size[transient_mask & d.mask(PARAMETER)].sum())
+    param_like = int(lt.size[transient_mask & d.mask(Category.PARAMETER)].sum())
     if param_like < 0.5 * transient:
         return []  # init-time buffers of some other kind, not parameters
     # Counterfactual: meta-device init, no full-size parameters ever allocated.
     removed = (lt.alloc_row >= 0) & (lt.alloc_row < start) & (lt.free_row < start) & \
-        (d.category == CAT_CODE[PARAMETER])
+        (d.category == CAT_CODE[Category.PARAMETER])
     free_row = lt.free_row.copy()
     free_row[removed] = lt.alloc_row[removed]
     predicted = d.lt.replay(free_row=free_row)
@@ -94,7 +93,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         f"({human(training_peak)}). With meta-device init the init peak is predicted at "
         f"{human(new_init)}.")
     return [Finding(
-        rule=RULE, verdict=ANOMALOUS,
+        rule=RULE, verdict=Verdict.ANOMALOUS,
         title="Full model materialized on the device before sharding",
         cause=cause, bytes=transient, blocks=int(len(blocks)), device=d.device, fix=FIX,
         predicted_peak_bytes=after["overall_bytes"], predicted_live=predicted,
@@ -107,7 +106,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
             "sharded_param_bytes": sharded,
             "full_model_bytes": full_model,
             "world_size": world,
-            "world_size_estimated": fc.facts(d).world_estimated,
+            "world_size_estimated": d.fsdp.world.estimated,
             "training_peak_bytes": training_peak,
             "stacks": top_stacks(d, blocks, 1),
             "predicted_peaks": after,

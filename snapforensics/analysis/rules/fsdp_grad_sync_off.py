@@ -17,20 +17,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from snapforensics.analysis.classify import (
-    BACKWARD,
-    FORWARD,
-    GRADIENT,
-    RECOMPUTE,
-    REDUCE_SCATTER,
-    SHARDED_GRAD,
-    UNSHARDED_GRAD,
-    UNSHARDED_PARAM,
-)
-from snapforensics.analysis.context import CAT_CODE, DeviceAnalysis
-from snapforensics.analysis.diagnosis import EXPECTED, Finding
-from snapforensics.analysis.rules import fsdp_common as fc
-from snapforensics.analysis.rules.evidence import peaks, human, top_stacks
+from snapforensics.analysis.context import DeviceAnalysis
+from snapforensics.analysis.diagnosis import Finding
+from snapforensics.analysis.evidence import human, peaks, top_stacks
+from snapforensics.analysis.vocab import BACKWARD_PHASES, CAT_CODE, Category, Phase, Verdict
 
 RULE = "fsdp.gradient_sync_disabled"
 # Held gradients must reach this share of the model's unsharded size as the iteration gathered it
@@ -48,18 +38,18 @@ for mb, batch in enumerate(micro_batches):
 
 def check(d: DeviceAnalysis) -> list[Finding]:
     lt = d.lt
-    grads = d.mask(GRADIENT, UNSHARDED_GRAD) & np.isin(d.phase, [BACKWARD, RECOMPUTE]) & \
-        (d.iteration >= 0)
-    rs_iters = set(d.iteration[d.mask(REDUCE_SCATTER, SHARDED_GRAD)].tolist())
-    un = d.category == CAT_CODE[UNSHARDED_PARAM]
+    grads = d.mask(Category.GRADIENT, Category.UNSHARDED_GRAD) & \
+        np.isin(d.phase, BACKWARD_PHASES) & (d.iteration >= 0)
+    rs_iters = set(d.iteration[d.mask(Category.REDUCE_SCATTER, Category.SHARDED_GRAD)].tolist())
+    un = d.category == CAT_CODE[Category.UNSHARDED_PARAM]
     n_it = len(d.tl.iterations)
     if not n_it:
         return []
     # The model's unsharded size as this iteration gathered it: its forward's or its backward's
     # all-gathers (each gathers every unit once), whichever is larger.
     sel = un & (d.iteration >= 0)
-    fw = sel & (d.phase == FORWARD)
-    bw = sel & np.isin(d.phase, [BACKWARD, RECOMPUTE])
+    fw = sel & (d.phase == Phase.FORWARD)
+    bw = sel & np.isin(d.phase, BACKWARD_PHASES)
     gathered_by_it = np.maximum(
         np.bincount(d.iteration[fw], weights=lt.size[fw], minlength=n_it),
         np.bincount(d.iteration[bw], weights=lt.size[bw], minlength=n_it))
@@ -82,10 +72,10 @@ def check(d: DeviceAnalysis) -> list[Finding]:
             found[i] = (held, nbytes, gathered)
     if not found:
         return []
-    world = fc.world_size(d) or 1
+    world = d.fsdp.world.size or 1
     # Counterfactual: free each held grad at the first reshard (unsharded-param free) after it,
     # keep a 1/world sharded grad from there until the held grad's original free.
-    un_frees = np.sort(lt.free_row[un & np.isin(d.phase, [BACKWARD, RECOMPUTE])])
+    un_frees = np.sort(lt.free_row[un & np.isin(d.phase, BACKWARD_PHASES)])
     free_row = lt.free_row.copy()
     extra = []
     for k, (held, _, _) in found.items():
@@ -114,7 +104,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         f"every micro-batch would put the peak at {human(after['overall_bytes'])} instead of "
         f"{human(d.peak_bytes)}, at the price of one reduce-scatter per micro-batch.")
     return [Finding(
-        rule=RULE, verdict=EXPECTED,
+        rule=RULE, verdict=Verdict.EXPECTED,
         title="Gradient sync off across micro-batches: unsharded gradients held",
         cause=cause, bytes=nbytes, blocks=int(len(held)), device=d.device, fix=FIX,
         predicted_peak_bytes=after["overall_bytes"], predicted_live=predicted,

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from snapforensics.analysis.classify import REDUCE_SCATTER, UNSHARDED_GRAD
-from snapforensics.analysis.context import CAT_CODE, DeviceAnalysis
-from snapforensics.analysis.diagnosis import EXPECTED, Finding
-from snapforensics.analysis.rules import fsdp_common as fc
-from snapforensics.analysis.rules.evidence import peaks, human, top_stacks
+from snapforensics.analysis.context import DeviceAnalysis
+from snapforensics.analysis.diagnosis import Finding
+from snapforensics.analysis.evidence import human, peaks, top_stacks
+from snapforensics.analysis.fsdp_units import FsdpUnits
+from snapforensics.analysis.vocab import CAT_CODE, Category, Verdict
 
 RULE = "fsdp.mixed_precision_extras"
 _RATIO = 1.5  # reduce-scatter input at least this many times the all-gather output
@@ -37,9 +37,9 @@ fully_shard(block, mp_policy=mp)
 # Keeping reduce_dtype=float32 is the usual choice for accuracy: then this cost is expected."""
 
 
-def _ratio(d: DeviceAnalysis, f: fc.Facts) -> tuple[float | None, dict]:
+def _ratio(d: DeviceAnalysis, f: FsdpUnits) -> tuple[float | None, dict]:
     """Reduce-scatter input / all-gather output per unit (median), or of the largest of each."""
-    rs = np.flatnonzero(d.mask(REDUCE_SCATTER))
+    rs = np.flatnonzero(d.mask(Category.REDUCE_SCATTER))
     ag = np.flatnonzero(f.primary)
     if not rs.size or not ag.size:
         return None, {}
@@ -60,17 +60,17 @@ def _ratio(d: DeviceAnalysis, f: fc.Facts) -> tuple[float | None, dict]:
 
 
 def check(d: DeviceAnalysis) -> list[Finding]:
-    f = fc.facts(d)
+    f = d.fsdp
     ratio, per_unit = _ratio(d, f)
     wide = ratio is not None and ratio >= _RATIO
     r = ratio if wide else None  # never assumed: without it the fp32-grad extra is not counted
     scale = np.zeros(len(d.lt))  # share of each block that is a mixed-precision extra
     parts: dict[str, np.ndarray] = {}
     if wide:
-        m = d.category == CAT_CODE[REDUCE_SCATTER]
+        m = d.category == CAT_CODE[Category.REDUCE_SCATTER]
         scale[m] = 1 - 1 / r
         parts["reduce_in_higher_precision"] = m
-    ug = d.category == CAT_CODE[UNSHARDED_GRAD]
+    ug = d.category == CAT_CODE[Category.UNSHARDED_GRAD]
     if r is None:
         ug = np.zeros(len(d.lt), bool)
     if ug.any():
@@ -130,7 +130,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
                  f" Reducing in the parameter dtype would put the peak at "
                  f"{human(after['overall_bytes'])}." if wide or ug.any() else ""))
     return [Finding(
-        rule=RULE, verdict=EXPECTED,
+        rule=RULE, verdict=Verdict.EXPECTED,
         title="Mixed precision: higher-precision reduce buffers and low-precision copies",
         cause=cause, bytes=at_peak, blocks=int(len(blocks)), device=d.device,
         fix=FIX if (wide or ug.any()) else None,

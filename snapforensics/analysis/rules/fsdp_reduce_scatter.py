@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from snapforensics.analysis.classify import BACKWARD, RECOMPUTE, SHARDED_GRAD
 from snapforensics.analysis.context import DeviceAnalysis
-from snapforensics.analysis.diagnosis import EXPECTED, Finding
-from snapforensics.analysis.rules.evidence import by_module, human, per_iteration, top_stacks
+from snapforensics.analysis.diagnosis import Finding
+from snapforensics.analysis.evidence import by_module, human, per_iteration, top_stacks
+from snapforensics.analysis.vocab import BACKWARD_PHASES, Category, Verdict
 
 RULE = "fsdp.reduce_scatter_accumulation"
+FIX = None  # what sharded gradients cost (verdict `expected`): nothing to fix
 
 
 def check(d: DeviceAnalysis) -> list[Finding]:
-    idx = np.flatnonzero(d.mask(SHARDED_GRAD) & np.isin(d.phase, [BACKWARD, RECOMPUTE]))
+    idx = np.flatnonzero(d.mask(Category.SHARDED_GRAD) & np.isin(d.phase, BACKWARD_PHASES))
     if not idx.size:
         return []
     per_iter = per_iteration(d, idx)
@@ -21,7 +22,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     blocks = idx[d.iteration[idx] == worst]
     n_mod = len({d.module_of(b) for b in blocks.tolist()})
     return [Finding(
-        rule=RULE, verdict=EXPECTED,
+        rule=RULE, verdict=Verdict.EXPECTED,
         title="Reduce-scatter outputs (sharded gradients) accumulate through backward",
         cause=(f"Each unit's gradient is reduce-scattered after its backward and the 1/world_size "
                f"output is kept as the sharded param.grad until the optimizer step: "

@@ -11,12 +11,17 @@ import re
 
 import numpy as np
 
-from snapforensics.analysis.classify import BACKWARD, RECOMPUTE, REDUCE_SCATTER, \
-    SHARDED_GRAD, UNSHARDED_PARAM
 from snapforensics.analysis.context import DeviceAnalysis
-from snapforensics.analysis.diagnosis import ANOMALOUS, Finding
-from snapforensics.analysis.rules.evidence import by_module, by_path, human, max_alive, \
-    peaks, top_stacks
+from snapforensics.analysis.diagnosis import Finding
+from snapforensics.analysis.evidence import (
+    by_module,
+    by_path,
+    human,
+    max_alive,
+    peaks,
+    top_stacks,
+)
+from snapforensics.analysis.vocab import Category, Verdict
 
 RULE = "fsdp.unsharded_params_not_resharded"
 _POST_BACKWARD = re.compile(r"^FSDP::post_backward_(?:accumulate|reshard|reduce) \((.*)\)$")
@@ -39,7 +44,7 @@ def _reshard_rows(d: DeviceAnalysis, blocks: np.ndarray) -> np.ndarray:
     post: dict[str, list[int]] = {}
     for row, name in d.annotation_rows(_POST_BACKWARD):
         post.setdefault(_POST_BACKWARD.match(name).group(1), []).append(row)
-    rs = np.flatnonzero(d.mask(REDUCE_SCATTER, SHARDED_GRAD))
+    rs = np.flatnonzero(d.mask(Category.REDUCE_SCATTER, Category.SHARDED_GRAD))
     rs_rows = np.sort(d.lt.alloc_row[rs])
     rs_by_mod: dict[str, list[int]] = {}
     for b in rs.tolist():
@@ -51,7 +56,8 @@ def _reshard_rows(d: DeviceAnalysis, blocks: np.ndarray) -> np.ndarray:
         a = int(d.lt.alloc_row[b])
         it = d.tl.iteration_of(a)
         end = it.backward_end if it else d.lt.rows - 1
-        cands = post.get(d.module_of(b) or "", []) or sorted(rs_by_mod.get(d.module_of(b) or "", []))
+        unit = d.module_of(b) or ""
+        cands = post.get(unit, []) or sorted(rs_by_mod.get(unit, []))
         nxt = [r for r in cands if r > a]
         if not nxt and not cands:
             nxt = rs_rows[rs_rows > a][:1].tolist()
@@ -60,53 +66,11 @@ def _reshard_rows(d: DeviceAnalysis, blocks: np.ndarray) -> np.ndarray:
     return out
 
 
-# A unit's parameters gathered for its backward are freed by its own post-backward. One other
-# unit's gradient reduction may happen meanwhile (the next unit is prefetched while the current
-# one finishes); living through more of them means nobody resharded it.
-MAX_FOREIGN_REDUCTIONS = 2
 MIN_SHARE = 0.01  # of the peak: below it the leftover is noise, not a finding
 
 
-def leaked(d: DeviceAnalysis) -> np.ndarray:
-    """Unsharded-param blocks made in backward that outlive their unit's backward (memoized)."""
-    return d.memo(RULE + ".leaked", lambda: _leaked(d))
-
-
-def _leaked(d: DeviceAnalysis) -> np.ndarray:
-    """Unsharded-param blocks made in backward that outlive their unit's backward.
-
-    Either still alive when the iteration's backward ends (never resharded), or alive across
-    more than MAX_FOREIGN_REDUCTIONS other units' gradient reductions (released only by the
-    root's final callback, i.e. at the end of backward).
-    """
-    idx = np.flatnonzero(d.mask(UNSHARDED_PARAM) & np.isin(d.phase, [BACKWARD, RECOMPUTE]) &
-                         (d.iteration >= 0))
-    if not idx.size:
-        return idx
-    ends = np.array([d.tl.iterations[i].backward_end for i in d.iteration[idx]], np.int64)
-    past_end = (ends >= 0) & (d.lt.free_row[idx] > ends)
-    grads = np.flatnonzero(d.mask(SHARDED_GRAD, REDUCE_SCATTER))
-    order = np.argsort(d.lt.alloc_row[grads])
-    g_rows = d.lt.alloc_row[grads][order]
-    g_mod = [d.module_of(int(b)) for b in grads[order]]
-    # Without unit names, one reduction = one run of reduce-scatter allocations with no other
-    # allocation between them (input, output, casts: however many the version makes).
-    alloc_rank = np.searchsorted(np.sort(d.lt.alloc_row[d.lt.alloc_row >= 0]), g_rows)
-    g_event = np.concatenate([[0], np.cumsum(np.diff(alloc_rank) > 1)]) if len(g_rows) else g_rows
-    lo = np.searchsorted(g_rows, d.lt.alloc_row[idx], side="right")
-    hi = np.searchsorted(g_rows, d.lt.free_row[idx], side="left")
-    foreign = np.zeros(len(idx), bool)
-    for k, b in enumerate(idx.tolist()):
-        if hi[k] - lo[k] > MAX_FOREIGN_REDUCTIONS:
-            own = d.module_of(b)
-            mods = {m for m in g_mod[lo[k]:hi[k]] if m is None or m != own}
-            n = len(mods) if None not in mods else len(set(g_event[lo[k]:hi[k]].tolist()))
-            foreign[k] = n > MAX_FOREIGN_REDUCTIONS
-    return idx[past_end | foreign]
-
-
 def check(d: DeviceAnalysis) -> list[Finding]:
-    blocks = leaked(d)
+    blocks = d.fsdp.leaked
     if not blocks.size:
         return []
     # Most bytes left unsharded at once in each backward; report the worst iteration.
@@ -133,7 +97,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         "pre-forward / pre-backward hooks), so parameter memory climbs layer by layer through "
         "backward instead of staying at one or two layers.")
     return [Finding(
-        rule=RULE, verdict=ANOMALOUS,
+        rule=RULE, verdict=Verdict.ANOMALOUS,
         title="Parameters unsharded in backward/recompute are not resharded",
         cause=cause, bytes=per_iter[worst], blocks=int(len(worst_blocks)), device=d.device,
         fix=FIX, predicted_peak_bytes=after["overall_bytes"], predicted_live=predicted,

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from snapforensics.analysis.classify import FORWARD, UNSHARDED_PARAM
-from snapforensics.analysis.context import CAT_CODE, DeviceAnalysis
-from snapforensics.analysis.diagnosis import EXPECTED, Finding
-from snapforensics.analysis.rules import fsdp_common as fc
-from snapforensics.analysis.rules.evidence import peaks, human, top_stacks
+from snapforensics.analysis.context import DeviceAnalysis
+from snapforensics.analysis.diagnosis import Finding
+from snapforensics.analysis.evidence import human, peaks, top_stacks
+from snapforensics.analysis.fsdp_units import ROOT, forward_end
+from snapforensics.analysis.vocab import Category, Phase, Verdict
 
 RULE = "fsdp.reshard_after_forward_disabled"
 
@@ -52,7 +52,7 @@ def _units(d: DeviceAnalysis, blocks: np.ndarray, ev: np.ndarray) -> dict:
 
 def _forward_unshards(d: DeviceAnalysis) -> dict[int, np.ndarray]:
     """iteration -> unsharded-param blocks allocated in its forward."""
-    fw = np.flatnonzero((d.category == CAT_CODE[UNSHARDED_PARAM]) & (d.phase == FORWARD) &
+    fw = np.flatnonzero(d.mask(Category.UNSHARDED_PARAM) & (d.phase == Phase.FORWARD) &
                         (d.iteration >= 0) & (d.lt.alloc_row >= 0))
     out: dict[int, list[int]] = {}
     for b, i in zip(fw.tolist(), d.iteration[fw].tolist()):
@@ -66,10 +66,10 @@ def _kept(d: DeviceAnalysis, it, ev: np.ndarray, fw: np.ndarray | None):
     if fw is None or not fw.size or it.backward_start < 0:
         return {}, {}, None
     units = _units(d, fw, ev)
-    end = fc.forward_end(it)
+    end = forward_end(it)
     alive_keys = [k for k, v in units.items() if (d.lt.free_row[v] > end).any()]
-    if fc.ROOT in units:
-        root = fc.ROOT
+    if ROOT in units:
+        root = ROOT
     elif alive_keys and all(not isinstance(k, str) for k in units):
         root = alive_keys[0]  # unnamed units: the root's pre-forward unshards first
     else:
@@ -94,7 +94,7 @@ def _counterfactual(d: DeviceAnalysis, plans: list) -> tuple[np.ndarray, list]:
     extra = []
     for it, kept, units in plans:
         order = list(units)  # forward order
-        end = fc.forward_end(it)
+        end = forward_end(it)
         for k, blocks in kept.items():
             i = order.index(k)
             nxt = [int(d.lt.alloc_row[units[o]].min()) for o in order[i + 1:]]
@@ -116,7 +116,7 @@ def _counterfactual(d: DeviceAnalysis, plans: list) -> tuple[np.ndarray, list]:
 
 
 def check(d: DeviceAnalysis) -> list[Finding]:
-    f = fc.facts(d)
+    f = d.fsdp
     plans = []
     per_iter = {}
     fw = _forward_unshards(d)
@@ -143,7 +143,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     mods.sort(key=lambda r: -r["bytes"])
     it = d.tl.iterations[worst]
     share = kept_bytes / before if before else 0.0
-    root_txt = ("the root unit" if root == fc.ROOT else
+    root_txt = ("the root unit" if root == ROOT else
                 "the first unit unsharded in forward and kept (taken as the root)"
                 if root is not None else "no unit named as the root")
     cause = (
@@ -158,7 +158,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         f"With reshard_after_forward=True on the non-root units the peak is predicted at "
         f"{human(after['overall_bytes'])} instead of {human(before)}.")
     return [Finding(
-        rule=RULE, verdict=EXPECTED,
+        rule=RULE, verdict=Verdict.EXPECTED,
         title="Parameters kept unsharded from forward to backward (reshard_after_forward=False "
               "/ SHARD_GRAD_OP)",
         cause=cause, bytes=kept_bytes, blocks=int(len(blocks)), device=d.device, fix=FIX,
@@ -166,7 +166,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         saving_bytes=max(before - after["overall_bytes"], 0),
         evidence={
             "iteration": worst,
-            "forward_end_row": fc.forward_end(it),
+            "forward_end_row": forward_end(it),
             "units_kept": len(kept),
             "named_units": len(named),
             "per_iteration_bytes": {str(i): int(sum(int(d.lt.size[v].sum()) for v in k.values()))

@@ -1,7 +1,7 @@
 """All-gathers issued during backward that nothing used: forward prefetch inside the recompute,
 or a mistargeted backward prefetch.
 
-Signature (see `fsdp_common.stale_unshards`): a unit's all-gather output (FSDP1: its unsharded
+Signature (see `FsdpUnits.stale`): a unit's all-gather output (FSDP1: its unsharded
 flat parameter) allocated during backward or recompute that no copy-out of that unit consumed and
 that stays alive until FSDP finalizes backward (`finalize_backward` / FSDP1
 `_catch_all_reshard`), i.e. freed after the backward's last reduce-scatter. Typical cause: a
@@ -17,11 +17,17 @@ from __future__ import annotations
 import numpy as np
 
 from snapforensics.analysis.context import DeviceAnalysis
-from snapforensics.analysis.rules import fsdp_reshard
-from snapforensics.analysis.diagnosis import ANOMALOUS, Finding
-from snapforensics.analysis.rules import fsdp_common as fc
-from snapforensics.analysis.rules.evidence import by_module, by_path, human, max_alive, \
-    per_iteration, peaks, top_stacks
+from snapforensics.analysis.diagnosis import Finding
+from snapforensics.analysis.evidence import (
+    by_module,
+    by_path,
+    human,
+    max_alive,
+    peaks,
+    per_iteration,
+    top_stacks,
+)
+from snapforensics.analysis.vocab import Verdict
 
 RULE = "fsdp.stale_prefetch_all_gather"
 
@@ -37,11 +43,11 @@ for i, block in enumerate(blocks):
 
 
 def check(d: DeviceAnalysis) -> list[Finding]:
-    mask = fc.stale_unshards(d).copy()
+    mask = d.fsdp.stale.copy()
     if mask.any():
         # FSDP1 flat parameters left for the final callback are also unsharded params the seed
         # rule (fsdp.unsharded_params_not_resharded) reports: one finding per block.
-        mask[fsdp_reshard.leaked(d)] = False
+        mask[d.fsdp.leaked] = False
     stale = np.flatnonzero(mask)
     if not stale.size:
         return []
@@ -65,7 +71,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         "targeted a unit that did not run next, so each such buffer sits until the end of "
         "backward and they pile up layer by layer.")
     return [Finding(
-        rule=RULE, verdict=ANOMALOUS,
+        rule=RULE, verdict=Verdict.ANOMALOUS,
         title="Unused all-gather buffers from prefetch during backward, freed only at the end",
         cause=cause, bytes=per_iter[worst], blocks=int(len(blocks)), device=d.device, fix=FIX,
         predicted_peak_bytes=after["overall_bytes"], predicted_live=predicted,

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from snapforensics.analysis.classify import ACTIVATION, CATEGORIES
 from snapforensics.analysis.context import DeviceAnalysis
-from snapforensics.analysis.diagnosis import ANOMALOUS, Finding
-from snapforensics.analysis.rules.allocator import user_frame
-from snapforensics.analysis.rules.evidence import human, peaks, top_stacks
+from snapforensics.analysis.diagnosis import Finding
+from snapforensics.analysis.evidence import human, peaks, top_stacks
+from snapforensics.analysis.stacks import user_frame
+from snapforensics.analysis.vocab import CATEGORIES, Category, Verdict
 
 RULE = "leak.iteration_growth"
 MIN_RATE = 0.001  # growth per iteration, of the peak
@@ -92,7 +92,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     for b in retained.tolist():
         c = CATEGORIES[d.category[b]]
         cats[c] = cats.get(c, 0) + int(lt.size[b])
-    graph = ACTIVATION in cats or any("loss" in w or "backward" in w for w in where)
+    graph = Category.ACTIVATION in cats or any("loss" in w or "backward" in w for w in where)
     kept = int(per[grows, -1].sum())
     at_end = int((lt.free_row[retained] >= lt.rows).sum())
     cause = (
@@ -106,7 +106,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         + ". " + ("They include forward outputs, so each kept tensor also pins its autograd "
                   "graph." if graph else "Something in the loop keeps a reference every step."))
     return [Finding(
-        rule=RULE, verdict=ANOMALOUS,
+        rule=RULE, verdict=Verdict.ANOMALOUS,
         title="Memory grows iteration over iteration (leak in the training loop)",
         cause=cause, bytes=kept, blocks=int(retained.size), device=d.device,
         fix=FIX, predicted_peak_bytes=after["overall_bytes"], predicted_live=predicted,

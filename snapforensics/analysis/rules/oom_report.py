@@ -2,7 +2,7 @@
 
 An `oom` trace row carries the requested bytes (`size`) and what the driver still had free
 (`device_free`). Alive at that row: the live blocks (by category and stack); reserved: the
-allocator's segments then (reconstructed from the dump, see `allocator.reserved_series`). The
+allocator's segments then (reconstructed from the dump, see `Allocator.reserved`). The
 request fits in `device_free + cached free` only if the cache's free bytes were usable
 (contiguous): when they would have been enough, it is fragmentation; otherwise `short_by` bytes
 of live memory must go.
@@ -12,44 +12,46 @@ from __future__ import annotations
 
 import numpy as np
 
-from snapforensics.analysis.classify import (
-    ACTIVATION,
-    ALL_GATHER,
-    CATEGORIES,
-    GRADIENT,
-    OPTIMIZER_STATE,
-    PARAMETER,
-    UNSHARDED_PARAM,
-)
 from snapforensics.analysis.context import DeviceAnalysis
-from snapforensics.analysis.diagnosis import ANOMALOUS, Finding
-from snapforensics.analysis.rules.allocator import (
-    expandable_fix,
-    expandable_on,
-    reserved_series,
-    user_frame,
-)
-from snapforensics.analysis.rules.evidence import human, top_stacks
+from snapforensics.analysis.diagnosis import Finding
+from snapforensics.analysis.evidence import human, top_stacks
+from snapforensics.analysis.stacks import user_frame
+from snapforensics.analysis.vocab import CATEGORIES, Category, Verdict
 from snapforensics.snapshot.model import OOM
 
 RULE = "oom.report"
 
 _FIXES = {
-    ACTIVATION: "# activations filled the device: checkpoint the repeated layers, or a smaller "
-                "micro-batch\n# with gradient accumulation\n"
-                "model.gradient_checkpointing_enable()            # Hugging Face\n"
-                "# apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))",
-    OPTIMIZER_STATE: "# optimizer state filled the device: shard it (FSDP / ZeRO), or a lighter "
-                     "optimizer\n# e.g. bitsandbytes.optim.AdamW8bit(model.parameters(), lr=...)",
-    PARAMETER: "# parameters filled the device: shard them (fully_shard / FSDP), load in "
-               "bf16,\n# or build on the meta device and materialize shard by shard",
-    GRADIENT: "# gradients filled the device: shard them (FSDP), free them early\n"
-              "optimizer.zero_grad(set_to_none=True)",
-    ALL_GATHER: "# gathered FSDP parameters filled the device: reshard after forward/backward,"
-                "\n# prefetch one unit ahead at most",
-    UNSHARDED_PARAM: "# gathered FSDP parameters filled the device: reshard after "
-                     "forward/backward,\n# prefetch one unit ahead at most",
+    Category.ACTIVATION:
+        "# activations filled the device: checkpoint the repeated layers, or a smaller "
+        "micro-batch\n# with gradient accumulation\n"
+        "model.gradient_checkpointing_enable()            # Hugging Face\n"
+        "# apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))",
+    Category.OPTIMIZER_STATE:
+        "# optimizer state filled the device: shard it (FSDP / ZeRO), or a lighter "
+        "optimizer\n# e.g. bitsandbytes.optim.AdamW8bit(model.parameters(), lr=...)",
+    Category.PARAMETER:
+        "# parameters filled the device: shard them (fully_shard / FSDP), load in "
+        "bf16,\n# or build on the meta device and materialize shard by shard",
+    Category.GRADIENT:
+        "# gradients filled the device: shard them (FSDP), free them early\n"
+        "optimizer.zero_grad(set_to_none=True)",
+    Category.ALL_GATHER:
+        "# gathered FSDP parameters filled the device: reshard after forward/backward,"
+        "\n# prefetch one unit ahead at most",
+    Category.UNSHARDED_PARAM:
+        "# gathered FSDP parameters filled the device: reshard after "
+        "forward/backward,\n# prefetch one unit ahead at most",
 }
+_REDUCE = "# reduce what the largest stacks in the evidence keep alive, or the batch size"
+
+
+def fix_for(d: DeviceAnalysis, top: Category | None, fragmented: bool) -> str:
+    """Expandable segments when the free bytes were there but in pieces, else what to do about
+    the category that filled the device (`top`)."""
+    if fragmented and not d.allocator.expandable:
+        return d.allocator.expandable_fix
+    return _FIXES.get(top, _REDUCE) if top else _REDUCE
 
 
 def check(d: DeviceAnalysis) -> list[Finding]:
@@ -64,7 +66,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     allocated = int(lt.live[row]) if lt.rows else 0
     by_cat = np.bincount(d.category[alive], weights=lt.size[alive], minlength=len(CATEGORIES))
     cats = {CATEGORIES[i]: int(v) for i, v in sorted(enumerate(by_cat), key=lambda x: -x[1]) if v}
-    reserved = reserved_series(d)
+    reserved = d.allocator.reserved
     res = int(reserved[row]) if reserved is not None else None
     cached = max(res - allocated, 0) if res is not None else None
     short = want - free - (cached or 0) if free is not None else None
@@ -102,15 +104,10 @@ def check(d: DeviceAnalysis) -> list[Finding]:
                         "live memory must go (or the request shrink)." if short is not None
            else "The file does not say what the driver had free.")
         + (f" {len(rows)} OOMs in this trace." if len(rows) > 1 else ""))
-    if frag and not expandable_on(d):
-        fix = expandable_fix(d)
-    else:
-        fix = _FIXES.get(top or "", "# reduce what the largest stacks in the evidence keep "
-                                     "alive, or the batch size")
     return [Finding(
-        rule=RULE, verdict=ANOMALOUS,
+        rule=RULE, verdict=Verdict.ANOMALOUS,
         title=f"Out of memory: {human(want)} requested"
               + (f", {human(free)} free" if free is not None else ""),
         cause=cause, bytes=allocated, blocks=int(alive.size), device=d.device,
-        fix=fix, evidence=evidence,
+        fix=fix_for(d, top, frag), evidence=evidence,
     )]

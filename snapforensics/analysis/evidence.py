@@ -6,8 +6,9 @@ from collections import defaultdict
 
 import numpy as np
 
-from snapforensics.analysis.classify import BACKWARD, FORWARD, PATHS, RECOMPUTE
+from snapforensics.analysis.classify import PATHS
 from snapforensics.analysis.context import DeviceAnalysis
+from snapforensics.analysis.vocab import Phase
 
 
 def by_module(d: DeviceAnalysis, blocks: np.ndarray, limit: int = 12) -> list[dict]:
@@ -66,8 +67,8 @@ def by_path(d: DeviceAnalysis, blocks: np.ndarray) -> dict[str, int]:
 def peaks(d: DeviceAnalysis, live: np.ndarray) -> dict[str, int]:
     """Overall, forward and backward peaks of a live-bytes series over this trace's phases."""
     ph = d.tl.phase
-    fw = ph == FORWARD
-    bw = (ph == BACKWARD) | (ph == RECOMPUTE)
+    fw = ph == Phase.FORWARD
+    bw = (ph == Phase.BACKWARD) | (ph == Phase.RECOMPUTE)
     return {"overall_bytes": int(live.max()) if len(live) else 0,
             "forward_bytes": int(live[fw].max()) if fw.any() else 0,
             "backward_bytes": int(live[bw].max()) if bw.any() else 0}

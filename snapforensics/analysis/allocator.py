@@ -1,0 +1,127 @@
+"""What one device's caching allocator did: its segments, reserved bytes over time, its config.
+
+Facts shared by the rules `allocator_*` and `oom_report`, computed once per device on first use
+(`DeviceAnalysis.allocator`) from the arrays of one `DeviceAnalysis` and the dump's segment list,
+never from the raw trace.
+
+Reserved bytes over time: the file has the segments alive at dump (their `total_size` is what
+the allocator held from the driver then) and logs `segment_alloc` / `segment_map` (reserved grows)
+and `segment_free` / `segment_unmap` (it shrinks). Walking those rows *backwards from the dump*
+gives the reserved bytes after every row, exact for every row the ring buffer still holds even
+when its start was lost (the dump is the anchor, not the first row).
+"""
+
+from __future__ import annotations
+
+import re
+from functools import cached_property
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+
+from snapforensics.snapshot.model import (
+    ALLOC,
+    SEGMENT_ALLOC,
+    SEGMENT_FREE,
+    SEGMENT_MAP,
+    SEGMENT_UNMAP,
+    Segment,
+)
+
+if TYPE_CHECKING:
+    from snapforensics.analysis.context import DeviceAnalysis
+
+# The CUDA / NPU caching allocator's large-pool granularity: a request between 1 and 10 MiB gets
+# a 20 MiB segment (kLargeBuffer). Gaps between reserved and allocated below a couple of these
+# are the allocator's rounding, not something a setting can remove.
+LARGE_SEGMENT = 20 << 20
+
+
+class AllocConf(NamedTuple):
+    var: str  # the env var of this file's backend (PYTORCH_CUDA_ALLOC_CONF, ..._NPU_...)
+    value: str  # its value when the file was recorded ("" when unknown)
+
+
+class Allocator:
+    """The allocator facts of one device; each is computed on first use, then kept."""
+
+    def __init__(self, d: DeviceAnalysis) -> None:
+        self._d = d
+
+    @cached_property
+    def segments(self) -> list[Segment]:
+        """The device's segments alive at dump."""
+        return [s for s in self._d.snapshot.segments if s.device == self._d.device]
+
+    @cached_property
+    def reserved(self) -> np.ndarray | None:
+        """Reserved bytes right after each row, reconstructed backwards from the dump's segments.
+
+        None when the dump's segments cannot be the anchor of this trace (no segments for the
+        device and no segment rows, or reserved would fall below the live bytes: a synthetic or
+        mismatched file).
+        """
+        d = self._d
+        segs = self.segments
+        n = len(d.trace)
+        act = d.trace.action
+        up = (act == SEGMENT_ALLOC) | (act == SEGMENT_MAP)
+        down = (act == SEGMENT_FREE) | (act == SEGMENT_UNMAP)
+        # no segments at dump is a valid anchor (0 reserved, e.g. after empty_cache) only when
+        # the trace shows segments coming and going; otherwise the file has no segment list
+        if not n or (not segs and not (up.any() or down.any())):
+            return None
+        size = d.trace.size.astype(np.int64)
+        delta = np.zeros(n, np.int64)
+        delta[up] = size[up]
+        delta[down] = -size[down]
+        later = np.cumsum(delta[::-1])[::-1] - delta  # sum of delta over rows after r
+        reserved = int(sum(s.total_size for s in segs)) - later
+        live = d.lt.live
+        if len(live) and (reserved - live).min() < -0.01 * max(int(live.max()), 1):
+            return None
+        return reserved
+
+    @cached_property
+    def conf(self) -> AllocConf:
+        """The allocator config env var of this file's backend, and its value then."""
+        snap = self._d.snapshot
+        var = snap.kind.alloc_conf_var
+        settings = snap.allocator_settings or {}
+        cur = settings.get(var)
+        if not isinstance(cur, str):
+            cur = next((v for k, v in settings.items()
+                        if k.endswith("_ALLOC_CONF") and isinstance(v, str)), "")
+        return AllocConf(var, cur)
+
+    @cached_property
+    def expandable(self) -> bool:
+        """Expandable segments were on (the settings, the segments or the config say so)."""
+        snap = self._d.snapshot
+        settings = snap.allocator_settings or {}
+        return bool(settings.get("expandable_segments")) or bool(
+            snap.kind.expandable_segments) or bool(
+            re.search(r"expandable_segments\s*:\s*true", self.conf.value, re.I))
+
+    @cached_property
+    def expandable_fix(self) -> str:
+        """The shell line that turns expandable segments on, keeping the settings already there."""
+        var, cur = self.conf
+        kept = [p for p in (x.strip() for x in cur.split(",")) if p and
+                not p.lower().startswith("expandable_segments")]
+        value = ",".join(kept + ["expandable_segments:True"])
+        return (f"export {var}={value}   # before the process starts (torchrun inherits it)\n"
+                f"# or first thing in the script, before torch touches the device:\n"
+                f"#   os.environ[\"{var}\"] = \"{value}\"")
+
+    def next_alloc_size(self, rows: np.ndarray) -> np.ndarray:
+        """Size of the first alloc at or after each row (0 when none): what a segment grew for."""
+        trace = self._d.trace
+        allocs = np.flatnonzero(trace.action == ALLOC)
+        if not len(allocs):
+            return np.zeros(len(rows), np.int64)
+        k = np.searchsorted(allocs, rows)
+        ok = k < len(allocs)
+        out = np.zeros(len(rows), np.int64)
+        out[ok] = trace.size[allocs[k[ok]]]
+        return out

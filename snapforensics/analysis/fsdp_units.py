@@ -1,0 +1,262 @@
+"""What FSDP did on one device: unshard events and units, the world size, stale and leaked unshards.
+
+The `fsdp_*` rules share these facts through `DeviceAnalysis.fsdp`: each is computed from the
+per-block arrays of one DeviceAnalysis on first use and kept, so each rule stays one numpy pass.
+
+An *unshard event* is one all-gather of one FSDP unit: for FSDP2 the run of per-parameter
+unsharded-param blocks that one `foreach_all_gather_copy_out` allocates back to back, for FSDP1
+the padded unsharded flat parameter (`_alloc_padded_unsharded_flat_param`, which is the
+all-gather output itself). A *unit* is named by its FQN when the trace carries FSDP2's
+`FSDP::... (fqn)` ranges (the root is "(root)"); otherwise events stand for units.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+
+from snapforensics.analysis.phases import Iteration
+from snapforensics.analysis.vocab import BACKWARD_PHASES, CAT_CODE, Category
+
+if TYPE_CHECKING:
+    from snapforensics.analysis.context import DeviceAnalysis
+
+ROOT = "(root)"
+
+# Transient copies a collective backend makes of an all-gather buffer (gloo's same-size buffer,
+# c10d's list all-gather): not a unit's unsharded memory.
+_BACKEND_PREFIXES = ("c10d::", "gloo:", "nccl:", "hccl:")
+# All-gather *inputs* (the shard cast to param_dtype): FSDP2, FSDP1's `_mp_shard`.
+_AG_INPUT_FUNCS = {"_get_param_all_gather_inputs", "_use_low_precision_shard"}
+_FSDP1_FLAT = "_alloc_padded_unsharded_flat_param"
+_C10D = "<c10d>"
+_C10D_FILES = ("distributed/distributed_c10d.py", "distributed/c10d_logger.py",
+               "distributed/_functional_collectives.py")
+
+# A unit's parameters gathered for its backward are freed by its own post-backward. One other
+# unit's gradient reduction may happen meanwhile (the next unit is prefetched while the current
+# one finishes); living through more of them means nobody resharded it.
+MAX_FOREIGN_REDUCTIONS = 2
+
+
+class StackFlags(NamedTuple):
+    """Per-block flags read off the stacks of all-gather / unsharded-param blocks."""
+
+    primary: np.ndarray  # bool: a unit's full unshard output
+    ag_input: np.ndarray  # bool: an all-gather input (mp shard)
+    fsdp1_flat: np.ndarray  # bool: FSDP1 unsharded flat param
+
+
+class WorldSize(NamedTuple):
+    size: int | None  # None when neither the recorder nor the reduce-scatters say it
+    estimated: bool  # from reduce-scatter sizes near each other, not the recorder
+
+
+class FsdpUnits:
+    """The FSDP facts of one device; each is computed on first use, then kept."""
+
+    def __init__(self, d: DeviceAnalysis) -> None:
+        self._d = d
+
+    @cached_property
+    def flags(self) -> StackFlags:
+        d = self._d
+        n = len(d.lt)
+        primary, ag_input, fsdp1_flat = np.zeros(n, bool), np.zeros(n, bool), np.zeros(n, bool)
+        ag = d.category == CAT_CODE[Category.ALL_GATHER]
+        un = d.category == CAT_CODE[Category.UNSHARDED_PARAM]
+        names_of: dict[int, frozenset[str]] = {}
+        for b in np.flatnonzero(ag | un).tolist():
+            sid = int(d.lt.stack[b])
+            names = names_of.get(sid)
+            if names is None:
+                names = names_of[sid] = _stack_names(d, sid)
+            if un[b]:
+                if _FSDP1_FLAT in names:
+                    fsdp1_flat[b] = primary[b] = True
+                continue
+            if names & _AG_INPUT_FUNCS:
+                ag_input[b] = True
+            elif names and _C10D not in names and \
+                    not any(x.startswith(_BACKEND_PREFIXES) for x in names):
+                # FSDP allocates its all-gather output from Python (`allocate`,
+                # `all_gather_copy_in`): a frameless all-gather block is a collective's
+                # worker-thread buffer.
+                primary[b] = True
+        return StackFlags(primary, ag_input, fsdp1_flat)
+
+    @property
+    def primary(self) -> np.ndarray:
+        return self.flags.primary
+
+    @property
+    def ag_input(self) -> np.ndarray:
+        return self.flags.ag_input
+
+    @property
+    def fsdp1_flat(self) -> np.ndarray:
+        return self.flags.fsdp1_flat
+
+    @cached_property
+    def event(self) -> np.ndarray:
+        """Unshard event id per block (-1 if none): unsharded-param blocks grouped into events
+        (see the module docstring)."""
+        d = self._d
+        flat = self.fsdp1_flat
+        ev = np.full(len(d.lt), -1, np.int64)
+        idx = np.flatnonzero((d.category == CAT_CODE[Category.UNSHARDED_PARAM]) &
+                             (d.lt.alloc_row >= 0))
+        if not idx.size:
+            return ev
+        idx = idx[np.argsort(d.lt.alloc_row[idx], kind="stable")]
+        cur = -1
+        prev: tuple[int, tuple] | None = None
+        for b in idx.tolist():
+            key = (d.module_of(b), int(d.phase[b]), int(d.path[b]), int(d.iteration[b]))
+            new = prev is None or flat[b] or b != prev[0] + 1 or key != prev[1] or \
+                flat[prev[0]]
+            if new:
+                cur += 1
+            ev[b] = cur
+            prev = (b, key)
+        return ev
+
+    @cached_property
+    def world(self) -> WorldSize:
+        """The recorder's world size, else the reduce-scatter input/output ratio of one unit: an
+        estimate (pairs found within a window of rows)."""
+        d = self._d
+        prov = d.snapshot.provenance
+        w = prov.get("world_size") if isinstance(prov, dict) else None
+        if isinstance(w, int) and w >= 1:
+            return WorldSize(w, False)
+        rs = np.flatnonzero(d.mask(Category.REDUCE_SCATTER))
+        sg = np.flatnonzero(d.mask(Category.SHARDED_GRAD))
+        ratios = []
+        if rs.size and sg.size:
+            rs_rows = d.lt.alloc_row[rs]
+            for b in sg.tolist():  # the reduce input is allocated a few rows from its output
+                a, n = int(d.lt.alloc_row[b]), int(d.lt.size[b])
+                near = rs[(np.abs(rs_rows - a) <= 64) & (d.lt.size[rs] > n)]
+                if near.size and n:
+                    nearest = near[np.argmin(np.abs(d.lt.alloc_row[near] - a))]
+                    ratios.append(int(d.lt.size[nearest]) / n)
+        if ratios:
+            r = float(np.median(ratios))
+            if r >= 1.5 and abs(r - round(r)) < 0.1:
+                return WorldSize(int(round(r)), True)
+        return WorldSize(None, False)
+
+    @cached_property
+    def stale(self) -> np.ndarray:
+        """Bool per block: an unshard made during backward that nothing used, freed only when
+        backward finalizes.
+
+        A block counts when it is a unit's all-gather output (or FSDP1 flat parameter) allocated
+        in backward/recompute, freed before its iteration's backward ends (later is the
+        not-resharded bug) and released only by FSDP's end-of-backward cleanup
+        (`finalize_backward`, FSDP1 `_catch_all_reshard`): freed after that backward's last
+        reduce-scatter. When units are named, an FSDP2 all-gather buffer must also be unused (no
+        copy-out of its unit while it was alive), and then also counts when it outlived two
+        other units' all-gathers.
+        """
+        d = self._d
+        primary, fsdp1_flat = self.primary, self.fsdp1_flat
+        out = np.zeros(len(d.lt), bool)
+        cand = primary & np.isin(d.phase, BACKWARD_PHASES) & \
+            (d.iteration >= 0) & (d.lt.alloc_row >= 0)
+        rs = np.flatnonzero(d.mask(Category.REDUCE_SCATTER, Category.SHARDED_GRAD) &
+                            (d.iteration >= 0))
+        un = np.flatnonzero(d.mask(Category.UNSHARDED_PARAM) & ~fsdp1_flat)
+        last_rs: dict[int, int] = {}
+        for b in rs.tolist():
+            it = int(d.iteration[b])
+            last_rs[it] = max(last_rs.get(it, -1), int(d.lt.alloc_row[b]))
+        acc: dict[str, list[int]] = {}
+        for b in un.tolist():
+            m = d.module_of(b)
+            if m is not None:
+                acc.setdefault(m, []).append(int(d.lt.alloc_row[b]))
+        un_by_mod = {m: np.array(sorted(v), np.int64) for m, v in acc.items()}
+        prim = np.flatnonzero(primary & (d.lt.alloc_row >= 0))
+        prim = prim[np.argsort(d.lt.alloc_row[prim], kind="stable")]
+        prim_rows = d.lt.alloc_row[prim]
+        for b in np.flatnonzero(cand).tolist():
+            it = d.tl.iterations[int(d.iteration[b])]
+            a, fr = int(d.lt.alloc_row[b]), int(d.lt.free_row[b])
+            if it.backward_end < 0 or fr > it.backward_end:
+                continue
+            lr = last_rs.get(it.index, -1)
+            tail = lr >= 0 and a < lr < fr
+            m = d.module_of(b)
+            if m is None or fsdp1_flat[b]:
+                out[b] = tail  # unnamed: released only by the final callback
+                continue
+            rows = un_by_mod.get(m, np.zeros(0, np.int64))
+            lo, hi = np.searchsorted(rows, [a, fr], side="right")
+            if hi > lo:
+                continue  # its unit copied out of it: used
+            # unused, and released at the end or alive across two other units' all-gathers
+            lo, hi = np.searchsorted(prim_rows, [a, fr], side="right")
+            if tail or len({d.module_of(o) for o in prim[lo:hi].tolist()} - {m}) >= 2:
+                out[b] = True
+        return out
+
+    @cached_property
+    def leaked(self) -> np.ndarray:
+        """Unsharded-param blocks made in backward that outlive their unit's backward.
+
+        Either still alive when the iteration's backward ends (never resharded), or alive across
+        more than MAX_FOREIGN_REDUCTIONS other units' gradient reductions (released only by the
+        root's final callback, i.e. at the end of backward).
+        """
+        d = self._d
+        idx = np.flatnonzero(d.mask(Category.UNSHARDED_PARAM) &
+                             np.isin(d.phase, BACKWARD_PHASES) &
+                             (d.iteration >= 0))
+        if not idx.size:
+            return idx
+        ends = np.array([d.tl.iterations[i].backward_end for i in d.iteration[idx]], np.int64)
+        past_end = (ends >= 0) & (d.lt.free_row[idx] > ends)
+        grads = np.flatnonzero(d.mask(Category.SHARDED_GRAD, Category.REDUCE_SCATTER))
+        order = np.argsort(d.lt.alloc_row[grads])
+        g_rows = d.lt.alloc_row[grads][order]
+        g_mod = [d.module_of(int(b)) for b in grads[order]]
+        # Without unit names, one reduction = one run of reduce-scatter allocations with no
+        # other allocation between them (input, output, casts: however many the version makes).
+        alloc_rank = np.searchsorted(np.sort(d.lt.alloc_row[d.lt.alloc_row >= 0]), g_rows)
+        g_event = np.concatenate([[0], np.cumsum(np.diff(alloc_rank) > 1)]) if len(g_rows) \
+            else g_rows
+        lo = np.searchsorted(g_rows, d.lt.alloc_row[idx], side="right")
+        hi = np.searchsorted(g_rows, d.lt.free_row[idx], side="left")
+        foreign = np.zeros(len(idx), bool)
+        for k, b in enumerate(idx.tolist()):
+            if hi[k] - lo[k] > MAX_FOREIGN_REDUCTIONS:
+                own = d.module_of(b)
+                mods = {m for m in g_mod[lo[k]:hi[k]] if m is None or m != own}
+                n = len(mods) if None not in mods else len(set(g_event[lo[k]:hi[k]].tolist()))
+                foreign[k] = n > MAX_FOREIGN_REDUCTIONS
+        return idx[past_end | foreign]
+
+
+def _stack_names(d: DeviceAnalysis, stack_id: int) -> frozenset[str]:
+    """Frame names of a stack, plus the marker _C10D when a frame is in the c10d Python layer
+    (the collective's own allocation, e.g. gloo's same-size all-gather buffer)."""
+    frames = d.snapshot.stack_frames(stack_id) if stack_id >= 0 else []
+    names = {fr.name for fr in frames}
+    if any(fr.filename.replace("\\", "/").endswith(_C10D_FILES) for fr in frames):
+        names.add(_C10D)
+    return frozenset(names)
+
+
+def unit_of_event(d: DeviceAnalysis, blocks: np.ndarray) -> str | None:
+    """The unit an unshard event's blocks belong to (None when unnamed or mixed)."""
+    mods = {d.module_of(b) for b in blocks.tolist()} - {None}
+    return next(iter(mods)) if len(mods) == 1 else None
+
+
+def forward_end(it: Iteration) -> int:
+    """Last row of an iteration's forward (the row before its backward starts)."""
+    return (it.backward_start - 1) if it.backward_start >= 0 else it.end

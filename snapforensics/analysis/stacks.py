@@ -1,0 +1,88 @@
+"""What a stack says beyond its category: noise frames, the user's own frame, layer repeats.
+
+Used by the stack text of every finding (`is_noise`) and by rules that group blocks by the code
+that made them (a layer's repetitions share a key).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from snapforensics.snapshot.model import NO_STACK, Frame
+
+if TYPE_CHECKING:
+    from snapforensics.analysis.context import DeviceAnalysis
+
+# Frames that say nothing about what made a block (allocator / interpreter / wrappers).
+_NOISE = re.compile(
+    r"(^torch::|^c10::|^at::|^_Py|^Py[A-Z]|^_start$|^__libc|^std::|CapturedTraceback|"
+    r"^<unknown>$|^\?\?$|^_call_impl$|^_wrapped_call_impl$|^inner$|^_fn$|^wrapper$|"
+    r"^decorate_context$)")
+_NOISE_FILES = ("torch/nn/modules/module.py", "torch/_dynamo/eval_frame.py", "torch/_compile.py")
+
+
+_NATIVE = (".c", ".cc", ".cpp", ".cxx", ".h", ".hpp", ".cu", ".so")
+
+
+def is_noise(f: Frame) -> bool:
+    fn = f.filename.replace("\\", "/")
+    return bool(_NOISE.search(f.name)) or fn in ("", "??") or fn.endswith(_NOISE_FILES) or \
+        fn.endswith(_NATIVE)
+
+
+_INSTANCE = re.compile(r"^(.*?)_(\d+)$")
+
+
+def user_frame(d: DeviceAnalysis, stack_id: int) -> str | None:
+    """The innermost frame of the user's own code (not torch, not an op or module marker)."""
+    for f in d.snapshot.stack_frames(stack_id):
+        fn = f.filename.replace("\\", "/")
+        if is_noise(f) or fn.startswith("<") or "/torch/" in fn or fn.startswith("torch/") \
+                or "site-packages/" in fn or "/runpy" in fn or f.name == "<module>":
+            continue
+        return str(f)
+    return None
+
+
+def generic_keys(d: DeviceAnalysis, stacks: np.ndarray) -> np.ndarray:
+    """A key per stack that is the same for every repetition of a layer.
+
+    Code stacks are already identical across layers; recordings that carry `<nn.Module>` frames
+    (`Linear_24`, `FSDPBlock_3`) name the instance, so the numeric suffix is dropped.
+    """
+    uniq, inv = np.unique(stacks, return_inverse=True)
+    keys: dict[tuple, int] = {}
+    ids = []
+    for s in uniq.tolist():
+        if s == NO_STACK:
+            key: tuple = ("<no stack>",)
+        else:
+            key = tuple((f.filename, _INSTANCE.sub(r"\1", f.name) if f.filename == "<nn.Module>"
+                         else f.name, f.line) for f in d.snapshot.stack_frames(s))
+        ids.append(keys.setdefault(key, len(keys)))
+    return np.array(ids, np.int64)[inv] if len(ids) else np.zeros(0, np.int64)
+
+
+def repeated_module(d: DeviceAnalysis, stacks: np.ndarray, repeats: int) -> str | None:
+    """The outermost `<nn.Module>` class with exactly `repeats` instances among these stacks."""
+    inst: dict[str, set[str]] = {}
+    depth: dict[str, int] = {}
+    for s in np.unique(stacks).tolist():
+        frames = d.snapshot.stack_frames(s)
+        for pos, f in enumerate(frames):
+            if f.filename != "<nn.Module>":
+                continue
+            m = _INSTANCE.match(f.name)
+            if not m:
+                continue
+            inst.setdefault(m.group(1), set()).add(m.group(2))
+            depth[m.group(1)] = max(depth.get(m.group(1), 0), pos)
+    cands = [c for c, v in inst.items() if len(v) == repeats]
+    if not cands:
+        return None
+    name = max(cands, key=lambda c: depth[c])
+    # FSDP2 swaps the class of a sharded module for a dynamic `FSDP<Class>`
+    return name[4:] if name.startswith("FSDP") and len(name) > 4 else name

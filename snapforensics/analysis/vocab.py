@@ -1,0 +1,63 @@
+"""The analysis's vocabulary: phases, block categories and finding verdicts.
+
+Values are the ones the JSON contract carries (categories, verdicts) and the codes the per-row and
+per-block int8 arrays hold (phases, category codes), so neither ever changes when a member is
+added at the end.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum, StrEnum
+
+
+class Phase(IntEnum):
+    """A row's phase; also the phase hint a stack shows (UNKNOWN: none)."""
+
+    INIT = 0
+    FORWARD = 1
+    BACKWARD = 2
+    RECOMPUTE = 3  # activation-checkpoint recompute, inside backward
+    OPTIMIZER = 4
+    UNKNOWN = 5
+
+    @property
+    def label(self) -> str:
+        """The name the JSON and the reports use ("forward")."""
+        return self.name.lower()
+
+
+PHASE_LABELS = tuple(p.label for p in Phase)  # by code, for the int8 phase arrays
+
+# Phases of backward: recompute runs inside it.
+BACKWARD_PHASES = (Phase.BACKWARD, Phase.RECOMPUTE)
+
+
+class Category(StrEnum):
+    """What made a block (stable ids, used in JSON). A block's code is its index in CATEGORIES."""
+
+    ALL_GATHER = "fsdp.all_gather_buffer"
+    UNSHARDED_PARAM = "fsdp.unsharded_param"
+    REDUCE_SCATTER = "fsdp.reduce_scatter_buffer"
+    SHARDED_GRAD = "fsdp.sharded_grad"
+    UNSHARDED_GRAD = "fsdp.unsharded_grad"
+    SHARDED_PARAM = "fsdp.sharded_param"
+    OPTIMIZER_STATE = "optimizer_state"
+    GRADIENT = "gradient"
+    ACTIVATION = "activation"
+    RECOMPUTE_ACTIVATION = "recompute_activation"
+    PARAMETER = "parameter"
+    OTHER = "other"
+    UNTRACED = "untraced"  # alive before the first trace entry: what made it is not in the file
+
+
+CATEGORIES = tuple(Category)
+CAT_CODE = {c: i for i, c in enumerate(CATEGORIES)}
+FSDP_CATEGORIES = frozenset({Category.ALL_GATHER, Category.UNSHARDED_PARAM,
+                             Category.REDUCE_SCATTER, Category.SHARDED_GRAD,
+                             Category.UNSHARDED_GRAD, Category.SHARDED_PARAM})
+
+
+class Verdict(StrEnum):
+    ANOMALOUS = "anomalous"  # a defect: fixing it lowers the peak
+    EXPECTED = "expected"  # what a setting is designed to cost
+    INFO = "info"  # advice or context, no defect

@@ -1,0 +1,130 @@
+"""Checking single values and whole columns from the file: types, ranges, short safe names.
+
+Shared by the unpickler's messages, the interner and normalization. A wrong type or an
+impossible value is a one-line SnapError naming where it is, never a silently wrong number.
+"""
+
+from __future__ import annotations
+
+import math
+from itertools import repeat
+from typing import Any
+
+import numpy as np
+
+from snapforensics.errors import SnapError
+
+MAX_BYTES = 1 << 50  # 1 PiB: no single allocation or segment is larger; bigger means corrupt
+MAX_TOTAL = 1 << 62  # sums of sizes must stay far from int64 overflow
+MAX_DEVICE = 1 << 16
+_INT = {int}
+_NUM_OR_NONE = {int, float, type(None)}
+LISTS = (list, tuple)
+
+
+def short(v: Any) -> str:
+    """A safe, bounded description of a value from the file (never recurses into it)."""
+    if isinstance(v, str):
+        s = v if len(v) <= 60 else v[:57] + "..."
+        return repr(s).encode("ascii", "backslashreplace").decode()
+    if type(v) is int and v.bit_length() > 128:  # repr of a 5,000-digit int raises
+        return f"an int of {v.bit_length()} bits"
+    if type(v) in (int, float, bool) or v is None:
+        s = repr(v)
+        return s if len(s) <= 40 else s[:37] + "..."
+    return f"a {type(v).__name__}"
+
+
+def tname(v: Any) -> str:
+    return type(v).__name__
+
+
+def clean_str(s: str) -> str:
+    """Lone surrogates (possible in a pickle) break every UTF-8 writer downstream."""
+    if s.isascii():
+        return s
+    try:
+        s.encode("utf-8")
+        return s
+    except UnicodeEncodeError:
+        return s.encode("utf-8", "replace").decode("utf-8")
+
+
+def at(where: str, row: int | None) -> str:
+    return where if row is None else f"{where}[{row}]"
+
+
+def check_types(col: list, allowed: set, where_dev: str, field: str, expected: str) -> None:
+    found = set(map(type, col))
+    if found <= allowed:
+        return
+    for i, v in enumerate(col):
+        if type(v) not in allowed:
+            raise SnapError(f"{where_dev}[{i}]: {field} must be {expected}, got {tname(v)}")
+
+
+def check_int(v: Any, where: str, field: str, *, lo: int = 0, hi: int = (1 << 64) - 1) -> int:
+    if type(v) is not int:
+        raise SnapError(f"{where}: {field} must be an int, got {tname(v)}")
+    if v < lo or v > hi:
+        raise SnapError(f"{where}: {field} {short(v)} is out of range")
+    return v
+
+
+def check_time(v: Any, where: str) -> float:
+    if v is None:
+        return math.nan
+    if type(v) not in (int, float):
+        raise SnapError(f"{where}: time_us must be a number, got {tname(v)}")
+    try:
+        t = float(v)
+    except OverflowError:
+        raise SnapError(f"{where}: time_us {short(v)} is out of range") from None
+    if math.isinf(t):
+        raise SnapError(f"{where}: time_us {short(v)} is out of range")
+    return t
+
+
+def column(entries: list, key: str, default: Any = None) -> list:
+    return list(map(dict.get, entries, repeat(key), repeat(default)))
+
+
+def uint64_column(col: list, where_dev: str, field: str) -> np.ndarray:
+    check_types(col, _INT, where_dev, field, "an int")
+    try:
+        return np.array(col, np.uint64)
+    except (OverflowError, ValueError):
+        for i, v in enumerate(col):
+            if not 0 <= v < (1 << 64):
+                raise SnapError(f"{where_dev}[{i}]: {field} {short(v)} is out of range") from None
+        raise SnapError(f"{where_dev}: {field} is out of range") from None
+
+
+def size_column(col: list, where_dev: str, field: str) -> np.ndarray:
+    check_types(col, _INT, where_dev, field, "an int")
+    try:
+        arr = np.array(col, np.int64)
+    except (OverflowError, ValueError):
+        arr = None
+    if arr is None or (len(arr) and (int(arr.min()) < 0 or int(arr.max()) > MAX_BYTES)):
+        for i, v in enumerate(col):
+            if not 0 <= v <= MAX_BYTES:
+                raise SnapError(f"{where_dev}[{i}]: {field} {short(v)} is out of range "
+                                "(negative or beyond any device)")
+        raise SnapError(f"{where_dev}: {field} is out of range")
+    if len(arr) and float(arr.sum(dtype=np.float64)) > MAX_TOTAL:
+        raise SnapError(f"{where_dev}: {field}s add up to more than any device could hold")
+    return arr
+
+
+def time_column(col: list, where_dev: str) -> np.ndarray:
+    check_types(col, _NUM_OR_NONE, where_dev, "time_us", "a number")
+    try:
+        arr = np.array(col, np.float64)
+    except (OverflowError, ValueError, TypeError):
+        arr = None
+    if arr is None or np.isinf(arr).any():
+        for i, v in enumerate(col):
+            check_time(v, f"{where_dev}[{i}]")
+        raise SnapError(f"{where_dev}: time_us is out of range")
+    return arr

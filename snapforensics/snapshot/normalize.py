@@ -1,0 +1,397 @@
+"""Normalization: the raw unpickled object in, the validated interned `Snapshot` out.
+
+Each device's trace is converted column by column (`map(dict.get, ...)` + one numpy conversion
+per column, types checked with `set(map(type, column))`, rows located only when a check fails);
+segments and blocks are validated one by one (they are few); annotations (external ones carry
+only a time) are placed in their device's trace. Every field kept is validated: a wrong type or
+an impossible size is a one-line SnapError, never a silently wrong number.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from itertools import repeat
+from typing import Any
+
+import numpy as np
+
+from snapforensics.errors import SnapError
+from snapforensics.snapshot.columns import (
+    LISTS,
+    MAX_BYTES,
+    MAX_DEVICE,
+    MAX_TOTAL,
+    check_int,
+    check_time,
+    check_types,
+    clean_str,
+    column,
+    short,
+    size_column,
+    time_column,
+    tname,
+    uint64_column,
+)
+from snapforensics.snapshot.format import detect_format, kind, rank_from_name
+from snapforensics.snapshot.intern import Interner
+from snapforensics.snapshot.model import (
+    NO_STACK,
+    A,
+    Annotation,
+    Block,
+    Segment,
+    Snapshot,
+    Trace,
+)
+from snapforensics.snapshot.unpickle import gc_paused, read_raw_info
+
+BLOCK_STATES = {"active_allocated", "active_pending_free", "active_awaiting_free", "inactive"}
+_STATE_OK = {"active_allocated", "active_pending_free", "inactive"}
+OTHER = A["other"]
+
+
+def load(path: str | os.PathLike) -> Snapshot:
+    raw, warnings, info = read_raw_info(path)
+    with gc_paused():
+        try:
+            return normalize(raw, source=str(path), warnings=warnings, file_info=info)
+        except SnapError as e:
+            raise SnapError(f"{path}: {e}", e.exit_code) from None
+
+
+def _trace(entries: Any, device: int, it: Interner, inline_ann: list[Annotation],
+           keys_seen: set) -> Trace:
+    where_dev = f"device_traces[{device}]"
+    if type(entries) not in LISTS:
+        raise SnapError(f"{where_dev} must be a list, got {tname(entries)}")
+    n = len(entries)
+    if n == 0:
+        return Trace.empty(device)
+    if set(map(type, entries)) != {dict}:
+        i = next(i for i, e in enumerate(entries) if type(e) is not dict)
+        raise SnapError(f"{where_dev}[{i}] is {tname(entries[i])}, expected a dict")
+    # Which optional fields this file has: first and last entries suffice.
+    for e in entries[:500] if n <= 1000 else entries[:500] + entries[-500:]:
+        keys_seen.update(e)
+
+    acts = column(entries, "action")
+    check_types(acts, {str}, where_dev, "action", "a string")
+    action = np.array(list(map(A.get, acts, repeat(OTHER))), np.int8)
+    addr_col = column(entries, "addr", 0)
+    if None in addr_col:  # oom entries carry device_free instead of an address
+        addr_col = [0 if a is None else a for a in addr_col]
+    addr = uint64_column(addr_col, where_dev, "addr")
+    size = size_column(column(entries, "size", 0), where_dev, "size")
+    stream = it.stream_column(column(entries, "stream", 0), where_dev)
+    time_us = time_column(column(entries, "time_us"), where_dev)
+    stack = it.stack_column(column(entries, "frames"), where_dev)
+
+    # pool_id (newest torch) feeds format["pools"]: torch writes it on every entry of a file or on
+    # none, so a field absent from the first and last 500 entries is absent.
+    if "pool_id" in keys_seen:
+        pools = column(entries, "pool_id")
+        try:
+            pools = dict.fromkeys(pools)
+        except TypeError:  # lists: validate each
+            pass
+        for v in pools:
+            it.pool(v, where_dev)
+
+    device_free: dict[int, int] = {}
+    for i in np.flatnonzero(action == A["oom"]).tolist():
+        df = entries[i].get("device_free")
+        if df is not None:
+            device_free[i] = check_int(df, f"{where_dev}[{i}]", "device_free", hi=MAX_BYTES)
+
+    inline_rows = np.flatnonzero((action == A["user_defined"]) | (action == A["annotate"]))
+    for i in inline_rows.tolist():
+        # 2.4-era inline annotations: frames [{name: START|END, filename: <name>}]
+        stack[i] = NO_STACK
+        name, stage = _inline_annotation(entries[i], f"{where_dev}[{i}]")
+        inline_ann.append(Annotation(device, stage, name, float(time_us[i]), i))
+    return Trace(device, action, addr, size, stream, time_us, stack, device_free)
+
+
+def _inline_annotation(e: dict, where: str) -> tuple[str, str]:
+    frames = e.get("frames")
+    f = frames[0] if type(frames) in LISTS and frames and type(frames[0]) is dict else {}
+    stage = e.get("stage")
+    if stage is None:
+        stage = f.get("name")
+    name = e.get("name")
+    if name is None:
+        name = f.get("filename")
+    if stage is not None and type(stage) is not str:
+        raise SnapError(f"{where}: annotation stage must be a string, got {tname(stage)}")
+    if name is not None and type(name) is not str:
+        raise SnapError(f"{where}: annotation name must be a string, got {tname(name)}")
+    stage = (stage or "START").upper()
+    return clean_str(name or "annotation"), ("END" if stage == "END" else "START")
+
+
+def _legacy_history(b: dict, bw: str) -> tuple[Any, int | None]:
+    """torch 2.0 blocks: `history` newest first, [{addr, real_size, frames}]."""
+    hist = b.get("history")
+    if hist is None:
+        return None, None
+    if type(hist) not in LISTS:
+        raise SnapError(f"{bw}: history must be a list, got {tname(hist)}")
+    if not hist:
+        return None, None
+    h = hist[0]
+    if type(h) is not dict:
+        raise SnapError(f"{bw}.history[0] is {tname(h)}, expected a dict")
+    real = h.get("real_size")
+    if real is not None:
+        real = check_int(real, f"{bw}.history[0]", "real_size", hi=MAX_BYTES)
+    return h.get("frames"), real
+
+
+def _segments(raw: Any, it: Interner, fmt: dict) -> list[Segment]:
+    if type(raw) not in LISTS:
+        raise SnapError(f"segments must be a list, got {tname(raw)}")
+    out = []
+    stack = it.stack
+    legacy = 0
+    for si, s in enumerate(raw):
+        where = f"segments[{si}]"
+        if type(s) is not dict:
+            raise SnapError(f"{where} is {tname(s)}, expected a dict")
+        seg_addr = check_int(s.get("address", 0), where, "address")
+        blocks_raw = s.get("blocks", [])
+        if blocks_raw is None:
+            blocks_raw = []
+        if type(blocks_raw) not in LISTS:
+            raise SnapError(f"{where}: blocks must be a list, got {tname(blocks_raw)}")
+        blocks = []
+        offset = seg_addr
+        bwhere = f"{where}.blocks"
+        for bi, b in enumerate(blocks_raw):
+            if type(b) is not dict:
+                raise SnapError(f"{where}.blocks[{bi}] is {tname(b)}, expected a dict")
+            get = b.get
+            bsize = get("size", 0)
+            frames = get("frames")
+            requested = get("requested_size")
+            state = get("state")
+            address = get("address")
+            if "history" in b:
+                legacy += 1
+                hframes, real = _legacy_history(b, f"{where}.blocks[{bi}]")
+                if frames is None:
+                    frames = hframes
+                if requested is None and state != "inactive":
+                    requested = real
+                if state is None:
+                    state = "active_allocated" if hframes is not None or real is not None \
+                        else "inactive"
+            if type(state) is not str or state not in _STATE_OK:  # None, wrong type, old name
+                if state is None:
+                    state = "inactive"
+                elif type(state) is not str or state not in BLOCK_STATES:
+                    raise SnapError(f"{where}.blocks[{bi}]: unknown block state {short(state)}")
+                elif state == "active_awaiting_free":
+                    state = "active_pending_free"
+            if requested is None:
+                requested = bsize if state != "inactive" else 0
+            if address is None:
+                address = offset
+            if not (type(bsize) is int and 0 <= bsize <= MAX_BYTES and type(requested) is int
+                    and 0 <= requested <= MAX_BYTES and type(address) is int
+                    and 0 <= address < (1 << 64)):
+                bw = f"{where}.blocks[{bi}]"
+                check_int(bsize, bw, "size", hi=MAX_BYTES)
+                check_int(requested, bw, "requested_size", hi=MAX_BYTES)
+                check_int(address, bw, "address")
+            offset = address + bsize
+            blocks.append(Block(address, bsize, requested, state,
+                                NO_STACK if frames is None else stack(frames, bwhere, bi)))
+        block_sum = sum(b.size for b in blocks)
+        allocated = sum(b.size for b in blocks if b.state != "inactive")
+        total = s.get("total_size")
+        total = block_sum if total is None else check_int(total, where, "total_size", hi=MAX_BYTES)
+        if blocks and block_sum != total:
+            fmt["segments_not_tiled"] = fmt.get("segments_not_tiled", 0) + 1
+        seg_type = s.get("segment_type", "")
+        if seg_type is None:
+            seg_type = ""
+        if type(seg_type) is not str:
+            raise SnapError(f"{where}: segment_type must be a string, got {tname(seg_type)}")
+        expandable = s.get("is_expandable", False)
+        if expandable is None:
+            expandable = False
+        if type(expandable) not in (bool, int):
+            raise SnapError(f"{where}: is_expandable must be a bool, got {tname(expandable)}")
+        pool = s.get("segment_pool_id", (0, 0))
+        it.pool(pool, where)  # validates; the default pool maps to -1
+        pool_t = (pool,) if type(pool) is int else ((0, 0) if pool is None else tuple(pool))
+        out.append(Segment(
+            device=check_int(s.get("device", 0), where, "device", hi=MAX_DEVICE),
+            address=seg_addr,
+            total_size=total,
+            allocated_size=check_int(_dflt(s, "allocated_size", allocated), where, "allocated_size",
+                                hi=MAX_BYTES),
+            active_size=check_int(_dflt(s, "active_size", allocated), where, "active_size",
+                             hi=MAX_BYTES),
+            requested_size=check_int(_dflt(s, "requested_size", allocated), where, "requested_size",
+                                hi=MAX_BYTES),
+            stream=it.stream(s.get("stream", 0), where),
+            segment_type=clean_str(seg_type),
+            pool_id=pool_t,
+            is_expandable=bool(expandable),
+            stack=stack(s.get("frames"), where),
+            blocks=blocks,
+        ))
+    if sum(float(s.total_size) for s in out) > MAX_TOTAL:
+        raise SnapError("segments add up to more memory than any device could hold")
+    if legacy:
+        fmt["legacy_block_history"] = True
+    return out
+
+
+def _dflt(d: dict, key: str, default: Any) -> Any:
+    v = d.get(key)
+    return default if v is None else v
+
+
+def _place_annotations(raw: Any, traces: list[Trace]) -> list[Annotation]:
+    """External annotations carry only a time: place each before the first later trace row."""
+    if raw is None:
+        return []
+    if type(raw) not in LISTS:
+        raise SnapError(f"external_annotations must be a list, got {tname(raw)}")
+    by_dev = {t.device: t for t in traces}
+    sorted_ok = {t.device: len(t) > 0 and not np.isnan(t.time_us).any()
+                 and not (np.diff(t.time_us) < 0).any() for t in traces}
+    out = []
+    for i, a in enumerate(raw):
+        where = f"external_annotations[{i}]"
+        if type(a) is not dict:
+            raise SnapError(f"{where} is {tname(a)}, expected a dict")
+        stage = a.get("stage", "START")
+        if type(stage) is not str:
+            raise SnapError(f"{where}: stage must be a string, got {tname(stage)}")
+        stage = stage.upper()
+        name = a.get("name", "")
+        if type(name) is not str:
+            raise SnapError(f"{where}: name must be a string, got {tname(name)}")
+        dev = a.get("device", 0)
+        dev = dev if type(dev) is int else 0
+        t = check_time(a.get("time_us"), where)
+        trace = by_dev[dev] if dev in by_dev else (traces[0] if traces else None)
+        if trace is None or math.isnan(t):
+            continue
+        # START sits before rows of the same time, END after them.
+        side = "left" if stage == "START" else "right"
+        row = int(np.searchsorted(trace.time_us, t, side=side)) if sorted_ok[trace.device] \
+            else len(trace)
+        out.append(Annotation(trace.device, "END" if stage == "END" else "START",
+                              clean_str(name), t, row))
+    return out
+
+
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def _plain(v: Any, depth: int = 0) -> Any:
+    """A bounded copy of JSON-like metadata; raises ValueError for anything else."""
+    t = type(v)
+    if t in _PLAIN:
+        if t is int and not -(1 << 63) <= v < (1 << 64):
+            raise ValueError("int out of range")
+        return clean_str(v) if t is str else v
+    if depth >= 6:
+        raise ValueError("nested too deeply")
+    if t is dict:
+        if len(v) > 10_000:
+            raise ValueError("too large")
+        return {clean_str(k): _plain(x, depth + 1) for k, x in v.items() if type(k) is str}
+    if t in LISTS:
+        if len(v) > 10_000:
+            raise ValueError("too large")
+        return [_plain(x, depth + 1) for x in v]
+    raise ValueError(f"{t.__name__} is not plain data")
+
+
+def _metadata(raw: dict, key: str, warnings: list[str]) -> dict:
+    v = raw.get(key)
+    if v is None:
+        return {}
+    if type(v) is not dict:
+        warnings.append(f"'{key}' is {tname(v)}, expected a dict; ignored")
+        return {}
+    try:
+        return _plain(v)
+    except ValueError as e:
+        warnings.append(f"'{key}' is not plain data ({e}); ignored")
+        return {}
+
+
+def normalize(raw: Any, source: str = "<memory>", warnings: list[str] | None = None,
+              file_info: dict | None = None) -> Snapshot:
+    warnings = list(warnings or [])
+    it = Interner()
+    it.keep_alive.append(raw)
+    fmt: dict[str, Any] = {}
+    bare = False
+    if type(raw) in LISTS:
+        raw = {"segments": list(raw), "device_traces": []}
+        bare = True
+        warnings.append("bare segment list (torch.cuda.memory_snapshot()): no allocation history")
+    if type(raw) is not dict:
+        raise SnapError(f"not a memory snapshot: the pickle holds a {tname(raw)}, "
+                        "expected a dict with 'segments' and 'device_traces'")
+    if "segments" not in raw and "device_traces" not in raw:
+        shown = ", ".join(short(k) for k in list(raw)[:6])
+        raise SnapError(f"not a memory snapshot: no 'segments' or 'device_traces' key "
+                        f"(keys: {shown or 'none'})")
+    segments = _segments(raw.get("segments") or [], it, fmt)
+    dt = raw.get("device_traces")
+    if dt is None:
+        dt = []
+    if type(dt) not in LISTS:
+        raise SnapError(f"device_traces must be a list, got {tname(dt)}")
+    if len(dt) > MAX_DEVICE:
+        raise SnapError(f"device_traces has {len(dt)} lists, more than any machine has devices")
+    inline: list[Annotation] = []
+    keys: set = set()
+    traces = [_trace(entries, d, it, inline, keys) for d, entries in enumerate(dt)]
+    if float(sum(float(t.size.sum(dtype=np.float64)) for t in traces)) > MAX_TOTAL:
+        raise SnapError("trace sizes add up to more memory than any device could hold")
+    for t in traces:
+        if (len(t) > 1 and not np.isnan(t.time_us).any() and (np.diff(t.time_us) < 0).any()
+                and not (t.action == A["workspace_snapshot"]).any()):
+            warnings.append(f"device {t.device}: trace times go backwards; kept file order")
+    annotations = sorted(_place_annotations(raw.get("external_annotations"), traces) + inline,
+                         key=lambda a: (a.device, a.row))
+    provenance = _metadata(raw, "snapforensics", warnings)
+    settings = _metadata(raw, "allocator_settings", warnings)
+    detect_format(raw, traces, segments, it, provenance, keys, fmt)
+    fmt["bare_segment_list"] = bare
+    if file_info:
+        fmt["gzip"] = bool(file_info.get("gzip"))
+        if file_info.get("stale_bytes"):
+            fmt["stale_bytes"] = int(file_info["stale_bytes"])
+    if fmt.get("segments_not_tiled"):
+        warnings.append(f"{fmt['segments_not_tiled']} segments whose blocks do not add up to "
+                        "their total_size (synthetic or edited file); segment totals are taken "
+                        "from total_size")
+    rank = provenance.get("rank")
+    if type(rank) is not int or not 0 <= rank < (1 << 31):
+        rank = rank_from_name(source)
+    return Snapshot(
+        source=source,
+        frames=it.frames,
+        stacks=it.stacks,
+        streams=it.streams,
+        traces=traces,
+        segments=segments,
+        annotations=annotations,
+        allocator_settings=settings,
+        provenance=provenance,
+        format=fmt,
+        rank=rank,
+        warnings=warnings,
+        kind=kind(fmt, provenance),
+    )

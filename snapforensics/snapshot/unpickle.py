@@ -1,0 +1,240 @@
+"""Reading a snapshot file safely: the bytes in, the raw unpickled object out.
+
+- Refuses every pickle global (no code from the file ever runs) while keeping the C unpickler.
+- While unpickling, the address space the process may grow by is capped (Linux), so a tiny
+  hostile pickle cannot make the C unpickler allocate tens of GB (e.g. a huge memo index).
+- gzip'd files; stale bytes after the pickle STOP (torch_npu rewrites files without truncating).
+- One SnapError line for every way the file can be unreadable, never a traceback.
+"""
+
+from __future__ import annotations
+
+import gc
+import gzip
+import os
+import pickle
+import re
+import stat
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from snapforensics.errors import SnapError
+from snapforensics.snapshot.columns import short, tname
+
+
+def _ident(v: Any) -> str:
+    """A module or attribute name from the file, shown bare when it looks like one."""
+    if isinstance(v, str) and re.fullmatch(r"[A-Za-z_][\w.]{0,79}", v):
+        return v
+    return short(v)
+
+
+class _RefuseGlobals(pickle.Unpickler):
+    """Snapshots hold only builtins; any global reference means the file is not one of ours."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise SnapError(
+            f"refused: the pickle references the global {_ident(module)}.{_ident(name)}; "
+            "memory snapshots contain only plain data, so this file is either not a memory "
+            "snapshot or unsafe to open (nothing from it was executed)")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise SnapError("refused: the pickle uses persistent ids; not a memory snapshot")
+
+
+def _vm_size() -> int | None:
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmSize:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+@contextmanager
+def _memory_guard(budget: int) -> Iterator[int | None]:
+    """Cap how much address space the process may add while the C unpickler runs (Linux).
+
+    Yields the cap in bytes (None when no cap applies). `SNAPFORENSICS_LOAD_MEMORY` overrides the
+    budget in bytes; 0 disables the guard.
+    """
+    env = os.environ.get("SNAPFORENSICS_LOAD_MEMORY")
+    if env is not None:
+        try:
+            budget = int(env)
+        except ValueError:
+            pass
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        yield None
+        return
+    vm = _vm_size()
+    if budget <= 0 or vm is None:
+        yield None
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    cap = vm + budget
+    if hard != resource.RLIM_INFINITY:
+        cap = min(cap, hard)
+    if soft != resource.RLIM_INFINITY and soft <= cap:
+        yield None  # already tighter than ours
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    except (ValueError, OSError):
+        yield None
+        return
+    try:
+        yield budget
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Unpickling and normalizing create millions of containers and no cycles: skip the GC."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+_GLOBAL_FIRST = re.compile(rb"^[ci]([A-Za-z_][\w.]*)\n([A-Za-z_][\w.]*)\n")
+
+
+def _not_pickle_message(p: Path, head: bytes) -> str:
+    if head.startswith(b"PK"):
+        return (f"{p}: a zip archive (torch.save output?), not a memory snapshot; write one with "
+                "torch.cuda.memory._dump_snapshot(path)")
+    stripped = head.lstrip()
+    if stripped[:1] in (b"{", b"[") or head.startswith(b"\xef\xbb\xbf"):
+        return (f"{p}: looks like JSON/text, not a memory snapshot (the pickle that "
+                "torch.cuda.memory._dump_snapshot writes)")
+    return (f"{p}: not a pickle file (a memory snapshot is the pickle that "
+            "torch.cuda.memory._dump_snapshot writes)")
+
+
+def _open(p: Path) -> tuple[Any, int]:
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        raise SnapError(f"{p}: no such file") from None
+    except PermissionError:
+        raise SnapError(f"{p}: permission denied (cannot look up the file; check the "
+                        "directory permissions)") from None
+    except (OSError, ValueError) as e:
+        raise SnapError(f"{p}: cannot read: {getattr(e, 'strerror', None) or e}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise SnapError(f"{p}: is a directory, expected a snapshot file (e.g. {p}/rank0.pickle)")
+    if not stat.S_ISREG(st.st_mode):
+        raise SnapError(f"{p}: not a regular file (a pipe or device?); pass a snapshot file")
+    try:
+        f = open(p, "rb")  # noqa: SIM115 (closed by the caller's with)
+    except PermissionError:
+        raise SnapError(_permission_message(p, st.st_mode)) from None
+    except OSError as e:
+        raise SnapError(f"{p}: cannot read: {e.strerror or e}") from None
+    return f, st.st_size
+
+
+def _permission_message(p: Path, mode: int) -> str:
+    perm = stat.S_IMODE(mode)
+    if perm & 0o444 == 0:
+        return (f"{p}: permission denied (file mode {perm:04o}, nobody may read it; "
+                "torch_npu's _dump_snapshot creates snapshots with mode 0200): "
+                f"run `chmod u+r {p}` (or `sudo chmod 644 {p}`) and retry")
+    return (f"{p}: permission denied (file mode {perm:04o}, owned by uid {os.stat(p).st_uid}): "
+            f"make it readable, e.g. `chmod a+r {p}`, or run as its owner")
+
+
+def read_raw_info(path: str | os.PathLike) -> tuple[Any, list[str], dict]:
+    """Unpickle `path` safely. Returns the raw object, loader warnings and facts about the file."""
+    p = Path(path)
+    f, size = _open(p)
+    info: dict[str, Any] = {"file_bytes": size, "gzip": False, "stale_bytes": 0}
+    warnings: list[str] = []
+    with f:
+        try:
+            head = f.read(256)
+            f.seek(0)
+        except OSError as e:
+            raise SnapError(f"{p}: cannot read: {e.strerror or e}") from None
+        if not head:
+            raise SnapError(f"{p}: empty file, not a snapshot")
+        stream: Any = f
+        estimate = size
+        if head[:2] == b"\x1f\x8b":
+            info["gzip"] = True
+            stream = gzip.GzipFile(fileobj=f, mode="rb")
+            try:
+                head = stream.peek(256)[:256]
+            except (OSError, EOFError, zlib.error) as e:
+                raise SnapError(f"{p}: corrupt gzip file ({tname(e)}: {e})") from None
+            if not head:
+                raise SnapError(f"{p}: empty gzip file, not a snapshot")
+            estimate = size * 30
+        if head[:1] != b"\x80" and head[:1] not in (b"(", b"]", b"}"):
+            m = _GLOBAL_FIRST.match(head)
+            if m:  # a protocol 0/1 pickle that opens with a global (GLOBAL or INST opcode)
+                ref = f"{_ident(m.group(1).decode('ascii'))}.{_ident(m.group(2).decode('ascii'))}"
+                raise SnapError(f"{p}: refused: the pickle references the global {ref}; "
+                                "memory snapshots contain only plain data, so this file is "
+                                "either not a memory snapshot or unsafe to open (nothing from "
+                                "it was executed)")
+            raise SnapError(_not_pickle_message(p, head))
+        budget = max(4 << 30, 16 * estimate)
+        try:
+            with gc_paused(), _memory_guard(budget):
+                obj = _RefuseGlobals(stream).load()
+        except SnapError as e:
+            raise SnapError(f"{p}: {e}") from None
+        except RecursionError:
+            raise SnapError(f"{p}: pickle nested too deeply, not a memory snapshot") from None
+        except MemoryError:
+            raise SnapError(
+                f"{p}: the pickle asks for more memory than a snapshot of {size} bytes can need "
+                "(corrupt or hostile file); if it is genuine, raise the cap with "
+                "SNAPFORENSICS_LOAD_MEMORY=<bytes> (0 = no cap)") from None
+        except (zlib.error, gzip.BadGzipFile) as e:
+            raise SnapError(f"{p}: corrupt gzip file ({tname(e)}: {e})") from None
+        except EOFError as e:
+            kind = "gzip stream" if info["gzip"] else "pickle"
+            raise SnapError(f"{p}: truncated {kind} ({e or 'ran out of input'}); the dump was "
+                            "probably interrupted or the copy is incomplete") from None
+        except Exception as e:  # noqa: BLE001 corrupt opcodes, bad memo refs, unhashable keys: all bad input
+            msg = str(e).splitlines()[0][:200] if str(e) else ""
+            raise SnapError(f"{p}: truncated or corrupt pickle ({tname(e)}: {msg})") from None
+        try:
+            if info["gzip"]:
+                stale = 0
+                while True:
+                    chunk = stream.read(1 << 20)
+                    if not chunk:
+                        break
+                    stale += len(chunk)
+            else:
+                stale = size - f.tell()
+        except (OSError, EOFError, zlib.error):
+            stale = 0
+            warnings.append("the gzip stream is damaged after the pickle end; ignored")
+    if stale > 0:
+        info["stale_bytes"] = stale
+        warnings.append(f"{stale} stale bytes after the pickle end (torch_npu rewrites snapshot "
+                        "files without truncating them); ignored")
+    return obj, warnings, info
+
+
+def read_raw(path: str | os.PathLike) -> tuple[Any, list[str]]:
+    """Unpickle `path` safely. Returns the raw object and loader warnings."""
+    obj, warnings, _ = read_raw_info(path)
+    return obj, warnings
+
