@@ -142,7 +142,7 @@ class Report:
                 "phase": pd.Categorical.from_codes(d.phase.astype(np.int64), PHASE_LABELS),
                 "iteration": d.iteration,
                 "category": pd.Categorical.from_codes(d.category.astype(np.int64),
-                                                      list(d.category_names)),
+                                                      [str(c) for c in d.category_names]),
                 "fsdp_unit": pd.Categorical.from_codes(unit_code, unit_names),
                 "stack_id": lt.stack,
                 "top_frame": pd.Categorical.from_codes(frame_code, frame_names),

@@ -106,7 +106,7 @@ def build(d: DeviceAnalysis, top: Finding | None, reserved: np.ndarray | None,
     t = d.trace.time_us
     timed = bool(len(t)) and bool(np.isfinite(t).all()) and float(t.max() - t.min()) > 0
     x = (np.maximum.accumulate(t[rows]) - t[0]) / 1e6 if timed else rows.astype(np.float64)
-    names = list(d.category_names)
+    names = [str(c) for c in d.category_names]
     by_cat = alive_by(lt, d.category, len(names), rows)
     used = np.flatnonzero(by_cat.any(axis=1))
     used = used[np.argsort(-by_cat[used].mean(axis=1), kind="stable")]
@@ -151,7 +151,7 @@ def _hover(d: DeviceAnalysis, rows: np.ndarray):
     first[group[::-1]] = np.arange(len(group))[::-1]  # some block of each stack
     names = d.category_names
     return ([_frames(d, int(g) - 1) for g in cand.tolist()],
-            [names[d.category[first[g]]] for g in cand.tolist()], top_idx, top_b)
+            [str(names[d.category[first[g]]]) for g in cand.tolist()], top_idx, top_b)
 
 
 def _frames(d: DeviceAnalysis, stack_id: int) -> list[str]:
