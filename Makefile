@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo lint test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv --system-site-packages $(VENV)
@@ -25,7 +25,12 @@ setup: $(STAMP)
 demo: setup
 	$(BIN)/snapforensics demo
 
-test: setup
+# ruff over the whole tree, mypy over analysis/ and snapshot/ (config in pyproject.toml)
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+test: lint
 	$(BIN)/python -m pytest -q
 
 test-fast: setup

@@ -45,7 +45,7 @@ def measure(path: Path, out: Path) -> dict:
     t_html = time.perf_counter() - t
     t = time.perf_counter()
     render_text(diagnosis, "markdown")
-    png([dev.plot for dev in diagnosis.devices if dev.plot], out / "plot.png")
+    (out / "plot.png").write_bytes(png([dev.plot for dev in diagnosis.devices if dev.plot]))
     t_md = time.perf_counter() - t
     return {"entries": sum(len(x) for x in snap.traces), "mb": path.stat().st_size / 1e6,
             "load": t_load, "diag": t_diag, "series": t_series, "html_kb": len(html) / 1e3,

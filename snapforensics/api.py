@@ -63,13 +63,15 @@ def compare(*inputs: str | Path | Snapshot | Report | Diagnosis, mode: str = "au
             ) -> Comparison:
     """Compare against the first input (before/after a fix, or the ranks of one run): paths
     (a run folder or glob stands for its rank files), Snapshots, Reports or Diagnoses."""
-    from snapforensics.analysis import compare as cmp
-
     if all(isinstance(x, (str, Path)) for x in inputs):
-        return cmp.compare_paths(list(inputs), mode=mode)
+        from snapforensics.commands.compare import compare_paths
+
+        return compare_paths(list(inputs), mode=mode)
+    from snapforensics.analysis.compare import compare as _compare
+
     diags = [x.diagnosis if isinstance(x, Report) else x if isinstance(x, Diagnosis)
              else diagnose(x).diagnosis for x in inputs]
-    return cmp.compare(diags, mode=mode)
+    return _compare(diags, mode=mode)
 
 
 class Report:

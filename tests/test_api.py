@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import corpus_file
+from corpus import corpus_file
 
 REPO = Path(__file__).resolve().parents[1]
 BUGGY = REPO / "fixtures" / "fsdp2_ckpt_buggy_rank0.pickle.gz"

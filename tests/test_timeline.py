@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import corpus_file
+from corpus import corpus_file
 
 from snapforensics.analysis.diagnose import diagnose_devices
 from snapforensics.analysis.timeline import POINTS, alive_by, buckets
@@ -40,15 +40,18 @@ def _check_series(diagnosis, analyses):
 
 def test_fixture_series(buggy):
     diagnosis, analyses = buggy
+    d = analyses[0]
     _check_series(diagnosis, analyses)
     s = diagnosis.devices[0].plot
     assert s.x_label == "time (s)" and s.reserved is None  # CPU recording: no allocator
     top = diagnosis.top
     assert s.predicted_rule == top.rule
     assert s.predicted.max() == top.predicted_peak_bytes < s.live.max()
-    # the predicted curve keeps each bucket's max of the replay
-    edges = buckets(len(top.predicted_live))
-    assert (s.predicted == np.maximum.reduceat(top.predicted_live, edges[:-1])).all()
+    # the predicted curve keeps each bucket's max of the rule's own replay
+    r = top.replay
+    live = d.lt.replay(free_row=r.free_row, alloc_row=r.alloc_row, extra=list(r.extra))
+    edges = buckets(len(live))
+    assert (s.predicted == np.maximum.reduceat(live, edges[:-1])).all()
     assert [i for i, _ in s.iterations] == list(range(len(diagnosis.devices[0].iterations)))
 
 

@@ -94,7 +94,7 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
     nameset = set(names)
     files = [f.filename.replace("\\", "/") for f in frames]
     rf = [f.name for f in frames if f.filename == "<record_function>"] + list(reversed(ranges))
-    rfkinds = {}
+    rfkinds: dict[str, str] = {}
     module = None
     # FSDP1 ranges name no unit and, unlike FSDP2's, are kept out of the phase: a
     # `_pre_forward` range is also open around a reentrant recompute, and frameless rows (a

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -22,6 +22,15 @@ def public(obj: Any) -> dict[str, Any]:
     return out
 
 
+class Replay(NamedTuple):
+    """A fix as a counterfactual trace: blocks' moved rows (None: unchanged) and extra
+    (start_row, end_row, bytes) intervals, as `Lifetimes.replay` takes them."""
+
+    free_row: np.ndarray | None = None
+    alloc_row: np.ndarray | None = None
+    extra: tuple = ()
+
+
 @dataclass
 class Finding:
     rule: str  # stable id, e.g. fsdp.unsharded_params_not_resharded
@@ -35,15 +44,23 @@ class Finding:
     predicted_peak_bytes: int | None = None
     saving_bytes: int | None = None
     evidence: dict[str, Any] = field(default_factory=dict)
-    # live bytes per trace row of the trace replayed with the fix applied (the replay that gives
-    # predicted_peak_bytes), for the plots; not part of the JSON
-    predicted_live: np.ndarray | None = field(default=None, repr=False, compare=False,
-                                              metadata=INTERNAL)
+    # the fix as a counterfactual trace (moved rows): the forecast applies it before its own
+    # scenario, the plots draw the live bytes it replays to; not in the JSON
+    replay: Replay | None = field(default=None, repr=False, compare=False, metadata=INTERNAL)
+
+    def to_dict(self) -> dict[str, Any]:
+        return public(self)
+
+
+def saving_rank(f: Finding) -> tuple[int, int]:
+    """What to fix first: the peak saving (what fixing it buys), then bytes (how big it is)."""
+    return (f.saving_bytes or 0, f.bytes)
 
 
 def top_anomaly(findings: list[Finding]) -> Finding | None:
+    """The anomaly to fix first (the one the headline names)."""
     bad = [f for f in findings if f.verdict == Verdict.ANOMALOUS]
-    return max(bad, key=lambda f: f.saving_bytes or f.bytes) if bad else None
+    return max(bad, key=saving_rank) if bad else None
 
 
 @dataclass

@@ -172,8 +172,8 @@ class FsdpUnits:
         un = np.flatnonzero(d.mask(Category.UNSHARDED_PARAM) & ~fsdp1_flat)
         last_rs: dict[int, int] = {}
         for b in rs.tolist():
-            it = int(d.iteration[b])
-            last_rs[it] = max(last_rs.get(it, -1), int(d.lt.alloc_row[b]))
+            i = int(d.iteration[b])
+            last_rs[i] = max(last_rs.get(i, -1), int(d.lt.alloc_row[b]))
         acc: dict[str, list[int]] = {}
         for b in un.tolist():
             m = d.module_of(b)

@@ -14,6 +14,7 @@ What the trace cannot show is kept honest, not guessed:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,7 +57,7 @@ class Lifetimes:
         return (self.alloc_row <= row) & (self.free_row > row)
 
     def replay(self, free_row: np.ndarray | None = None, alloc_row: np.ndarray | None = None,
-               size: np.ndarray | None = None, extra: list[tuple[int, int, int]] = ()
+               size: np.ndarray | None = None, extra: Sequence[tuple[int, int, int]] = ()
                ) -> np.ndarray:
         """Live bytes per row; with blocks' alloc/free rows or sizes changed, plus `extra`
         (start_row, end_row, bytes) intervals, the live bytes of a counterfactual trace."""

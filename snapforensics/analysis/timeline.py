@@ -4,7 +4,8 @@ Bounded whatever the trace length: the rows are cut into at most POINTS equal bu
 bucket is drawn by its row with the most live bytes, so the peak is always a point and the
 curve's maxima are exact (dips narrower than a bucket are not drawn). At each point: the bytes
 alive by category (stacked), the allocator's reserved bytes (caching allocator only), the live
-bytes after the top fix (the same replay that gives its `predicted_peak_bytes`) and the stacks
+bytes after the top fix (its finding's `replay`: the rows the rule moved to predict its
+`predicted_peak_bytes`, replayed again, one cumulative sum) and the stacks
 holding the most bytes, for the HTML's hover. Reserved and predicted keep each bucket's max.
 """
 
@@ -110,9 +111,9 @@ def build(d: DeviceAnalysis, top: Finding | None, reserved: np.ndarray | None,
     by_cat = alive_by(lt, d.category, len(names), rows)
     used = np.flatnonzero(by_cat.any(axis=1))
     used = used[np.argsort(-by_cat[used].mean(axis=1), kind="stable")]
-    pred = top.predicted_live if top is not None else None
-    if pred is not None and len(pred) != n:
-        pred = None
+    r = top.replay if top is not None else None  # the rule's own counterfactual
+    pred = lt.replay(free_row=r.free_row, alloc_row=r.alloc_row, extra=list(r.extra)) \
+        if r is not None else None
     pts = live[rows]
     stacks, stack_cat, top_idx, top_b = _hover(d, rows)
     return Series(

@@ -9,14 +9,13 @@ embedded JSON has every `<` written as `\\u003c`, so it can never close its scri
 
 from __future__ import annotations
 
-import html
 import re
-from collections.abc import Iterable
 from typing import Any
 
 from snapforensics.analysis.diagnosis import DeviceSummary, Diagnosis, Finding
 from snapforensics.report import plot
 from snapforensics.report.common import (
+    command_line,
     finding_lines,
     headline,
     human,
@@ -27,6 +26,9 @@ from snapforensics.report.common import (
     verdict_order,
 )
 from snapforensics.report.json import dumps
+from snapforensics.report.registry import PLAIN, Screen
+from snapforensics.report.sanitize import FRAME, FRAMES, NAME, ROWS, TEXT
+from snapforensics.report.sanitize import html as escape
 
 VERDICT_LABEL = {"anomalous": "ANOMALOUS", "expected": "EXPECTED", "info": "INFO"}
 
@@ -101,9 +103,9 @@ footer{color:var(--muted);font-size:12.5px;margin-top:24px}
 """
 
 
-def e(x: Any) -> str:
-    """Escape anything for text or a quoted attribute."""
-    return html.escape(str(x), quote=True)
+def e(x: Any, limit: int = TEXT) -> str:
+    """Escape anything for text or a quoted attribute, capped at `limit` characters."""
+    return escape(x, limit)
 
 
 def _num(v: Any) -> int:
@@ -130,15 +132,16 @@ def _bars(rows: list[tuple[str, int]]) -> str:
 # Sections
 
 
-def _stack_pre(stack: Iterable[Any]) -> str:
-    return "<pre>" + "\n".join(e(s) for s in stack) + "</pre>"
+def _stack_pre(stack: list[Any]) -> str:
+    more = [f"… {len(stack) - FRAMES} more frames"] if len(stack) > FRAMES else []
+    return "<pre>" + "\n".join(e(s, FRAME) for s in [*stack[:FRAMES], *more]) + "</pre>"
 
 
 def _header(d: Diagnosis) -> str:
     cls = "bad" if d.anomalies else "good" if d.devices else "none"
     p = d.peaks
     out = ['<header class="card">', '<h1>snapforensics diagnosis</h1>',
-           f'<div class="src"><code>{e(d.source)}</code></div>',
+           f'<div class="src"><code>{e(d.source, FRAME)}</code></div>',
            f'<div class="headline {cls}">{e(headline(d))}</div>', _top_fix(d),
            '<div class="stats">',
            _stat("overall peak", human(p["overall_bytes"])),
@@ -149,20 +152,22 @@ def _header(d: Diagnosis) -> str:
            '</div>',
            f'<p>{e(peak_line(d))}</p>',
            f'<p class="muted">{e(provenance_line(d))}</p>']
-    cmd = d.provenance.get("command")
+    cmd = command_line(d)
     if cmd:
-        text = " ".join(map(str, cmd)) if isinstance(cmd, (list, tuple)) else str(cmd)
-        out.append(f'<div>command:</div><pre>{e(text)}</pre>')
+        out.append(f'<div>command:</div><pre>{e(cmd, FRAME)}</pre>')
     if d.provenance:
-        rows = "".join(f"<tr><td>{e(k)}</td><td><code>{e(_short(v))}</code></td></tr>"
-                       for k, v in d.provenance.items() if k != "command")
+        items = [(k, v) for k, v in d.provenance.items() if k != "command"][:ROWS]
+        rows = "".join(f"<tr><td>{e(k, NAME)}</td><td><code>{e(_short(v), FRAME)}</code></td>"
+                       "</tr>" for k, v in items)
         if rows:
             out.append(f'<details><summary>Recording details</summary><table>{rows}</table>'
                        '</details>')
     if d.warnings:
         out.append('<div class="warnings"><strong>&#9888; Warnings: read the figures with '
                    'these in mind</strong><ul>')
-        out += [f"<li>{e(w)}</li>" for w in d.warnings]
+        out += [f"<li>{e(w)}</li>" for w in d.warnings[:ROWS]]
+        if len(d.warnings) > ROWS:
+            out.append(f"<li>… {len(d.warnings) - ROWS} more warnings</li>")
         out.append("</ul></div>")
     if d.findings:
         counts: dict[str, int] = {}
@@ -172,7 +177,7 @@ def _header(d: Diagnosis) -> str:
         for i, f in enumerate(verdict_order(d.findings), start=1):
             links.append(f'<li><span class="badge {e(f.verdict)}">'
                          f'{e(VERDICT_LABEL.get(f.verdict, f.verdict.upper()))}</span>'
-                         f'<a href="#finding-{i}">{e(f.title)}</a> '
+                         f'<a href="#finding-{i}">{e(f.title, NAME)}</a> '
                          f'<span class="muted">{e(human(f.bytes))}</span></li>')
         out.append('<div class="summary"><h4>Findings</h4><ul>' + "".join(links) + "</ul></div>")
     out.append("</header>")
@@ -180,7 +185,7 @@ def _header(d: Diagnosis) -> str:
 
 
 def _short(v: Any, limit: int = 300) -> str:
-    s = v if isinstance(v, str) else dumps(v)
+    s = v if isinstance(v, str) else dumps(v)[:limit + 1]
     return s if len(s) <= limit else s[:limit] + "..."
 
 
@@ -218,7 +223,7 @@ def _device(dev: DeviceSummary, d: Diagnosis) -> str:
         fw_max = max((_num(i.get("forward_peak_bytes")) for i in dev.iterations), default=0)
         bw_max = max((_num(i.get("backward_peak_bytes")) for i in dev.iterations), default=0)
         rows = []
-        for it in dev.iterations:
+        for it in dev.iterations[:ROWS]:
             fw, bw = _num(it.get("forward_peak_bytes")), _num(it.get("backward_peak_bytes"))
             hot = ' class="hot"' if max(fw, bw) == max(fw_max, bw_max) else ""
             rows.append(f'<tr{hot}><td>{e(it.get("index"))}</td>'
@@ -243,7 +248,7 @@ def _device(dev: DeviceSummary, d: Diagnosis) -> str:
         for k, s in enumerate(dev.top_stacks_at_peak):
             out.append(f'<details{" open" if k == 0 else ""}><summary>'
                        f'{e(human(_num(s.get("bytes"))))} in {e(_num(s.get("blocks")))} blocks '
-                       f'({e(s.get("category", "?"))})</summary>'
+                       f'({e(s.get("category", "?"), NAME)})</summary>'
                        f'{_stack_pre(s.get("stack") or [])}</details>')
     out.append("</section>")
     return "".join(out)
@@ -253,9 +258,11 @@ def _finding(i: int, f: Finding, d: Diagnosis) -> str:
     v = f.verdict if f.verdict in VERDICT_LABEL else "info"
     out = [f'<section class="card finding {v}" id="finding-{i}">',
            f'<h3><span class="badge {v}">{e(VERDICT_LABEL.get(f.verdict, f.verdict.upper()))}'
-           f'</span>{e(f.title)}</h3>',
-           f'<div class="rule">rule <code>{e(f.rule)}</code> &middot; device {e(f.device)}</div>',
-           '<ul class="figs">' + "".join(f"<li>{e(x)}</li>" for x in finding_lines(f)) + "</ul>"]
+           f'</span>{e(f.title, NAME)}</h3>',
+           f'<div class="rule">rule <code>{e(f.rule, NAME)}</code> &middot; device '
+           f'{e(f.device)}</div>',
+           '<ul class="figs">' + "".join(f"<li>{e(x)}</li>" for x in finding_lines(d, f))
+           + "</ul>"]
     if f.predicted_peak_bytes is not None:
         dev = next((x for x in d.devices if x.device == f.device), None)
         now = dev.peaks["overall_bytes"] if dev else d.peaks["overall_bytes"]
@@ -271,9 +278,9 @@ def _finding(i: int, f: Finding, d: Diagnosis) -> str:
     ev = f.evidence or {}
     mods = ev.get("modules") or []
     if mods:
-        rows = "".join(f'<tr><td><code>{e(m.get("module", "?"))}</code></td>'
+        rows = "".join(f'<tr><td><code>{e(m.get("module", "?"), NAME)}</code></td>'
                        f'<td class="n">{e(human(_num(m.get("bytes"))))}</td>'
-                       f'<td class="n">{e(_num(m.get("blocks")))}</td></tr>' for m in mods)
+                       f'<td class="n">{e(_num(m.get("blocks")))}</td></tr>' for m in mods[:ROWS])
         out.append('<h4>By module</h4><table><tr><th>module</th><th class="n">bytes</th>'
                    f'<th class="n">blocks</th></tr>{rows}</table>')
     for s in (ev.get("stacks") or [])[:1]:
@@ -281,7 +288,7 @@ def _finding(i: int, f: Finding, d: Diagnosis) -> str:
                    f'({e(human(_num(s.get("bytes"))))} in {e(_num(s.get("blocks")))} blocks)'
                    f'</summary>{_stack_pre(s.get("stack") or [])}</details>')
     if f.fix:
-        out.append(f'<h4>Fix</h4><pre class="fix"><code>{e(f.fix)}</code></pre>')
+        out.append(f'<h4>Fix</h4><pre class="fix"><code>{e(f.fix, FRAME * FRAMES)}</code></pre>')
     extra = _extra_evidence(ev)
     if extra:
         out.append(f"<details><summary>More evidence</summary>{extra}</details>")
@@ -291,14 +298,14 @@ def _finding(i: int, f: Finding, d: Diagnosis) -> str:
 
 def _extra_evidence(ev: dict[str, Any]) -> str:
     rows = []
-    for k, v in ev.items():
+    for k, v in list(ev.items())[:ROWS]:
         if k in ("modules", "stacks"):
             continue
         if k in ("by_path", "per_iteration_bytes", "predicted_peaks") and isinstance(v, dict):
-            txt = ", ".join(f"{kk}: {human(_num(vv))}" for kk, vv in v.items())
+            txt = ", ".join(f"{kk}: {human(_num(vv))}" for kk, vv in list(v.items())[:ROWS])
         else:
             txt = _short(v)
-        rows.append(f"<tr><td>{e(k)}</td><td>{e(txt)}</td></tr>")
+        rows.append(f"<tr><td>{e(k, NAME)}</td><td>{e(txt)}</td></tr>")
     return f"<table>{''.join(rows)}</table>" if rows else ""
 
 
@@ -329,9 +336,9 @@ def _top_fix(d: Diagnosis) -> str:
     i = verdict_order(d.findings).index(f) + 1
     after = (f" Predicted peak after it: {human(f.predicted_peak_bytes)}"
              f" (now {human(d.peaks['overall_bytes'])})." if f.predicted_peak_bytes else "")
-    return (f'<div class="topfix"><h4>Fix first: <a href="#finding-{i}">{e(f.title)}</a></h4>'
-            f'<div class="muted">{e(after)}</div>'
-            f'<pre class="fix"><code>{e(f.fix)}</code></pre></div>')
+    return (f'<div class="topfix"><h4>Fix first: <a href="#finding-{i}">{e(f.title, NAME)}</a>'
+            f'</h4><div class="muted">{e(after)}</div>'
+            f'<pre class="fix"><code>{e(f.fix, FRAME * FRAMES)}</code></pre></div>')
 
 
 def _scoped(css: str, scope: str = ".sf-report") -> str:
@@ -352,10 +359,10 @@ def fragment(d: Diagnosis) -> str:
             f'<script>{plot.JS}</script></div>')
 
 
-def render(d: Diagnosis) -> str:
+def render(d: Diagnosis, screen: Screen = PLAIN) -> str:
     parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
              '<meta name="viewport" content="width=device-width, initial-scale=1">',
-             f"<title>snapforensics: {e(d.source)}</title>",
+             f"<title>snapforensics: {e(d.source, FRAME)}</title>",
              f"<style>body{{margin:0}}{_scoped(CSS + plot.CSS)}</style></head>"
              '<body class="sf-report"><main>', _header(d)]
     parts += [_device(dev, d) for dev in d.devices]

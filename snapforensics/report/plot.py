@@ -5,11 +5,13 @@ the top fix and, with a caching allocator, the reserved bytes.
 
 Every string from the snapshot (category names from --category, stack frames in the hover)
 goes through the sink's neutralizing function: `esc` for SVG text, `script_json` for the hover
-data (read by the script with `textContent`, never parsed as HTML).
+data (capped like every report string, and read by the script with `textContent`, never parsed
+as HTML), `mpl_text` for the PNG.
 """
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Callable
 
@@ -18,6 +20,7 @@ import numpy as np
 from snapforensics.analysis.evidence import human
 from snapforensics.analysis.timeline import Series
 from snapforensics.analysis.vocab import PHASE_LABELS
+from snapforensics.report.sanitize import FRAME, NAME, cap
 
 PHASE_COLORS = {
     "init": "#9aa3ad",
@@ -174,8 +177,10 @@ def svg(s: Series, esc: Callable[[str], str], script_json: Callable[[object], st
             "xl": s.x_label,
             "reserved": s.reserved.tolist() if s.reserved is not None else None,
             "predicted": s.predicted.tolist() if s.predicted is not None else None,
-            "phase": s.phase.tolist(), "phases": PHASE_LABELS, "cats": s.categories,
-            "by": s.by_category.tolist(), "stacks": s.stacks, "scat": s.stack_category,
+            "phase": s.phase.tolist(), "phases": PHASE_LABELS,
+            "cats": [cap(c, NAME) for c in s.categories], "by": s.by_category.tolist(),
+            "stacks": [[cap(f, FRAME) for f in st] for st in s.stacks],
+            "scat": [cap(c, NAME) for c in s.stack_category],
             "top": s.top_stacks.tolist(), "topb": s.top_bytes.tolist()}
     return (f'<div class="sf-plot">{"".join(out)}<div class="sf-tip" hidden></div>'
             f'<div class="legend">{legend}</div>'
@@ -265,10 +270,10 @@ JS = r"""
 def mpl_text(s: str) -> str:
     """The PNG sink's neutralizer: printable and short (the texts drawn also get
     `parse_math=False`: matplotlib would read `$...$` as math, and fail on bad math)."""
-    return "".join(c if c.isprintable() else "?" for c in s)[:80]
+    return "".join(c if c.isprintable() else "?" for c in cap(s, 80))
 
 
-def png(series: list[Series], path) -> None:
+def png(series: list[Series]) -> bytes:
     """One PNG with a panel per device, drawn by matplotlib's Agg canvas (no display, no
     pyplot global state). Category names come from --category: they pass `mpl_text`."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -312,4 +317,6 @@ def png(series: list[Series], path) -> None:
         for t in leg.get_texts():
             t.set_parse_math(False)
         ax.grid(axis="y", color="#d5dae1", lw=0.6)
-    fig.savefig(path, format="png")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()

@@ -1,8 +1,9 @@
 """The normalized, interned snapshot model every analysis reads.
 
-The loader (`unpickle.py` -> `normalize.py`) is the only code that sees the raw pickle. Everything after it sees:
-frames interned once into a table, stacks as tuples of frame ids interned into a table, and
-each device's trace as parallel numpy arrays (one row per trace entry, oldest first).
+The loader (`unpickle.py` -> `normalize.py`) is the only code that sees the raw pickle.
+Everything after it sees: frames interned once into a table, stacks as tuples of frame ids
+interned into a table, and each device's trace as parallel numpy arrays (one row per trace
+entry, oldest first).
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterable
 from itertools import repeat
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -90,7 +91,7 @@ def _trace(entries: Any, device: int, it: Interner, inline_ann: list[Annotation]
     # pool_id (newest torch) feeds format["pools"]: torch writes it on every entry of a file or on
     # none, so a field absent from the first and last 500 entries is absent.
     if "pool_id" in keys_seen:
-        pools = column(entries, "pool_id")
+        pools: Iterable[Any] = column(entries, "pool_id")
         try:
             pools = dict.fromkeys(pools)
         except TypeError:  # lists: validate each
@@ -283,7 +284,7 @@ def _place_annotations(raw: Any, traces: list[Trace]) -> list[Annotation]:
         if trace is None or math.isnan(t):
             continue
         # START sits before rows of the same time, END after them.
-        side = "left" if stage == "START" else "right"
+        side: Literal["left", "right"] = "left" if stage == "START" else "right"
         row = int(np.searchsorted(trace.time_us, t, side=side)) if sorted_ok[trace.device] \
             else len(trace)
         out.append(Annotation(trace.device, "END" if stage == "END" else "START",

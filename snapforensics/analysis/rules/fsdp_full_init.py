@@ -77,9 +77,9 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         (d.category == CAT_CODE[Category.PARAMETER])
     free_row = lt.free_row.copy()
     free_row[removed] = lt.alloc_row[removed]
-    predicted = d.lt.replay(free_row=free_row)
-    after = peaks(d, predicted)
-    new_init = int(predicted[:start].max())
+    new_live = d.lt.replay(free_row=free_row)
+    after = peaks(d, new_live)
+    new_init = int(new_live[:start].max())
     blocks = np.flatnonzero(transient_mask)
     training_peak = int(live[start:].max()) if start < lt.rows else 0
     cause = (
@@ -96,7 +96,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         rule=RULE, verdict=Verdict.ANOMALOUS,
         title="Full model materialized on the device before sharding",
         cause=cause, bytes=transient, blocks=int(len(blocks)), device=d.device, fix=FIX,
-        predicted_peak_bytes=after["overall_bytes"], predicted_live=predicted,
+        predicted_peak_bytes=after["overall_bytes"],
         saving_bytes=max(d.peak_bytes - after["overall_bytes"], 0),
         evidence={
             "init_peak_bytes": init_peak,

@@ -88,8 +88,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
             free_row[b] = max(min(post, orig), a + 1)
             if world > 1:
                 extra.append((int(free_row[b]), orig, int(lt.size[b]) // world))
-    predicted = d.lt.replay(free_row=free_row, extra=extra)
-    after = peaks(d, predicted)
+    after = peaks(d, d.lt.replay(free_row=free_row, extra=extra))
     worst = max(found, key=lambda i: found[i][1])
     held, nbytes, gathered = found[worst]
     it = d.tl.iterations[worst]
@@ -107,7 +106,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         rule=RULE, verdict=Verdict.EXPECTED,
         title="Gradient sync off across micro-batches: unsharded gradients held",
         cause=cause, bytes=nbytes, blocks=int(len(held)), device=d.device, fix=FIX,
-        predicted_peak_bytes=after["overall_bytes"], predicted_live=predicted,
+        predicted_peak_bytes=after["overall_bytes"],
         saving_bytes=max(d.peak_bytes - after["overall_bytes"], 0),
         evidence={
             "iteration": worst,

@@ -16,9 +16,9 @@ from snapforensics.analysis.diagnosis import Finding
 from snapforensics.analysis.evidence import (
     by_module,
     by_path,
+    counterfactual,
     human,
     max_alive,
-    peaks,
     top_stacks,
 )
 from snapforensics.analysis.vocab import Category, Verdict
@@ -43,7 +43,9 @@ def _reshard_rows(d: DeviceAnalysis, blocks: np.ndarray) -> np.ndarray:
     """
     post: dict[str, list[int]] = {}
     for row, name in d.annotation_rows(_POST_BACKWARD):
-        post.setdefault(_POST_BACKWARD.match(name).group(1), []).append(row)
+        hit = _POST_BACKWARD.match(name)
+        if hit:
+            post.setdefault(hit.group(1), []).append(row)
     rs = np.flatnonzero(d.mask(Category.REDUCE_SCATTER, Category.SHARDED_GRAD))
     rs_rows = np.sort(d.lt.alloc_row[rs])
     rs_by_mod: dict[str, list[int]] = {}
@@ -76,15 +78,14 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     # Most bytes left unsharded at once in each backward; report the worst iteration.
     per_iter = {int(i): max_alive(d, blocks[d.iteration[blocks] == i])
                 for i in np.unique(d.iteration[blocks])}
-    worst = max(per_iter, key=per_iter.get)
+    worst = max(per_iter, key=per_iter.__getitem__)
     if per_iter[worst] < MIN_SHARE * d.peak_bytes:
         return []
     worst_blocks = blocks[d.iteration[blocks] == worst]
     free_row = d.lt.free_row.copy()
     free_row[blocks] = _reshard_rows(d, blocks)
     before = {"overall_bytes": d.peak_bytes}
-    predicted = d.lt.replay(free_row)
-    after = peaks(d, predicted)
+    after, replay = counterfactual(d, free_row)
     paths = by_path(d, worst_blocks)
     n_mod = len({d.module_of(b) for b in worst_blocks.tolist()})
     via = ", ".join(f"{p} ({human(v)})" for p, v in sorted(paths.items(), key=lambda x: -x[1]))
@@ -97,10 +98,11 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         "pre-forward / pre-backward hooks), so parameter memory climbs layer by layer through "
         "backward instead of staying at one or two layers.")
     return [Finding(
+        replay=replay,
         rule=RULE, verdict=Verdict.ANOMALOUS,
         title="Parameters unsharded in backward/recompute are not resharded",
         cause=cause, bytes=per_iter[worst], blocks=int(len(worst_blocks)), device=d.device,
-        fix=FIX, predicted_peak_bytes=after["overall_bytes"], predicted_live=predicted,
+        fix=FIX, predicted_peak_bytes=after["overall_bytes"],
         saving_bytes=before["overall_bytes"] - after["overall_bytes"],
         evidence={
             "iteration": worst,

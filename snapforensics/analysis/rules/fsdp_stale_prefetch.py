@@ -21,9 +21,9 @@ from snapforensics.analysis.diagnosis import Finding
 from snapforensics.analysis.evidence import (
     by_module,
     by_path,
+    counterfactual,
     human,
     max_alive,
-    peaks,
     per_iteration,
     top_stacks,
 )
@@ -52,14 +52,13 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     if not stale.size:
         return []
     per_iter = per_iteration(d, stale)
-    worst = max(per_iter, key=per_iter.get)
+    worst = max(per_iter, key=per_iter.__getitem__)
     blocks = stale[d.iteration[stale] == worst]
     # Alive together at worst (they accumulate): the most bytes alive at once in that iteration.
     at_once = max_alive(d, blocks)
     free_row = d.lt.free_row.copy()
     free_row[stale] = d.lt.alloc_row[stale]  # never allocated
-    predicted = d.lt.replay(free_row=free_row)
-    after = peaks(d, predicted)
+    after, replay = counterfactual(d, free_row)
     paths = by_path(d, blocks)
     via = ", ".join(f"{p} ({human(v)})" for p, v in sorted(paths.items(), key=lambda x: -x[1]))
     cause = (
@@ -71,10 +70,11 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         "targeted a unit that did not run next, so each such buffer sits until the end of "
         "backward and they pile up layer by layer.")
     return [Finding(
+        replay=replay,
         rule=RULE, verdict=Verdict.ANOMALOUS,
         title="Unused all-gather buffers from prefetch during backward, freed only at the end",
         cause=cause, bytes=per_iter[worst], blocks=int(len(blocks)), device=d.device, fix=FIX,
-        predicted_peak_bytes=after["overall_bytes"], predicted_live=predicted,
+        predicted_peak_bytes=after["overall_bytes"],
         saving_bytes=max(d.peak_bytes - after["overall_bytes"], 0),
         evidence={
             "iteration": worst,
