@@ -15,7 +15,7 @@ __all__ = ["__version__", *_API]
 
 def __getattr__(name: str):
     if name in _API:
-        from snapforensics import api
+        import importlib
 
-        return getattr(api, name)
+        return getattr(importlib.import_module("snapforensics.api"), name)
     raise AttributeError(f"module 'snapforensics' has no attribute {name!r}")

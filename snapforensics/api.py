@@ -63,10 +63,11 @@ def compare(*inputs: str | Path | Snapshot | Report | Diagnosis, mode: str = "au
             ) -> Comparison:
     """Compare against the first input (before/after a fix, or the ranks of one run): paths
     (a run folder or glob stands for its rank files), Snapshots, Reports or Diagnoses."""
-    if all(isinstance(x, (str, Path)) for x in inputs):
+    paths = [x for x in inputs if isinstance(x, (str, Path))]
+    if len(paths) == len(inputs):
         from snapforensics.commands.compare import compare_paths
 
-        return compare_paths(list(inputs), mode=mode)
+        return compare_paths(paths, mode=mode)
     from snapforensics.analysis.compare import compare as _compare
 
     diags = [x.diagnosis if isinstance(x, Report) else x if isinstance(x, Diagnosis)

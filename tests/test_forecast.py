@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import corpus_file
+from corpus import corpus_file
 
 from snapforensics.analysis.context import analyse
 from snapforensics.analysis.forecast import (
@@ -62,22 +62,15 @@ def _print_table():
 
 
 @pytest.fixture(scope="session")
-def rec(tmp_path_factory):
-    pytest.importorskip("torch")
-    from recordings import recorded
-
-    cache: dict = {}
+def rec(recording):
+    """`rec(variant, nproc, extra)`: rank 0 of a real recording, analysed for forecasting."""
 
     def get(variant: str, nproc: int = 2, extra: tuple = ()) -> Forecaster:
         # default-shape runs: 3 steps, as other modules record them (one recording per
         # session); the small shapes only here: 2 steps (iteration 1 already holds the
         # optimizer state, so its peak is every later iteration's)
         steps = 3 if extra[:1] != ("--layers",) else 2
-        key = (variant, nproc, extra)
-        if key not in cache:
-            path = recorded(variant, tmp_path_factory, nproc=nproc, steps=steps, extra=extra)[0]
-            cache[key] = _fx(path)
-        return cache[key]
+        return _fx(recording(variant, nproc=nproc, steps=steps, extra=extra))
 
     return get
 
@@ -228,15 +221,18 @@ def test_cli_json_contract_and_bad_arguments(tmp_path, capsys):
 
 
 def test_every_format_renders_the_same_scenarios(tmp_path):
-    from snapforensics.report.forecast import render_text
+    from snapforensics.report.registry import render
 
     f = forecast(load(BUGGY), world_sizes=[8], capacity=parse_size("1GiB"))
     for fmt in ("markdown", "html", "terminal"):
-        text = render_text(f, fmt)
+        text = render("forecast", f, fmt).replace("\\", "")  # markdown escapes `_`
         assert "full_shard" in text and RESHARD in text and "smallest world size" in text
-    # the source path is the one string from outside: escaped in HTML
-    f.source = "<script>alert(1)</script>.pickle"
-    assert "<script>" not in render_text(f, "html")
+    assert json.loads(render("forecast", f, "json"))["schema"] == "snapforensics.forecast/1"
+    # the source path is the one string from outside: neutralized for each sink
+    f.source = "<script>alert(1)</script>\x1b]52;c;cHduZWQ=\x07.pickle"
+    assert "<script>" not in render("forecast", f, "html")
+    assert "<script>" not in render("forecast", f, "markdown")
+    assert "\x1b" not in render("forecast", f, "terminal")
 
 
 # ---------------------------------------------------------------------------- slow: recorded

@@ -772,3 +772,32 @@ def test_repeated_recordings_of_one_run_give_the_same_peak(tmp_path):
                                fresh=True)
         peaks.append(replay_peak(load_strict(paths[0])))
     assert (max(peaks) - min(peaks)) / min(peaks) <= 0.005, peaks
+
+
+TWO_RANKS = """
+import os, sys
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")  # from the environment record gives each rank
+keep = torch.ones(1000 * (dist.get_rank() + 1))
+if dist.get_rank() == 1:
+    sys.exit(5)
+dist.barrier()  # rank 0 waits for the rank that is gone
+"""
+
+
+def test_a_failed_rank_stops_the_others_and_its_code_is_the_recorders(tmp_path):
+    """Ranks launched by record itself (no torchrun): rank 1 exits 5, rank 0 is stopped, still
+    dumps, and record exits 5 (the first failure), not the stopped rank's 143 nor torchrun's 1."""
+    pytest.importorskip("torch")
+    script = tmp_path / "two.py"
+    script.write_text(textwrap.dedent(TWO_RANKS))
+    out = tmp_path / "out"
+    proc = run_cli(["record", "--device", "cpu", "--nproc-per-node", "2", "--out", str(out),
+                    str(script)], cwd=tmp_path)
+    assert proc.returncode == 5, proc.stderr
+    assert "exited with code 5 on rank 1; 2 snapshot(s)" in proc.stderr
+    _only_snapshots(out)
+    ranks = [load_strict(out / f"rank{r}.pickle")["snapforensics"] for r in (0, 1)]
+    assert [p["world_size"] for p in ranks] == [2, 2] and ranks[1]["script_exit_code"] == 5
+    assert ranks[0]["script_exit_code"] != 0

@@ -25,6 +25,7 @@ from mdtext import rendered_text, tokens
 
 from snapforensics.analysis import Finding, diagnose
 from snapforensics.analysis.compare import compare
+from snapforensics.analysis.forecast import forecast
 from snapforensics.report import render
 from snapforensics.report.registry import Screen, formats
 from snapforensics.snapshot import load, normalize, read_raw
@@ -74,11 +75,15 @@ def _edit(raw: dict) -> int:
 
 
 @cache
-def hostile(path: Path = FIXTURE):
-    raw, warnings = read_raw(path)
+def hostile_snapshot():
+    raw, warnings = read_raw(FIXTURE)
     assert _edit(raw) > 100
-    d = diagnose(normalize(raw, source=f"/tmp/{ESCAPES}{MARKUP}{HTML}.pickle",
-                           warnings=warnings))
+    return normalize(raw, source=f"/tmp/{ESCAPES}{MARKUP}{HTML}.pickle", warnings=warnings)
+
+
+@cache
+def hostile():
+    d = diagnose(hostile_snapshot())
     # planted strings also as a finding's own words (title, cause, fix, rule) and a warning
     extra = Finding(rule="test." + ESCAPES + MARKUP, verdict="info", title=HOSTILE, cause=HOSTILE,
                     bytes=1 << 20, blocks=1, device=0, fix=f"x = {HOSTILE!r}\n" + HOSTILE,
@@ -106,11 +111,15 @@ SGR = re.compile(r"\x1b\[[0-9;]*m")  # colours and bold: the only escapes we emi
 
 @cache
 def document(kind: str):
+    if kind == "forecast":
+        f = forecast(hostile_snapshot(), world_sizes=[4, 8])
+        f.notes.append(HOSTILE)
+        return f
     d = hostile()
     return d if kind == "diagnosis" else compare([d, diagnose(load(FIXED))])
 
 
-@pytest.fixture(params=["diagnosis", "compare"])
+@pytest.fixture(params=["diagnosis", "compare", "forecast"])
 def kind_doc(request):
     return request.param, document(request.param)
 
@@ -161,7 +170,7 @@ def test_terminal_numbers_are_not_half_highlighted():
 
 # ------------------------------------------------------------------------------- markdown
 
-OUR_HEADINGS = re.compile(r"^(snapforensics (diagnosis|compare)|Device \d+|Findings|Peaks|"
+OUR_HEADINGS = re.compile(r"^(snapforensics (diagnosis|compare|forecast)|Device \d+|Findings|Peaks|"
                           r"Alive at the peak|Prediction check|Imbalance|\[(ANOMALOUS|EXPECTED|"
                           r"INFO)\] )")
 
@@ -181,7 +190,7 @@ def test_markdown_structure_comes_only_from_us(kind_doc):
     # the file is inside a fence token (outside code they are escaped: `\# INJECTED`)
     raw = len(re.findall(r"(?<!\\)# INJECTED", md))
     fenced = sum(t.content.count("# INJECTED") for t in toks if t.type == "fence")
-    assert raw == fenced and (kind == "compare" or fenced >= 2)
+    assert raw == fenced and (kind != "diagnosis" or fenced >= 2)
 
 
 def test_markdown_pipes_do_not_shift_table_cells():
@@ -386,7 +395,7 @@ def test_hostile_file_name_in_an_error_stays_one_line(cli, tmp_path):
 
 
 def test_every_registered_format_renders_every_document():
-    for kind in ("diagnosis", "compare"):
+    for kind in ("diagnosis", "compare", "forecast"):
         doc = document(kind)
         for fmt in formats(kind):
             assert render(kind, doc, fmt).strip()

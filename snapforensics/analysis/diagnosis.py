@@ -126,3 +126,19 @@ class Diagnosis:
             "devices": [public(d) for d in self.devices],
             "findings": [public(f) for f in self.findings],
         }
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> Diagnosis:
+        """The inverse of `to_dict` (a fleet worker's or the cache's document); fields this
+        version does not know are ignored, so newer documents still load."""
+        if doc.get("schema") != SCHEMA:
+            raise ValueError(f"not a {SCHEMA} document")
+        return cls(source=doc["source"], rank=doc["rank"], format=doc["format"],
+                   provenance=doc["provenance"], warnings=list(doc["warnings"]),
+                   devices=[_known(DeviceSummary, x) for x in doc["devices"]],
+                   findings=[_known(Finding, x) for x in doc["findings"]], tool=doc["tool"])
+
+
+def _known(cls, d: dict[str, Any]):
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in d.items() if k in names})

@@ -52,8 +52,8 @@ NONE, FULL = "none", "full"
 # Scaling classes.
 CONST, SHARD, UNIT, BATCH = range(4)
 SCALING = ("constant", "shard", "unit", "micro_batch")  # stable ids (JSON `by_scaling`)
-SCALING_TEXT = {"constant": "constant", "shard": "1/W (padded shard)",
-                "unit": "full unit (constant in W but for padding)", "micro_batch": "x micro-batch"}
+SCALING_TEXT = {"constant": "constant", "shard": "1/W", "unit": "unit size",
+                "micro_batch": "x micro-batch"}
 # A tensor of at most 8 elements of 8 bytes is a scalar (AdamW's step, a collective's divisor,
 # RNG offsets): it is not a piece of a parameter and does not grow with the batch.
 SCALAR_BYTES = 64
@@ -101,6 +101,7 @@ class Prediction:
     iteration: int | None = None
     breakdown: dict[str, int] = field(default_factory=dict)  # category -> bytes at the peak
     by_scaling: dict[str, int] = field(default_factory=dict)  # scaling class -> bytes at peak
+    scales: dict[str, str] = field(default_factory=dict)  # category -> how it scales
     dominant: str | None = None
     refused: str | None = None
     fits: bool | None = None
@@ -112,7 +113,8 @@ class Prediction:
                 "fix_applied": sc.fix, "predicted_peak_bytes": self.predicted_peak_bytes,
                 "phase": self.phase, "row": self.peak_row if self.refused is None else None,
                 "iteration": self.iteration, "breakdown": self.breakdown,
-                "by_scaling": self.by_scaling, "dominant": self.dominant,
+                "by_scaling": self.by_scaling, "scales": self.scales,
+                "dominant": self.dominant,
                 "refused": self.refused, "fits": self.fits}
 
 
@@ -141,6 +143,7 @@ class Forecast:
             r = p.to_dict()
             bd = r.pop("breakdown")
             r.pop("by_scaling")
+            r.pop("scales")
             rows.append(r | {f"bytes.{k}": v for k, v in bd.items()})
         return pd.DataFrame(rows)
 
@@ -468,6 +471,7 @@ class Replayed(NamedTuple):
     row: int
     breakdown: dict[str, int]  # category -> bytes alive at the peak
     by_scaling: dict[str, int]  # scaling class -> bytes alive at the peak
+    scales: dict[str, str]  # category -> the scaling class of most of its bytes at the peak
 
 
 def evaluate(d: DeviceAnalysis, p: Plan, sizes: np.ndarray, cls: np.ndarray) -> Replayed:
@@ -475,22 +479,25 @@ def evaluate(d: DeviceAnalysis, p: Plan, sizes: np.ndarray, cls: np.ndarray) -> 
     extra = [(a, e, int(sizes[b])) for b, a, e in p.copies] + p.fixed_extra
     live = d.lt.replay(free_row=p.free_row, alloc_row=p.alloc_row, size=sz, extra=extra)
     if not len(live):
-        return Replayed(0, -1, {}, {})
+        return Replayed(0, -1, {}, {}, {})
     row = int(np.argmax(live))
     alive = (p.alloc_row <= row) & (p.free_row > row) & p.keep
-    bd = np.bincount(d.category[alive], weights=sz[alive], minlength=len(CATEGORIES))
-    bs = np.bincount(cls[alive], weights=sz[alive], minlength=len(SCALING))
+    # bytes alive at the peak by (category, scaling class)
+    n = len(SCALING)
+    m = np.bincount(d.category[alive].astype(np.int64) * n + cls[alive], weights=sz[alive],
+                    minlength=len(CATEGORIES) * n).reshape(len(CATEGORIES), n)
     for b, a, e in p.copies:
         if a <= row < e:
-            bd[d.category[b]] += sizes[b]
-            bs[cls[b]] += sizes[b]
-    for a, e, n in p.fixed_extra:
+            m[d.category[b], cls[b]] += sizes[b]
+    for a, e, nb in p.fixed_extra:
         if a <= row < e:
-            bd[CAT_CODE[Category.OTHER]] += n
-            bs[CONST] += n
+            m[CAT_CODE[Category.OTHER], CONST] += nb
+    bd, bs = m.sum(1), m.sum(0)
     return Replayed(int(live[row]), row,
                     {str(CATEGORIES[i]): int(v) for i, v in enumerate(bd) if v},
-                    {SCALING[i]: int(v) for i, v in enumerate(bs) if v})
+                    {SCALING[i]: int(v) for i, v in enumerate(bs) if v},
+                    {str(CATEGORIES[i]): SCALING[int(np.argmax(m[i]))]
+                     for i, v in enumerate(bd) if v})
 
 
 class Forecaster:
@@ -575,7 +582,7 @@ class Forecaster:
         r = evaluate(d, p, sizes, self.cls)
         it = d.tl.iteration_of(r.row)
         return Prediction(sc, r.peak, r.row, d.phase_name(r.row), it.index if it else None,
-                          r.breakdown, r.by_scaling,
+                          r.breakdown, r.by_scaling, r.scales,
                           max(r.breakdown, key=lambda k: r.breakdown[k]) if r.breakdown else None)
 
 
@@ -639,7 +646,7 @@ def forecast(snapshot: Snapshot, world_sizes=(), strategies=(), checkpointing=()
                 "checkpointing": fx.checkpointing, "peak_bytes": d.peak_bytes,
                 "phase": d.phase_name(d.peak_row), "row": d.peak_row,
                 "replayed_peak_bytes": bl.predicted_peak_bytes, "breakdown": bl.breakdown,
-                "by_scaling": bl.by_scaling,
+                "by_scaling": bl.by_scaling, "scales": bl.scales,
                 "device": d.device, "anomalies": [f.rule for f in fx.anomalies]}
     return Forecast(snapshot.source, snapshot.rank, baseline, preds, notes, capacity, fit)
 

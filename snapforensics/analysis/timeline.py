@@ -114,6 +114,7 @@ def build(d: DeviceAnalysis, top: Finding | None, reserved: np.ndarray | None,
     r = top.replay if top is not None else None  # the rule's own counterfactual
     pred = lt.replay(free_row=r.free_row, alloc_row=r.alloc_row, extra=list(r.extra)) \
         if r is not None else None
+    starts = np.minimum(np.searchsorted(rows, [it.start for it in d.tl.iterations]), len(x) - 1)
     pts = live[rows]
     stacks, stack_cat, top_idx, top_b = _hover(d, rows)
     return Series(
@@ -122,9 +123,8 @@ def build(d: DeviceAnalysis, top: Finding | None, reserved: np.ndarray | None,
         by_category=by_cat[used], reserved=bucket_max(reserved, edges)
         if reserved is not None else None,
         predicted=bucket_max(pred, edges) if pred is not None else None,
-        predicted_rule=top.rule if pred is not None else None,
-        iterations=[(it.index, float(x[min(np.searchsorted(rows, it.start), len(x) - 1)]))
-                    for it in d.tl.iterations],
+        predicted_rule=top.rule if top is not None and pred is not None else None,
+        iterations=[(it.index, float(x[k])) for it, k in zip(d.tl.iterations, starts.tolist())],
         peak=int(np.argmax(pts)), stacks=stacks, stack_category=stack_cat,
         top_stacks=top_idx, top_bytes=top_b)
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import click
 
+from snapforensics.commands._options import report_options
 from snapforensics.errors import SnapError
-from snapforensics.report import FORMATS
 
 
 def _list(text: str | None, conv, what: str) -> list:
@@ -52,17 +52,15 @@ def _scale(s: str) -> float:
                                           "(e.g. 0.5,2).")
 @click.option("--capacity", help="Device memory (e.g. 80GiB): which scenarios fit, the "
                                  "smallest world size and the cheapest change that fit.")
-@click.option("--format", "fmt", type=click.Choice(FORMATS), default="terminal",
-              show_default=True, help="Report format.")
-@click.option("-o", "--output", type=click.Path(path_type=Path),
-              help="Write the report to FILE instead of stdout.")
+@report_options("forecast")
 def forecast_command(snapshot: Path, world_size, strategy, checkpointing, micro_batch_scale,
-                     capacity, fmt: str, output: Path | None) -> int:
+                     capacity, fmt: str | None, output: str | None) -> int:
     """Forecast the peak of the recorded run under other settings (docs/forecast.md)."""
     from snapforensics.analysis.forecast import forecast, parse_size
-    from snapforensics.report.forecast import render_terminal, render_text
+    from snapforensics.report.output import choose_format, emit
     from snapforensics.snapshot import load
 
+    choose_format("forecast", fmt, output)  # a bad -o fails before the analysis
     cap = None
     if capacity:
         try:
@@ -75,15 +73,5 @@ def forecast_command(snapshot: Path, world_size, strategy, checkpointing, micro_
     worlds = _list(world_size, _positive_int, "world-size")
     strategies = _list(strategy, _strategy, "strategy")
     scales = _list(micro_batch_scale, _scale, "micro-batch-scale")
-    f = forecast(load(snapshot), worlds, strategies, ckpt, scales, cap)
-    if output is None and fmt == "terminal":
-        from rich.console import Console
-        render_terminal(f, Console())
-        return 0
-    text = render_text(f, fmt)
-    if output is None:
-        click.echo(text)
-        return 0
-    from snapforensics.report import write_file
-    write_file(output, text)
+    emit("forecast", forecast(load(snapshot), worlds, strategies, ckpt, scales, cap), fmt, output)
     return 0

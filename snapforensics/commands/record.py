@@ -23,7 +23,7 @@ _STACKS = ["python", "all"]
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Folder for rank{R}.pickle (default: a new snapforensics-out/record-TIME).")
 @click.option("--nproc-per-node", type=int, default=1, show_default=True,
-              help="Ranks to launch on this machine (through torch.distributed.run when > 1).")
+              help="Ranks to launch on this machine (each with torchrun's environment).")
 @click.option("--device", metavar="|".join(_DEVICES), default="auto", show_default=True,
               help="auto: cuda if available, else npu (torch_npu), else the CPU allocator.")
 @click.option("--stacks", metavar="|".join(_STACKS), default="python", show_default=True,

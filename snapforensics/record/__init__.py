@@ -9,8 +9,9 @@
   when unset and there are several ranks), so a torchrun-style script runs as under
   ``torchrun --standalone``. The ranks share one new process group: SIGINT/SIGTERM/SIGHUP sent
   to the recorder are forwarded to that whole group (each rank stops its script and still writes
-  what it recorded; a second signal sends SIGTERM, a third SIGKILL). When one rank fails, the
-  others are stopped the same way (after ``STOP_GRACE_S``, killed).
+  what it recorded; a second signal kills them). When one rank fails, the others are stopped the
+  same way; one still running ``STOP_GRACE_S`` after that (blocked in a collective, where
+  Python never sees the signal) is killed.
 - already inside a torchrun launch (``TORCHELASTIC_RUN_ID``, or ``LOCAL_RANK`` + ``WORLD_SIZE``)
   with ``nproc_per_node=1``: this process is recorded in place.
 
@@ -164,7 +165,10 @@ def _check_torch() -> None:
                         exit_code=EXIT_RECORD_FAILED)
 
 
-STOP_GRACE_S = 30.0  # a rank blocked in a collective never sees SIGTERM: killed after this
+# after a rank failed, the others get SIGTERM and this long to dump (the CPU recorder's stop and
+# conversion take seconds to a minute); one still running then is blocked where Python never
+# sees the signal (a collective waiting for the dead rank): killed
+STOP_GRACE_S = 120.0
 LOCK_NAME = ".snapforensics-record.lock"
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -207,8 +211,7 @@ class _Ranks:
 
     def on_signal(self, signum, frame) -> None:
         self.signals += 1
-        self._send(signum if self.signals == 1 else signal.SIGTERM if self.signals == 2
-                   else signal.SIGKILL)
+        self._send(signum if self.signals == 1 else signal.SIGKILL)
 
     def wait(self) -> list[int]:
         handlers = _install(_FORWARDED, self.on_signal)
@@ -219,8 +222,8 @@ class _Ranks:
                         self.failed.append(r)
                 if all(p.returncode is not None for p in self.procs):
                     return [p.returncode for p in self.procs]
-                if self.failed and self.stop_at is None:  # the others would wait for it forever
-                    self._send(signal.SIGTERM)
+                if self.failed and not self.signals and self.stop_at is None:
+                    self._send(signal.SIGTERM)  # the others would wait for the failed rank
                     self.stop_at = time.monotonic() + STOP_GRACE_S
                 elif self.stop_at is not None and time.monotonic() > self.stop_at:
                     self._send(signal.SIGKILL)
@@ -265,8 +268,10 @@ class _OutLock:
                             "choose another --out", exit_code=EXIT_BAD_INPUT) from None
         self.fd = fd
         others = sorted(p.name for p in self.out.iterdir() if p.name != LOCK_NAME)
-        if others and not self.force:
-            self.__exit__(None, None, None)
+        if others and not self.force:  # leave the folder exactly as it was
+            (self.out / LOCK_NAME).unlink(missing_ok=True)
+            os.close(fd)
+            self.fd = None
             raise SnapError(f"--out {self.out} is not empty ({others[0]}"
                             f"{f' and {len(others) - 1} more' if len(others) > 1 else ''}); "
                             "choose a new folder, or --force to replace its snapshots",

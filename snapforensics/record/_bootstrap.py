@@ -1,9 +1,10 @@
 """Run a user's script unmodified under allocator recording, then dump the snapshot.
 
-``python -m snapforensics.record._bootstrap OPTIONS_JSON TARGET [ARGS...]`` (one process, or one
-rank under ``torch.distributed.run``). ``OPTIONS_JSON`` carries ``out``, ``device``, ``stacks``,
-``max_entries``, ``module``. The script sees ``sys.argv`` and ``sys.path[0]`` as under
-``python TARGET ARGS`` / ``python -m TARGET ARGS``.
+``python -m snapforensics.record._bootstrap OPTIONS_JSON TARGET [ARGS...]`` (one rank, launched
+by ``snapforensics record``). ``OPTIONS_JSON`` carries ``out``, ``device``, ``stacks``,
+``max_entries``, ``module``, ``steps`` (``[A, B]``: record optimizer steps A..B-1 only). The
+script sees ``sys.argv`` and ``sys.path[0]`` as under ``python TARGET ARGS`` /
+``python -m TARGET ARGS``.
 
 Whatever happens to the script (normal end, ``sys.exit(n)``, an exception, SIGTERM from the
 launcher, Ctrl-C), the snapshot is written to ``OUT/rank{RANK}.pickle`` (atomically, mode 0644)
@@ -118,6 +119,7 @@ class _TermAsExit:
     def __init__(self) -> None:
         self.installed = False
         self.previous: Any = None
+        self.sigint: Any = None
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -132,15 +134,20 @@ class _TermAsExit:
 
     @staticmethod
     def _handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second one must not cut the dump
         raise SystemExit(128 + signum)
 
     def dumping(self) -> None:
+        """SIGTERM and SIGINT wait until the snapshot is written (SIGKILL still works)."""
         if self.installed:
+            self.sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     def restore(self) -> None:
         if self.installed:
             signal.signal(signal.SIGTERM, self.previous)
+            if self.sigint is not None:
+                signal.signal(signal.SIGINT, self.sigint)
             self.installed = False
 
 

@@ -61,16 +61,10 @@ class Cell(IntEnum):
     NOT_A_FRAME = 3  # a C call from Python, a Kineto/backend event: keeps the depth only
 
 
-@dataclass(slots=True)
-class _PathCell:
-    """One ancestor of the event being walked; its frame is computed when an allocation needs it."""
-
-    ev: Any
-    kind: Cell
-    frame: Any = None  # None: not computed yet; False: not a frame; _STOP: the recorder's frames
-    start_ns: int = 0
-
-
+# A path cell is a list [event, Cell, frame, start_ns] (lists: a million of them are made per
+# recording, a class instance costs ~4x more). frame: None until an allocation needs it, then the
+# interned frame, False for "not a frame", or _STOP (the recorder's own frames start there).
+EVENT, KIND, FRAME, START = range(4)
 @dataclass(slots=True)
 class _Alloc:
     """One allocator event (``size`` < 0 for a free) on the profiler's CPU device."""
@@ -171,28 +165,28 @@ class _Frames:
         self._pycalls[name] = f
         return f
 
-    def of_cell(self, cell: _PathCell):
-        ev = cell.ev
-        if cell.kind is Cell.OP:
+    def of_cell(self, cell: list):
+        ev = cell[EVENT]
+        if cell[KIND] is Cell.OP:
             kind = "<record_function>" if ev.extra_fields.scope == self.user_scope else "<op>"
             return self.intern(kind, 0, ev.name)
         return self.of_pycall(ev.name)
 
-    def of_path(self, path: list[_PathCell]) -> tuple[list, list]:
+    def of_path(self, path: list[list]) -> tuple[list, list]:
         """The interned stack above the current event (innermost first), and each frame's start."""
         out = []
         starts = []
         for cell in reversed(path):
-            f = cell.frame
+            f = cell[FRAME]
             if f is None:
-                f = cell.frame = self.of_cell(cell)
-                cell.start_ns = cell.ev.start_time_ns
+                f = cell[FRAME] = self.of_cell(cell)
+                cell[START] = cell[EVENT].start_time_ns
             if f is False:
                 continue
             if f is _STOP:
                 break
             out.append(f)
-            starts.append(cell.start_ns)
+            starts.append(cell[START])
         return self.stack(out), starts
 
 
@@ -204,7 +198,8 @@ def _walk(roots: list, EventType: Any, frames: _Frames) -> tuple[list[_Alloc], l
     user_scope = frames.user_scope
     allocs: list[_Alloc] = []
     ranges: list[tuple] = []
-    path: list[_PathCell] = []
+    path: list[list] = []
+    not_a_frame = [None, Cell.NOT_A_FRAME, False, 0]  # shared: nothing in it is ever read
     seq = 0
     _EXIT = object()  # marks the end of an event's children: pop its path cell
     work: list = sorted(roots, key=lambda e: e.start_time_ns, reverse=True)
@@ -216,11 +211,11 @@ def _walk(roots: list, EventType: Any, frames: _Frames) -> tuple[list[_Alloc], l
             continue
         tag = ev.tag
         if tag == PY_CCALL:
-            cell = _PathCell(ev, Cell.NOT_A_FRAME, False)
+            cell = not_a_frame
         elif tag == PY_CALL:
-            cell = _PathCell(ev, Cell.PYCALL)
+            cell = [ev, Cell.PYCALL, None, 0]
         elif tag == TORCH_OP:
-            cell = _PathCell(ev, Cell.OP)
+            cell = [ev, Cell.OP, None, 0]
             if ev.extra_fields.scope == user_scope:
                 ranges.append((ev.start_time_ns, ev.end_time_ns, seq, ev.name, ev.start_tid))
                 seq += 1
@@ -233,7 +228,7 @@ def _walk(roots: list, EventType: Any, frames: _Frames) -> tuple[list[_Alloc], l
                 seq += 1
             continue
         else:  # Kineto, Backend, Vulkan, ...
-            cell = _PathCell(ev, Cell.NOT_A_FRAME, False)
+            cell = not_a_frame
         children = ev.children
         if children:
             push(cell)

@@ -1,14 +1,32 @@
-"""Renderers of a Forecast: terminal, markdown, json, html (one table, the same facts)."""
+"""Renderers of a Forecast (registry kind "forecast"): terminal, markdown, html; JSON is
+`report.json:render` (Forecast.to_dict). One table, the same facts in every format; the source
+path and notes (which quote rule ids) pass through the sink's function of report/sanitize.py."""
 
 from __future__ import annotations
 
-import html as _html
-
 from snapforensics.analysis.evidence import human
 from snapforensics.analysis.forecast import SCALING_TEXT, Forecast, Prediction
+from snapforensics.report.registry import PLAIN, Screen
+from snapforensics.report.sanitize import FRAME, ROWS, TEXT
+from snapforensics.report.sanitize import html as h
+from snapforensics.report.sanitize import markdown as md
+from snapforensics.report.terminal import t
+
+_MODEL = ("Each block scales by what made it: 1/W (sharded state, with FSDP's padding), unit "
+          "size (unsharded parameters, collective buffers), x micro-batch (activations), "
+          "constant (the rest); the trace is replayed with the new sizes (docs/forecast.md).")
 
 COLUMNS = ("W", "strategy", "ckpt", "micro-batch", "fix applied", "predicted peak",
            "vs recorded", "phase (row)", "dominant", "fits")
+
+
+def _table(f: Forecast) -> tuple[list[str], list[list[str]]]:
+    """Columns and rows; the fix column only when some scenario applies a fix."""
+    rows = [_row(p, f.baseline["peak_bytes"]) for p in f.scenarios]
+    if any(p.scenario.fix for p in f.scenarios):
+        return list(COLUMNS), rows
+    k = COLUMNS.index("fix applied")
+    return [c for i, c in enumerate(COLUMNS) if i != k], [r[:k] + r[k + 1:] for r in rows]
 
 
 def _row(p: Prediction, recorded: int) -> list[str]:
@@ -20,7 +38,8 @@ def _row(p: Prediction, recorded: int) -> list[str]:
     pk = p.predicted_peak_bytes or 0
     delta = f"{(pk - recorded) / recorded:+.0%}" if recorded else "n/a"
     fits = "" if p.fits is None else ("yes" if p.fits else "NO")
-    return head + [human(pk), delta, f"{p.phase} ({p.peak_row})", p.dominant or "-", fits]
+    dom = f"{p.dominant} ({SCALING_TEXT[p.scales[p.dominant]]})" if p.dominant else "-"
+    return head + [human(pk), delta, f"{p.phase} ({p.peak_row})", dom, fits]
 
 
 def _baseline_line(f: Forecast) -> str:
@@ -57,77 +76,61 @@ def _scaling_lines(f: Forecast) -> list[str]:
     """What is alive at the recorded peak, by category and by how it scales (the model)."""
     b = f.baseline
     rows = b.get("breakdown") or {}
+    scales = b.get("scales") or {}
     out = ["alive at the recorded peak: " + ", ".join(
-        f"{c} {human(v)}" for c, v in sorted(rows.items(), key=lambda x: -x[1]))]
+        f"{c} {human(v)} ({SCALING_TEXT[scales[c]]})" if c in scales else f"{c} {human(v)}"
+        for c, v in sorted(rows.items(), key=lambda x: -x[1]))]
     if b.get("by_scaling"):
         out.append("by how it scales: " + "; ".join(
             f"{SCALING_TEXT[k]} {human(v)}" for k, v in b["by_scaling"].items()))
     return out
 
 
-def render_text(f: Forecast, fmt: str) -> str:
-    if fmt == "json":
-        from snapforensics.report.json import dumps
-        return dumps(f.to_dict(), indent=True)
-    if fmt == "markdown":
-        return _markdown(f)
-    if fmt == "html":
-        return _html_page(f)
-    from io import StringIO
-
-    from rich.console import Console
-    buf = StringIO()
-    render_terminal(f, Console(file=buf, width=140, force_terminal=False, no_color=True))
-    return buf.getvalue()
-
-
-def render_terminal(f: Forecast, console) -> None:
+def terminal(f: Forecast, screen: Screen = PLAIN) -> str:
     from rich.table import Table
-    from rich.text import Text
 
-    console.print(Text(f"snapforensics forecast: {f.source}", style="bold"))
-    console.print(Text(_baseline_line(f)))
-    for n in f.notes:
-        console.print(Text(f"note: {n}", style="yellow"))
-    t = Table(show_edge=False)
-    for c in COLUMNS:
-        t.add_column(c, justify="right" if c in ("predicted peak", "vs recorded") else "left")
-    rec = f.baseline["peak_bytes"]
-    for p in f.scenarios:
-        t.add_row(*[Text(x) for x in _row(p, rec)])
-    console.print(t)
+    console = screen.console(width=140)
+    console.print(t(f"snapforensics forecast: {f.source}", FRAME, "bold"))
+    console.print(t(_baseline_line(f), TEXT))
+    for n in f.notes[:ROWS]:
+        console.print(t(f"note: {n}", TEXT, "yellow"))
+    tab = Table(show_edge=False)
+    cols, rows = _table(f)
+    for c in cols:
+        tab.add_column(c, justify="right" if c in ("predicted peak", "vs recorded") else "left",
+                       overflow="fold")
+    for r in rows:
+        tab.add_row(*[t(x, TEXT) for x in r])
+    console.print(tab)
     for line in _scaling_lines(f) + _fit_lines(f):
-        console.print(Text(line))
+        console.print(t(line, TEXT))
+    return console.file.getvalue()
 
 
-def _md(s: str) -> str:
-    return s.replace("|", "\\|").replace("`", "'").replace("\n", " ")
-
-
-def _markdown(f: Forecast) -> str:
-    out = [f"# snapforensics forecast: `{_md(f.source)}`", "", f"- {_baseline_line(f)}"]
-    out += [f"- note: {_md(n)}" for n in f.notes]
-    out += ["", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    rec = f.baseline["peak_bytes"]
-    out += ["| " + " | ".join(_md(x) for x in _row(p, rec)) + " |" for p in f.scenarios]
-    out += [""] + [f"- {_md(x)}" for x in _scaling_lines(f) + _fit_lines(f)]
-    out += ["", "Each block scales by what made it: " + ", ".join(SCALING_TEXT.values()) +
-            " (docs/forecast.md)."]
+def markdown(f: Forecast, screen: Screen = PLAIN) -> str:
+    out = [f"# snapforensics forecast: {md(f.source, FRAME)}", "",
+           f"- {md(_baseline_line(f), TEXT)}"]
+    out += [f"- note: {md(n, TEXT)}" for n in f.notes[:ROWS]]
+    cols, rows = _table(f)
+    out += ["", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    out += ["| " + " | ".join(md(x, TEXT) for x in r) + " |" for r in rows]
+    out += [""] + [f"- {md(x, TEXT)}" for x in _scaling_lines(f) + _fit_lines(f)]
+    out += ["", md(_MODEL, TEXT)]
     return "\n".join(out) + "\n"
 
 
-def _html_page(f: Forecast) -> str:
-    e = lambda x: _html.escape(str(x), quote=True)  # noqa: E731
-    rec = f.baseline["peak_bytes"]
-    rows = "".join("<tr>" + "".join(f"<td>{e(x)}</td>" for x in _row(p, rec)) + "</tr>"
-                   for p in f.scenarios)
-    items = "".join(f"<li>{e(x)}</li>" for x in f.notes + _scaling_lines(f) + _fit_lines(f))
-    head = "".join(f"<th>{e(c)}</th>" for c in COLUMNS)
+def html(f: Forecast, screen: Screen = PLAIN) -> str:
+    cols, table = _table(f)
+    rows = "".join("<tr>" + "".join(f"<td>{h(x, TEXT)}</td>" for x in r) + "</tr>"
+                   for r in table)
+    items = "".join(f"<li>{h(x, TEXT)}</li>"
+                    for x in f.notes[:ROWS] + _scaling_lines(f) + _fit_lines(f))
+    head = "".join(f"<th>{h(c)}</th>" for c in cols)
     return (
         "<!doctype html><html><head><meta charset='utf-8'>"
-        f"<title>snapforensics forecast: {e(f.source)}</title><style>"
+        f"<title>snapforensics forecast: {h(f.source, FRAME)}</title><style>"
         "body{font-family:system-ui,sans-serif;margin:2em}table{border-collapse:collapse}"
         "td,th{border:1px solid #ccc;padding:4px 8px;text-align:left}</style></head><body>"
-        f"<h1>snapforensics forecast</h1><p><code>{e(f.source)}</code></p>"
-        f"<p>{e(_baseline_line(f))}</p><table><tr>{head}</tr>{rows}</table><ul>{items}</ul>"
-        "</body></html>\n")
+        f"<h1>snapforensics forecast</h1><p><code>{h(f.source, FRAME)}</code></p>"
+        f"<p>{h(_baseline_line(f), TEXT)}</p><table><tr>{head}</tr>{rows}</table>"
+        f"<ul>{items}</ul><p>{h(_MODEL, TEXT)}</p></body></html>\n")
