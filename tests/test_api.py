@@ -141,12 +141,21 @@ def test_bad_user_category_is_a_clean_error(sf):
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
 
 
-def test_cli_category_in_json():
-    r = subprocess.run([sys.executable, "-m", "snapforensics", "diagnose", str(BUGGY),
-                        "--format", "json", "--category", "norm=rms_norm"],
-                       capture_output=True, text=True, cwd=REPO, timeout=60)
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["devices"][0]["categories_total"]["norm"]["blocks"] > 0
+def test_cli_category_in_json_and_its_own_cache_entry(tmp_path):
+    env = {**os.environ, "SNAPFORENSICS_CACHE_DIR": str(tmp_path)}
+
+    def totals(*args: str) -> dict:
+        r = subprocess.run([sys.executable, "-m", "snapforensics", "diagnose", str(BUGGY),
+                            "--format", "json", *args], capture_output=True, text=True,
+                           cwd=REPO, timeout=120, env=env)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)["devices"][0]["categories_total"]
+
+    plain = totals()
+    assert "norm" not in plain
+    assert totals("--category", "norm=rms_norm")["norm"]["blocks"] > 0
+    assert totals("--category", "adam=adam\\.py")["adam"]["blocks"] > 0  # not the cached one
+    assert totals() == plain
 
 
 def test_compare_paths_and_reports(sf, buggy):
