@@ -118,18 +118,22 @@ def _expand_url(url: str) -> list[str]:
 _ONE_AT_A_TIME = threading.Lock()  # the loader's memory guard is process-wide (RLIMIT_AS)
 
 
-def diagnose_one(src: str, cache: bool = True, variant: str = "") -> dict[str, Any]:
-    """Runs on a worker: one input in, its diagnosis document (or its one-line error) out."""
+def diagnose_one(src: str, cache: bool = True, variant: str = "",
+                 categories: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Runs on a worker: one input in, its diagnosis document (or its one-line error) out.
+    `categories`: user categories as `NAME=REGEX` (compiled here, in the worker)."""
     from snapforensics.snapshot import cache as snapcache
 
     with _ONE_AT_A_TIME:
         try:
             if not is_url(src):
-                return snapcache.diagnose(local_path(src), cache=cache, variant=variant).to_dict()
+                return snapcache.diagnose(local_path(src), cache=cache, variant=variant,
+                                          categories=categories).to_dict()
             with tempfile.TemporaryDirectory(prefix="snapforensics-") as tmp:
                 local = os.path.join(tmp, src.rstrip("/").rsplit("/", 1)[-1] or "snapshot")
                 _fetch(src, local)
-                doc = snapcache.diagnose(local, cache=False, variant=variant).to_dict()
+                doc = snapcache.diagnose(local, cache=False, variant=variant,
+                                         categories=categories).to_dict()
             doc["source"] = src
             return doc
         except SnapError as e:
@@ -201,7 +205,8 @@ def workers_for(srcs: list[str], sizes: list[int], jobs: int) -> int:
 
 def run(args: Iterable[str | os.PathLike], jobs: int | None = None, cache: bool = True,
         scheduler: str | None = None, progress: bool = True,
-        variant: str = "", expanded: bool = False) -> list[dict[str, Any]]:
+        variant: str = "", expanded: bool = False,
+        categories: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """Diagnose every input; documents (or {"source", "error"}) in input order. `expanded`:
     the inputs are files already (`expand`'s result), not folders or globs."""
     srcs = [str(a) for a in args] if expanded else expand(args)
@@ -213,7 +218,7 @@ def run(args: Iterable[str | os.PathLike], jobs: int | None = None, cache: bool 
         with _Progress(srcs, sizes, progress, lambda: [os.getpid()]) as bar:
             docs = []
             for s, size in zip(srcs, sizes):
-                docs.append(diagnose_one(s, cache, variant))
+                docs.append(diagnose_one(s, cache, variant, categories))
                 bar.advance(size)
         return docs
     if scheduler:
@@ -232,7 +237,8 @@ def run(args: Iterable[str | os.PathLike], jobs: int | None = None, cache: bool 
     futs: dict[futures.Future, int] = {}
     ok = False
     try:
-        futs = {ex.submit(diagnose_one, s, cache, variant): i for i, s in enumerate(srcs)}
+        futs = {ex.submit(diagnose_one, s, cache, variant, tuple(categories)): i
+                for i, s in enumerate(srcs)}
         docs = [None] * len(srcs)
         with _Progress(srcs, sizes, progress,
                        lambda: list(getattr(ex, "_processes", None) or ())) as bar:

@@ -3,6 +3,8 @@ fleet report for a run folder, a glob or several files (every rank diagnosed in 
 
 from __future__ import annotations
 
+import os
+
 import click
 
 from snapforensics.commands._options import report_options, run_options
@@ -19,28 +21,39 @@ from snapforensics.errors import EXIT_ANOMALY, SnapError
 @click.option("--scheduler", metavar="ADDRESS",
               help="Run on a Dask cluster (tcp://HOST:PORT); inputs may be fsspec URLs "
                    "(s3://, gs://) that its workers read. Needs snapforensics[fleet].")
+@click.option("--category", "categories", multiple=True, metavar="NAME=REGEX",
+              help="User category (repeatable): blocks whose stack frames ('function "
+                   "file:line') or record_function ranges match REGEX are reported as NAME, "
+                   "after the built-in classification; the first match wins.")
 @run_options
 def diagnose_command(snapshots: tuple[str, ...], fmt: str | None, output: str | None,
-                     fail_on: str, redact_paths: bool, scheduler: str | None, jobs: int | None,
-                     no_cache: bool, quiet: bool) -> int:
+                     fail_on: str, redact_paths: bool, scheduler: str | None,
+                     categories: tuple[str, ...], jobs: int | None, no_cache: bool,
+                     quiet: bool) -> int:
     """Diagnose memory snapshots (.pickle, .pkl, gzip'd too). Several files, a glob or a run
     folder (its rank*.pickle) give one fleet report: peaks per rank with their spread, findings
     by rank, the worst rank first."""
+    from snapforensics.analysis.classify import user_categories
     from snapforensics.analysis.diagnosis import Diagnosis
-    from snapforensics.parallel import expand, local_path, run
+    from snapforensics.parallel import expand, is_url, local_path, run
     from snapforensics.report.output import choose_format, emit
 
     srcs = expand(snapshots)
     # one file (a path or URL), not a folder or a glob
     single = len(snapshots) == 1 and srcs in ([snapshots[0]], [local_path(snapshots[0])])
     kind = "diagnosis" if single else "fleet"
-    choose_format(kind, fmt, output)  # a bad -o fails before the analysis
-    docs = run(srcs, jobs=jobs, cache=not no_cache, scheduler=scheduler, progress=not quiet,
-               expanded=True)
+    fmt = choose_format(kind, fmt, output)  # a bad -o fails before the analysis
+    user_categories(categories)  # and so does a bad --category
+    if single and fmt in PLOTTED and not is_url(srcs[0]):
+        d = _with_plots(srcs[0], categories, cache=not no_cache)
+    else:
+        docs = run(srcs, jobs=jobs, cache=not no_cache, scheduler=scheduler,
+                   progress=not quiet, categories=categories, expanded=True)
+        if single:
+            if "error" in docs[0]:
+                raise SnapError(f"{docs[0]['source']}: {docs[0]['error']}")
+            d = Diagnosis.from_dict(docs[0])
     if single:
-        if "error" in docs[0]:
-            raise SnapError(f"{docs[0]['source']}: {docs[0]['error']}")
-        d = Diagnosis.from_dict(docs[0])
         if redact_paths:
             from snapforensics.report.redact import redact
             d = redact(d)
@@ -58,3 +71,19 @@ def diagnose_command(snapshots: tuple[str, ...], fmt: str | None, output: str | 
         raise SnapError(f"{len(f.errors)} of {len(docs)} inputs unreadable (first: "
                         f"{e['source']}: {e['error']})")
     return EXIT_ANOMALY if fail_on == "anomalous" and f.anomalies else 0
+
+
+# Formats that draw the timeline plot: it needs the trace, which the diagnosis documents that
+# `parallel.run` passes between processes (and caches) do not carry.
+PLOTTED = ("html", "markdown")
+
+
+def _with_plots(path: str, categories: tuple[str, ...], cache: bool):
+    """One file diagnosed in this process, its plot series kept (the model from the cache)."""
+    from snapforensics.analysis.classify import user_categories
+    from snapforensics.analysis.diagnose import diagnose
+    from snapforensics.snapshot import cache as snapcache
+
+    if not os.path.exists(path):
+        raise SnapError(f"{path}: no such file")
+    return diagnose(snapcache.load(path, cache=cache), user_categories(categories))

@@ -57,6 +57,13 @@ RENDERERS: dict[str, dict[str, str]] = {
 }
 
 
+# Reports that, written to FILE, also write files beside it (the Markdown report's PNG plot):
+# `render(doc, path) -> str`, used instead of the plain renderer for `-o FILE`.
+BESIDE: dict[tuple[str, str], str] = {
+    ("diagnosis", "markdown"): "snapforensics.report.markdown:render_beside",
+}
+
+
 @dataclass(frozen=True)
 class Screen:
     """Where terminal text goes: the terminal's width (None: no terminal, the renderer picks
@@ -108,3 +115,12 @@ def renderer(kind: str, fmt: str) -> Renderer:
 
 def render(kind: str, doc: Any, fmt: str, screen: Screen = PLAIN) -> str:
     return renderer(kind, fmt)(doc, screen)
+
+
+def render_to_file(kind: str, doc: Any, fmt: str, path) -> str:
+    """The text of `-o path`, after writing what goes beside it (see BESIDE)."""
+    target = BESIDE.get((kind, fmt))
+    if target is None:
+        return render(kind, doc, fmt, PLAIN)
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)(doc, path)

@@ -154,15 +154,24 @@ def load(path: str | os.PathLike, cache: bool = True) -> Snapshot:
     return snap
 
 
-def diagnose(path: str | os.PathLike, cache: bool = True, variant: str = ""):
-    """The finished Diagnosis of `path` (`variant`: the options that change an analysis),
-    reusing the cached document, else the cached model, else loading the file."""
-    from snapforensics.analysis import diagnose as run
+def diagnose(path: str | os.PathLike, cache: bool = True, variant: str = "",
+             categories: tuple[str, ...] = ()):
+    """The finished Diagnosis of `path` (`variant`: the options that change an analysis;
+    `categories`: user categories, `NAME=REGEX`), reusing the cached document, else the cached
+    model, else loading the file."""
+    from snapforensics.analysis import diagnose as analyse
+    from snapforensics.analysis.classify import user_categories
     from snapforensics.analysis.diagnosis import Diagnosis
+
+    user = user_categories(categories)
+
+    def run(snap: Snapshot) -> Diagnosis:
+        return analyse(snap, user)
 
     k = key(path) if cache and enabled() else None
     if k is None:
         return run(loader.load(path))
+    variant = "\n".join([variant, *categories])
     vtag = hashlib.blake2b(f"{tag('analysis', 'snapshot')} {variant}".encode(),
                            digest_size=8).hexdigest()
     doc = directory() / f"{k}.{vtag}.json"
