@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo lint test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv --system-site-packages $(VENV)
@@ -14,12 +14,23 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# The browser test drives the Debian package's Chromium: installed when missing, if we can
+# (root and apt); otherwise tests/test_browser.py skips.
 setup: $(STAMP)
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get \
+		>/dev/null 2>&1 && apt-get update -q >/dev/null && \
+		apt-get install -y -q chromium >/dev/null; } || \
+		echo "chromium not installed: tests/test_browser.py will be skipped"
 
 demo: setup
 	$(BIN)/snapforensics demo
 
-test: setup
+# ruff over the whole tree, mypy over analysis/ and snapshot/ (config in pyproject.toml)
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+test: lint
 	$(BIN)/python -m pytest -q
 
 test-fast: setup

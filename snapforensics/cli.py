@@ -1,8 +1,9 @@
 """The command line: a click group whose commands stay thin.
 
-Exit codes: 0 ok; 1 `diagnose --fail-on` matched; 2 unusable input (one line on stderr);
-3 record could not start or write; 70 internal error (set SNAPFORENSICS_DEBUG=1 for the
-traceback); 130 interrupted. `record` exits with the training script's own exit code.
+Exit codes (errors.py, README's table): 0 ok; 1 `diagnose --fail-on` matched; 2 a user or OS
+error (unusable input, unwritable output, a full disk: one line on stderr); 3 record could not
+start or write; 70 internal error (set SNAPFORENSICS_DEBUG=1 for the traceback); 130
+interrupted; 141 stdout's reader went away. `record` exits with the training script's own code.
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ import sys
 import click
 
 from snapforensics import __version__
-from snapforensics.errors import SnapError
-
-EXIT_INTERNAL = 70
+from snapforensics.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    SnapError,
+)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -28,34 +32,53 @@ def _register() -> None:
     from snapforensics.commands.compare import compare_command
     from snapforensics.commands.demo import demo_command
     from snapforensics.commands.diagnose import diagnose_command
+    from snapforensics.commands.forecast import forecast_command
     from snapforensics.commands.record import record_command
 
     cli.add_command(record_command, "record")
     cli.add_command(diagnose_command, "diagnose")
     cli.add_command(demo_command, "demo")
     cli.add_command(compare_command, "compare")
+    cli.add_command(forecast_command, "forecast")
 
 
 _register()
+
+
+def _error(message: object, label: str = "error") -> None:
+    """One stderr line; a file name in the message cannot break the line or drive the
+    terminal (report/sanitize.py)."""
+    from snapforensics.report.sanitize import TEXT, terminal
+
+    click.echo(f"snapforensics: {label}: {terminal(message, TEXT)}", err=True)
 
 
 def main(argv: list[str] | None = None) -> None:
     try:
         rc = cli.main(args=argv, prog_name="snapforensics", standalone_mode=False)
     except SnapError as e:
-        click.echo(f"snapforensics: error: {e}", err=True)
+        _error(e)
         sys.exit(e.exit_code)
-    except click.exceptions.Abort:
-        sys.exit(130)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        sys.exit(EXIT_INTERRUPTED)
+    except click.UsageError as e:  # one line, like every other user error
+        cmd = e.ctx.command_path if e.ctx else "snapforensics"
+        _error(f"{e.format_message()} (see {cmd} --help)")
+        sys.exit(EXIT_BAD_INPUT)
     except click.ClickException as e:
-        e.show()
-        sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        sys.exit(130)
+        _error(e.format_message())
+        sys.exit(EXIT_BAD_INPUT)
+    except BrokenPipeError:  # stdout's reader left (`| head`): quiet, like any Unix tool
+        from snapforensics.report.output import quiet_broken_pipe
+        quiet_broken_pipe()
+    except OSError as e:  # the OS refused something (a full disk, a permission): not a bug
+        name = f": {e.filename}" if e.filename else ""
+        _error(f"{e.strerror or e}{name}")
+        sys.exit(EXIT_BAD_INPUT)
     except Exception as e:  # a bug of ours: still one line unless asked
         if os.environ.get("SNAPFORENSICS_DEBUG"):
             raise
-        click.echo(f"snapforensics: internal error: {type(e).__name__}: {e} "
-                   "(rerun with SNAPFORENSICS_DEBUG=1 for the traceback)", err=True)
+        _error(f"{type(e).__name__}: {e} (rerun with SNAPFORENSICS_DEBUG=1 for the "
+               "traceback)", "internal error")
         sys.exit(EXIT_INTERNAL)
     sys.exit(rc if isinstance(rc, int) else 0)

@@ -2,8 +2,11 @@
 
 # Exit codes (documented in README.md).
 EXIT_ANOMALY = 1  # diagnose --fail-on found what it was told to fail on
-EXIT_BAD_INPUT = 2  # unusable input: missing, unreadable, not a snapshot, hostile
+EXIT_BAD_INPUT = 2  # user or OS error: unusable input, unwritable output, a full disk
 EXIT_RECORD_FAILED = 3  # record could not start the script or write a snapshot
+EXIT_INTERNAL = 70  # a bug of ours (EX_SOFTWARE)
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
+EXIT_BROKEN_PIPE = 141  # the reader of stdout went away (128 + SIGPIPE), e.g. `| head -1`
 
 
 class SnapError(Exception):

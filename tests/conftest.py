@@ -1,35 +1,24 @@
-"""Shared test helpers: where the real snapshot corpus lives.
+"""Shared fixtures: the corpus folder, real FSDP recordings and their diagnoses.
 
-The corpus (`../shared/corpus` next to the checkout, or `$SNAPFORENSICS_CORPUS`) holds snapshot
-files from public repositories (see its MANIFEST.tsv). Tests that need it skip cleanly when it is
-absent.
+Helpers that are plain functions live in modules next to this file (`corpus`, `recordings`,
+`edits`, `findings`); fixtures live here.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from corpus import CORPUS
 
-CORPUS = Path(os.environ.get("SNAPFORENSICS_CORPUS")
-              or Path(__file__).resolve().parents[1].parent / "shared" / "corpus")
+from snapforensics.analysis import diagnose
+from snapforensics.analysis.diagnosis import Diagnosis
+from snapforensics.snapshot import load
 
-
-def corpus_files() -> list[Path]:
-    """Every snapshot file of the corpus (not MANIFEST/README), sorted; [] when absent."""
-    if not CORPUS.is_dir():
-        return []
-    return sorted(p for p in CORPUS.iterdir()
-                  if p.is_file() and p.suffix not in (".tsv", ".md", ".txt"))
-
-
-def corpus_file(name: str) -> Path:
-    """One corpus file by name, or skip the test when the corpus (or that file) is absent."""
-    p = CORPUS / name
-    if not p.is_file():
-        pytest.skip(f"corpus file {name} not available (set SNAPFORENSICS_CORPUS)")
-    return p
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
 @pytest.fixture(scope="session")
@@ -37,3 +26,71 @@ def corpus_dir() -> Path:
     if not CORPUS.is_dir():
         pytest.skip(f"snapshot corpus not found at {CORPUS} (set SNAPFORENSICS_CORPUS)")
     return CORPUS
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path_factory, monkeypatch):
+    """The suite never reads or writes the user's cache (~/.cache/snapforensics): one private
+    cache folder for the session, inherited by the CLI subprocesses."""
+    if not os.environ.get("SNAPFORENSICS_TEST_CACHE"):
+        os.environ["SNAPFORENSICS_TEST_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    monkeypatch.setenv("SNAPFORENSICS_CACHE_DIR", os.environ["SNAPFORENSICS_TEST_CACHE"])
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir() -> Path:
+    """The committed real recordings (fsdp2_ckpt_{buggy,fixed}_rank0.pickle.gz)."""
+    return FIXTURES
+
+
+@pytest.fixture(scope="session")
+def recording(tmp_path_factory):
+    """`recording(variant, **kw)`: rank 0's snapshot of a real run of the bundled example
+    (CPU, gloo; `recordings.recorded` keywords), recorded once per session."""
+    pytest.importorskip("torch")
+    from recordings import recorded
+
+    def get(variant: str, **kw) -> Path:
+        return recorded(variant, tmp_path_factory, **kw)[0]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def diagnosed(recording):
+    """`diagnosed(variant, **kw)`: the Diagnosis of `recording(variant, **kw)`, made once."""
+    cache: dict[tuple, Diagnosis] = {}
+
+    def get(variant: str, **kw) -> Diagnosis:
+        key = (variant, tuple(sorted((k, str(v)) for k, v in kw.items())))
+        if key not in cache:
+            cache[key] = diagnose(load(recording(variant, **kw)))
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def matrix(tmp_path_factory) -> Path:
+    """The scenario matrix (snapforensics.examples.scenarios, 2 then 4 ranks), recorded once per
+    session: the folder holding <layout>/rank{R}.pickle and truth.rank{R}.json for every layout.
+    SNAPFORENSICS_MATRIX=DIR reuses a matrix recorded earlier into DIR."""
+    pytest.importorskip("torch")
+    from recordings import REPO, _env
+
+    from snapforensics.examples.scenarios import LAYOUTS
+
+    reuse = os.environ.get("SNAPFORENSICS_MATRIX")
+    if reuse:
+        out = Path(reuse)
+    else:
+        out = tmp_path_factory.mktemp("matrix")
+        for world in (2, 4):
+            proc = subprocess.run(
+                [sys.executable, "-m", "snapforensics.examples.scenarios", "--out", str(out),
+                 "--world", str(world)], cwd=REPO, env=_env(), capture_output=True, text=True,
+                timeout=1800)
+            assert proc.returncode == 0, proc.stderr[-4000:]
+    missing = [n for n in LAYOUTS if not (out / n / "truth.rank0.json").is_file()]
+    assert not missing, f"layouts not recorded: {missing}"
+    return out

@@ -18,8 +18,7 @@ so the cached files live as long as the session. The ``recorded(variant, tmp_pat
 shorthand makes the folder for you.
 
 Also here: ``load_strict(path)`` (a pickle load that refuses every global, as the real loader
-does), ``replay_peak(snapshot)`` (max of cumulative alloc - free_completed over the trace) and
-``cuda_shaped(raw, annotations)`` (a CPU recording edited into CUDA's shape).
+does), and ``replay_peak(snapshot)`` (max of cumulative alloc - free_completed over the trace).
 """
 
 from __future__ import annotations
@@ -104,45 +103,3 @@ def replay_peak(snapshot: dict, device: int = 0) -> int:
         elif a == "free_completed":
             cur -= e["size"]
     return peak
-
-
-ENGINE = {"_engine_run_backward", "run_backward"}
-PSEUDO = ("<op>", "<record_function>", "<nn.Module>", "<snapforensics>")
-
-
-def cuda_shaped(raw: dict, annotations: bool = True) -> dict:
-    """A CPU recording edited into the shape of a CUDA one (see test_cuda_like.py): every stack
-    cut at the autograd engine boundary and stripped of profiler-only frames (ops, modules,
-    record_function ranges); ranges kept as external_annotations only if `annotations`; the
-    recorder's provenance removed. Edits `raw` in place and returns it."""
-    cache: dict[int, list] = {}
-
-    def cut(frames):
-        if not frames:
-            return frames
-        key = id(frames)
-        if key not in cache:
-            names = [f["name"] for f in frames]
-            in_bw = any(n in ENGINE for n in names) or any(
-                n.startswith("autograd::engine::evaluate_function") for n in names)
-            out = []
-            for f in frames:  # innermost first; stop at the engine boundary
-                if in_bw and (f["name"].startswith("autograd::engine::") or f["name"] in ENGINE):
-                    break
-                if f["filename"] not in PSEUDO:
-                    out.append(f)
-            cache[key] = out
-        return cache[key]
-
-    for trace in raw["device_traces"]:
-        for e in trace:
-            if "frames" in e:
-                e["frames"] = cut(e["frames"])
-    for seg in raw["segments"]:
-        seg["frames"] = cut(seg.get("frames"))
-        for b in seg["blocks"]:
-            b["frames"] = cut(b.get("frames"))
-    if not annotations:
-        raw.pop("external_annotations", None)
-    raw.pop("snapforensics", None)  # look like a foreign file: no provenance
-    return raw

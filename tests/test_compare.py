@@ -13,16 +13,21 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import corpus_file
+from corpus import corpus_file
 
-from snapforensics.analysis.compare import BEFORE_AFTER, RANKS, SCHEMA, compare_paths
+from snapforensics.analysis.compare import BEFORE_AFTER, RANKS, SCHEMA
+from snapforensics.analysis.rules import fsdp_reduce_scatter, fsdp_reshard
 from snapforensics.analysis.vocab import Category
+from snapforensics.commands.compare import compare_paths
 from snapforensics.errors import SnapError
-from snapforensics.report.compare import render_text
+from snapforensics.report import render
+
+
+def render_text(c, fmt):
+    return render("compare", c, fmt)
 
 REPO = Path(__file__).resolve().parents[1]
-RESHARD = "fsdp.unsharded_params_not_resharded"
-REDUCE = "fsdp.reduce_scatter_accumulation"
+RESHARD, REDUCE = fsdp_reshard.RULE, fsdp_reduce_scatter.RULE
 FORWARD = "NiuHuangxiaozi_forward_200.pickle"
 FWD_BWD = "NiuHuangxiaozi_fwd_bwd_200_mixed.pickle"
 
@@ -123,7 +128,7 @@ def test_terminal_report_of_the_fix(fix_cmp):
     assert "before/after" in text and "disappears" in text and RESHARD in text
     assert "prediction check" in text and "error" in text
     md = render_text(fix_cmp, "markdown")
-    assert "## Prediction check" in md and f"`{RESHARD}`" in md
+    assert "## Prediction check" in md and f"| {RESHARD} | anomalous | disappears |" in md
 
 
 # -------------------------------------------------------------------- corpus (no torch)
@@ -153,10 +158,9 @@ def test_corpus_forward_vs_fwd_bwd():
 
 def test_analysis_does_not_import_torch():
     a, b = corpus_file(FORWARD), corpus_file(FWD_BWD)
-    code = ("import sys; from snapforensics.analysis.compare import compare_paths; "
-            f"compare_paths([{str(a)!r}, {str(b)!r}]); "
-            "from snapforensics.report.compare import render_text; "
-            f"render_text(compare_paths([{str(a)!r}, {str(b)!r}]), 'markdown'); "
+    code = ("import sys; from snapforensics.commands.compare import compare_paths; "
+            "from snapforensics.report import render; "
+            f"render('compare', compare_paths([{str(a)!r}, {str(b)!r}]), 'markdown'); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                        timeout=120)

@@ -15,7 +15,7 @@ import pickle
 from pathlib import Path
 
 import pytest
-from conftest import CORPUS, corpus_file, corpus_files
+from corpus import CORPUS, corpus_file, corpus_files
 
 from snapforensics.analysis import diagnose
 from snapforensics.analysis.lifetimes import compute

@@ -5,13 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_cuda_like import cuda_shaped
+from edits import cuda_shaped
 
 from snapforensics.analysis import diagnose
+from snapforensics.analysis.rules.fsdp_reshard import RULE as RESHARD
 from snapforensics.snapshot import load, normalize, read_raw
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-RESHARD = "fsdp.unsharded_params_not_resharded"
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import corpus_file
+from corpus import corpus_file
 
 from snapforensics.analysis import diagnose
 from snapforensics.errors import EXIT_BAD_INPUT, SnapError

@@ -27,15 +27,13 @@ Set SNAPFORENSICS_MATRIX=DIR to reuse a matrix recorded earlier into DIR (by
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from functools import cache
 from pathlib import Path
 
 import pytest
-from conftest import corpus_files  # noqa: E402
-from recordings import REPO, _env, cuda_shaped, load_strict, replay_peak  # noqa: E402
+from corpus import corpus_files  # noqa: E402
+from edits import cuda_shaped  # noqa: E402
+from recordings import REPO, load_strict, replay_peak  # noqa: E402
 
 from snapforensics.analysis import diagnose
 from snapforensics.snapshot import load, normalize, read_raw
@@ -61,26 +59,6 @@ def _layouts() -> dict:
     from snapforensics.examples.scenarios import LAYOUTS
 
     return LAYOUTS
-
-
-@pytest.fixture(scope="session")
-def matrix(tmp_path_factory) -> Path:
-    """The folder holding <layout>/rank{R}.pickle and truth.rank{R}.json for every layout."""
-    reuse = os.environ.get("SNAPFORENSICS_MATRIX")
-    layouts = _layouts()
-    if reuse:
-        out = Path(reuse)
-    else:
-        out = tmp_path_factory.mktemp("matrix")
-        for world in (2, 4):
-            proc = subprocess.run(
-                [sys.executable, "-m", "snapforensics.examples.scenarios", "--out", str(out),
-                 "--world", str(world)], cwd=REPO, env=_env(), capture_output=True, text=True,
-                timeout=1800)
-            assert proc.returncode == 0, proc.stderr[-4000:]
-    missing = [n for n in layouts if not (out / n / "truth.rank0.json").is_file()]
-    assert not missing, f"layouts not recorded: {missing}"
-    return out
 
 
 @cache

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+from mdtext import rendered_text
 
 from snapforensics.analysis import Finding, diagnose
 from snapforensics.report import FORMATS, render_text
@@ -127,8 +128,19 @@ def check_offline(p: StrictParser, doc: str) -> None:
     for tag in ("link", "img", "iframe", "object", "embed", "base", "image", "use"):
         assert tag not in p.tags, f"<{tag}> in a self-contained report"
     assert "@import" not in doc and "url(" not in doc
-    assert len(p.scripts) == 1, "only the embedded JSON may be a script"
-    assert p.scripts[0][0] == {"type": "application/json", "id": "diagnosis"}
+    # scripts: the embedded diagnosis, one data block per plot, and the plot's own code (a
+    # constant: nothing from the snapshot is ever in executable script)
+    from snapforensics.report import plot
+
+    kinds = [a.get("id") or a.get("class") or "code" for a, _ in p.scripts]
+    assert kinds.count("diagnosis") == 1
+    assert set(kinds) <= {"diagnosis", "sf-data", "code"}
+    for attrs, text in p.scripts:
+        if "type" in attrs:
+            assert attrs["type"] == "application/json"
+        else:
+            assert text == plot.JS
+    assert kinds.count("code") == (1 if "sf-data" in kinds else 0)  # only where a plot is
 
 
 def embedded_json(p: StrictParser) -> object:
@@ -145,9 +157,12 @@ def test_every_format_renders(name, fmt):
     d = diagnosed(name)
     out = render_text(d, fmt)
     if fmt == "json":
-        assert json.loads(out)["findings"] == [dataclasses.asdict(f) for f in d.findings]
+        assert json.loads(out)["findings"] == [f.to_dict() for f in d.findings]
+        assert all("replay" not in f for f in json.loads(out)["findings"])
+        assert all("plot" not in dev for dev in json.loads(out)["devices"])
         return
-    text = htmllib.unescape(out) if fmt == "html" else " ".join(out.split())
+    text = htmllib.unescape(out) if fmt == "html" else rendered_text(out) \
+        if fmt == "markdown" else " ".join(out.split())
     # every human format leads with the same headline and names every finding's rule
     assert " ".join(headline(d).split()) in (text if fmt != "html" else " ".join(text.split()))
     for f in d.findings:
@@ -181,13 +196,22 @@ def test_html_is_wellformed_offline_and_embeds_the_diagnosis(name):
 def test_html_fwd_bwd_report_content_and_size():
     d = diagnosed(FWD_BWD)
     doc = render_text(d, "html")
-    assert len(doc.encode()) < 200_000
     dev = d.devices[0]
+    # bounded by the plot's points, not by the trace: one polygon per category, each with at
+    # most POINTS + 2 vertices
+    from snapforensics.analysis.timeline import POINTS
+
+    polys = re.findall(r'<polygon points="([^"]*)"', doc)
+    assert len(polys) == len(dev.plot.categories)
+    assert all(len(pts.split()) <= POINTS + 2 for pts in polys)
+    # the diagnosis JSON, CSS and script (~70 kB), the hover's fixed part per plot (~100 kB)
+    # and ~30 kB per category (its polygon and its series in the hover)
+    assert len(doc.encode()) < 170_000 + 30_000 * len(polys)
     assert len(dev.timeline) > 100 and len(dev.iterations) == 3
-    assert doc.count("<svg") == 1 and "<polyline" in doc
+    assert doc.count("<svg") == 1 and "<polyline" in doc  # the reserved line (CUDA file)
     for phase in {p[2] for p in dev.timeline}:  # a legend entry per phase shaded
-        assert f"</span>{phase}</span>" in doc
-    assert f"peak {human(dev.peaks['overall_bytes'])} ({dev.peak_phase})" in doc
+        assert f">{phase}</span>" in doc
+    assert f"peak {human(dev.peaks['overall_bytes'])}" in doc
     for it in dev.iterations:
         assert human(it["forward_peak_bytes"]) in doc and human(it["backward_peak_bytes"]) in doc
     for cat, b in dev.categories_at_peak.items():
@@ -307,3 +331,60 @@ def test_cli_diagnose_html(tmp_path):
     check_offline(p, doc)
     assert embedded_json(p)["peaks"] == diagnosed(FWD_BWD).peaks
     assert not list(tmp_path.glob("*.tmp"))
+
+
+# ------------------------------------------------------------ headline and order by saving
+
+FIXTURE = REPO / "fixtures" / "fsdp2_ckpt_buggy_rank0.pickle.gz"
+
+
+@cache
+def fixture_diagnosis():
+    return diagnose(load(FIXTURE))
+
+
+def with_findings(*findings):
+    return dataclasses.replace(fixture_diagnosis(), findings=list(findings))
+
+
+def made(verdict, title, nbytes, saving=None, rule=None, **kw):
+    return Finding(rule=rule or f"test.{title.replace(' ', '_')}", verdict=verdict, title=title,
+                   cause="cause", bytes=nbytes, blocks=1, device=0, saving_bytes=saving, **kw)
+
+
+def test_every_format_ranks_findings_by_peak_saving():
+    """A big block count that saves little comes after a small one that saves much: the
+    headline and every format's order compare saving with saving, not bytes with saving."""
+    big = made("anomalous", "big but cheap to keep", 300 << 20, saving=10 << 20)
+    small = made("anomalous", "small but on the peak", 10 << 20, saving=100 << 20)
+    d = with_findings(big, small)
+    peak = d.peaks["overall_bytes"]
+    assert headline(d) == (f"2 anomalies found: small but on the peak, fixing it saves "
+                           f"~100.0 MiB ({100 * (100 << 20) / peak:.0f}% of the allocated peak)")
+    for fmt in ("terminal", "markdown", "html"):
+        out = render_text(d, fmt)
+        text = rendered_text(out) if fmt == "markdown" else out
+        body = text[text.index(headline(d)) + len(headline(d)):]
+        assert body.index("small but on the peak") < body.index("big but cheap to keep"), fmt
+
+
+def test_headline_names_a_large_info_saving():
+    peak = fixture_diagnosis().peaks["overall_bytes"]
+    d = with_findings(made("info", "checkpoint the blocks", peak // 2, saving=peak // 4),
+                      made("expected", "sharded grads", peak))
+    assert headline(d) == ("no anomaly; checkpoint the blocks would save "
+                           f"~{human(peak // 4)} (25% of the allocated peak)")
+    small = with_findings(made("info", "tiny", 1 << 20, saving=peak // 10))
+    assert headline(small) == "no anomaly found"  # under a fifth of the peak
+    for fmt in ("terminal", "markdown", "html"):
+        assert "checkpoint the blocks would save" in render_text(d, fmt)
+
+
+def test_reserved_savings_are_labelled_reserved():
+    """Fragmentation saves reserved memory: its share is of the reserved peak, and says so."""
+    res = 400 << 20
+    frag = made("anomalous", "fragmentation", 100 << 20, saving=100 << 20,
+                rule="allocator.fragmentation", evidence={"reserved_peak_bytes": res})
+    d = with_findings(frag)
+    assert headline(d).endswith("fixing it saves ~100.0 MiB (25% of the reserved peak)")
+    assert "25% of the reserved peak" in render_text(d, "terminal")

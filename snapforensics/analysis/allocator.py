@@ -51,7 +51,7 @@ class Allocator:
     @cached_property
     def segments(self) -> list[Segment]:
         """The device's segments alive at dump."""
-        return [s for s in self._d.snapshot.segments if s.device == self._d.device]
+        return self._d.snapshot.segments_on(self._d.device)
 
     @cached_property
     def reserved(self) -> np.ndarray | None:

@@ -3,20 +3,20 @@
 Plain data only (no rendering, no torch). Everything is relative to the first input, the
 baseline: for before/after that is the run with the bug, for ranks it is the first rank given.
 
-    c = compare_paths(["runs/buggy/rank0.pickle", "runs/fixed/rank0.pickle"])
+    c = compare([diagnose(load("runs/buggy/rank0.pickle")), diagnose(load("runs/fixed/..."))])
     c.deltas[0]["peaks"]["overall_bytes"]["delta_pct"]        # -24.1
     c.deltas[0]["findings"]["disappeared"]                     # [{"rule": ..., "bytes": ...}]
     c.deltas[0]["predictions"][0]["error_pct"]                 # did the fix do what we said?
 
-Each input is diagnosed once. Figures are those of each diagnosis's primary device (the one
-with the highest peak), which is every device of a one-GPU-per-rank snapshot.
+Finding and loading files is the command's job (commands/compare.py: compare_paths). Figures
+are those of each diagnosis's primary device (the one with the highest peak), which is every
+device of a one-GPU-per-rank snapshot.
 """
 
 from __future__ import annotations
 
-import glob
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,6 @@ PEAK_KEYS = ("overall_bytes", "forward_bytes", "backward_bytes")
 # A rank whose peak is this far from the median is flagged as imbalanced.
 IMBALANCE_THRESHOLD_PCT = 5.0
 _SEVERITY = {Verdict.ANOMALOUS: 0, Verdict.EXPECTED: 1, Verdict.INFO: 2}
-_SNAPSHOT_SUFFIXES = (".pickle", ".pkl", ".pickle.gz", ".pkl.gz")
 
 
 @dataclass
@@ -45,66 +44,17 @@ class Comparison:
     imbalance: dict[str, Any] | None = None  # ranks mode only
     warnings: list[str] = field(default_factory=list)
     tool: str = f"snapforensics {__version__}"
+    gate: list[str] | None = None  # why `--fail-on` failed ([] passed); None: no gate asked
 
     @property
     def baseline(self) -> dict[str, Any]:
         return self.inputs[0]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"schema": SCHEMA, "tool": self.tool, "mode": self.mode,
-                "baseline": self.inputs[0]["source"], "inputs": self.inputs,
-                "deltas": self.deltas, "imbalance": self.imbalance, "warnings": self.warnings}
-
-
-# ---------------------------------------------------------------------------------- inputs
-
-def expand_inputs(args: Iterable[str | Path]) -> list[Path]:
-    """Paths as given; a folder stands for its rank*.pickle files, in rank order; a quoted glob
-    that names no file as such is expanded. Nothing is deduplicated: order is meaning."""
-    from snapforensics.snapshot import rank_from_name
-
-    out: list[Path] = []
-    for a in args:
-        p = Path(a)
-        if p.is_dir():
-            files = [q for q in p.iterdir() if q.is_file() and q.name.lower().startswith("rank")
-                     and q.name.lower().endswith(_SNAPSHOT_SUFFIXES)]
-            if not files:
-                raise SnapError(f"{p}: is a directory with no rank*.pickle files to compare")
-            out += sorted(files, key=lambda q: (rank_from_name(str(q)) is None,
-                                                rank_from_name(str(q)) or 0, q.name))
-        elif not p.exists() and any(ch in str(a) for ch in "*?["):
-            hits = sorted(glob.glob(str(a)))
-            if not hits:
-                raise SnapError(f"{a}: no file matches this pattern")
-            out += sorted((Path(h) for h in hits),
-                          key=lambda q: (rank_from_name(str(q)) is None,
-                                         rank_from_name(str(q)) or 0, str(q)))
-        else:
-            out.append(p)
-    return out
-
-
-def compare_paths(paths: Sequence[str | Path], mode: str = AUTO) -> Comparison:
-    """Load and diagnose each input once (a path given twice is read once), then compare."""
-    from snapforensics.analysis.diagnose import diagnose
-    from snapforensics.snapshot import load
-
-    paths = expand_inputs(paths)
-    if len(paths) < 2:
-        raise SnapError("compare needs at least two snapshots (baseline first), "
-                        f"got {len(paths)}")
-    missing = [str(p) for p in paths if not Path(p).exists()]
-    if missing:  # say so before spending time on the others
-        raise SnapError(f"{missing[0]}: no such file")
-    cache: dict[str, Diagnosis] = {}
-    diags = []
-    for p in paths:
-        key = str(Path(p).resolve()) if Path(p).exists() else str(p)
-        if key not in cache:
-            cache[key] = diagnose(load(p))
-        diags.append(cache[key])
-    return compare(diags, mode=mode)
+        out = {"schema": SCHEMA, "tool": self.tool, "mode": self.mode,
+               "baseline": self.inputs[0]["source"], "inputs": self.inputs,
+               "deltas": self.deltas, "imbalance": self.imbalance, "warnings": self.warnings}
+        return out if self.gate is None else out | {"gate": {"failures": self.gate}}
 
 
 def compare(diags: Sequence[Diagnosis], mode: str = AUTO) -> Comparison:
@@ -227,7 +177,7 @@ def _predictions(base: Diagnosis, after: Diagnosis, fb: dict[str, dict]) -> list
         k = (f.rule, f.device)
         if k not in best or (f.saving_bytes or 0) > (best[k].saving_bytes or 0):
             best[k] = f
-    out = []
+    out: list[dict[str, Any]] = []
     for (rule, dev), f in best.items():
         bdev = next((x for x in base.devices if x.device == dev), base.primary)
         adev = next((x for x in after.devices if x.device == dev), after.primary)
@@ -235,7 +185,7 @@ def _predictions(base: Diagnosis, after: Diagnosis, fb: dict[str, dict]) -> list
             continue
         measured = int(adev.peaks["overall_bytes"])
         before = int(bdev.peaks["overall_bytes"])
-        pred = int(f.predicted_peak_bytes)
+        pred = int(f.predicted_peak_bytes or 0)  # never None: filtered above
         out.append({
             "rule": rule, "device": dev,
             "fixed": rule not in fb or fb[rule]["verdict"] != Verdict.ANOMALOUS,
@@ -292,7 +242,8 @@ def _warnings(diags: Sequence[Diagnosis], inputs: list[dict], mode: str) -> list
             out.append("some inputs show no rank (in the file or its name): labelled by file")
         elif len(set(ranks)) != len(ranks):
             out.append("the same rank is given more than once")
-        ws = {d.provenance.get("world_size") for d in diags} - {None}
+        # a stranger's provenance may hold anything: only an int is a world size
+        ws = {w for d in diags if type(w := d.provenance.get("world_size")) is int}
         if len(ws) == 1 and None not in ranks:
             missing = sorted(set(range(next(iter(ws)))) - set(ranks))
             if missing:

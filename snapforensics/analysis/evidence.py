@@ -8,7 +8,8 @@ import numpy as np
 
 from snapforensics.analysis.classify import PATHS
 from snapforensics.analysis.context import DeviceAnalysis
-from snapforensics.analysis.vocab import CATEGORIES, Phase
+from snapforensics.analysis.diagnosis import Replay
+from snapforensics.analysis.vocab import Phase
 
 
 def by_module(d: DeviceAnalysis, blocks: np.ndarray, limit: int = 12) -> list[dict]:
@@ -17,9 +18,8 @@ def by_module(d: DeviceAnalysis, blocks: np.ndarray, limit: int = 12) -> list[di
         m = d.module_of(b) or "(unknown module)"
         acc[m][0] += int(d.lt.size[b])
         acc[m][1] += 1
-    rows = [{"module": m, "bytes": v[0], "blocks": v[1]} for m, v in acc.items()]
-    rows.sort(key=lambda r: -r["bytes"])
-    return rows[:limit]
+    order = sorted(acc.items(), key=lambda mv: -mv[1][0])[:limit]
+    return [{"module": m, "bytes": v[0], "blocks": v[1]} for m, v in order]
 
 
 def top_stacks(d: DeviceAnalysis, blocks: np.ndarray, limit: int = 3) -> list[dict]:
@@ -35,13 +35,15 @@ def top_stacks(d: DeviceAnalysis, blocks: np.ndarray, limit: int = 3) -> list[di
     first = np.zeros(len(uniq), np.int64)
     first[inv[::-1]] = blocks[::-1]  # some block of each stack
     return [{"bytes": int(tot[i]), "blocks": int(cnt[i]), "stack": d.stack_text(int(uniq[i])),
-             "category": CATEGORIES[d.category[first[i]]]} for i in order]
+             "category": d.category_names[d.category[first[i]]]} for i in order]
 
 
 def per_iteration(d: DeviceAnalysis, blocks: np.ndarray) -> dict[int, int]:
     """Bytes of `blocks` by the iteration that allocated them."""
     its, inv = np.unique(d.iteration[blocks], return_inverse=True)
-    sums = np.bincount(inv, weights=d.lt.size[blocks]) if len(blocks) else []
+    if not len(blocks):
+        return {}
+    sums = np.bincount(inv, weights=d.lt.size[blocks])
     return {int(i): int(v) for i, v in zip(its, sums)}
 
 
@@ -86,9 +88,13 @@ def lowers_peak(d: DeviceAnalysis, saving: int | None) -> bool:
     return saving is not None and saving >= MIN_PEAK_SAVING * d.peak_bytes
 
 
-def replay_peaks(d: DeviceAnalysis, free_row: np.ndarray) -> dict[str, int]:
-    """Peaks of the trace replayed with moved frees."""
-    return peaks(d, d.lt.replay(free_row))
+def counterfactual(d: DeviceAnalysis, free_row: np.ndarray | None = None,
+                   alloc_row: np.ndarray | None = None, extra: tuple = ()
+                   ) -> tuple[dict[str, int], Replay]:
+    """Peaks of the trace replayed with a fix's moved rows, and that replay (a finding keeps
+    it, so the forecast can apply the fix before its own scenario)."""
+    r = Replay(free_row, alloc_row, tuple(extra))
+    return peaks(d, d.lt.replay(free_row=free_row, alloc_row=alloc_row, extra=list(extra))), r
 
 
 def human(n: float) -> str:

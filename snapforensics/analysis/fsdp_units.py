@@ -177,8 +177,8 @@ class FsdpUnits:
         un = np.flatnonzero(d.mask(Category.UNSHARDED_PARAM) & ~fsdp1_flat)
         last_rs: dict[int, int] = {}
         for b in rs.tolist():
-            it = int(d.iteration[b])
-            last_rs[it] = max(last_rs.get(it, -1), int(d.lt.alloc_row[b]))
+            i = int(d.iteration[b])
+            last_rs[i] = max(last_rs.get(i, -1), int(d.lt.alloc_row[b]))
         acc: dict[str, list[int]] = {}
         for b in un.tolist():
             m = d.module_of(b)
@@ -280,7 +280,9 @@ def reshard_rows(d: DeviceAnalysis, blocks: np.ndarray, *, per_micro_batch: bool
     """
     post: dict[str, list[int]] = {}
     for row, name in d.annotation_rows(_POST_BACKWARD):
-        post.setdefault(_POST_BACKWARD.match(name).group(1), []).append(row)
+        hit = _POST_BACKWARD.match(name)
+        if hit:
+            post.setdefault(hit.group(1), []).append(row)
     rs = np.flatnonzero(d.mask(Category.REDUCE_SCATTER, Category.SHARDED_GRAD))
     rs_rows = np.sort(d.lt.alloc_row[rs])
     rs_by_mod: dict[str, list[int]] = {}

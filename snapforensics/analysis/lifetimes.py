@@ -14,6 +14,7 @@ What the trace cannot show is kept honest, not guessed:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,7 +57,7 @@ class Lifetimes:
         return (self.alloc_row <= row) & (self.free_row > row)
 
     def replay(self, free_row: np.ndarray | None = None, alloc_row: np.ndarray | None = None,
-               size: np.ndarray | None = None, extra: list[tuple[int, int, int]] = ()
+               size: np.ndarray | None = None, extra: Sequence[tuple[int, int, int]] = ()
                ) -> np.ndarray:
         """Live bytes per row; with blocks' alloc/free rows or sizes changed, plus `extra`
         (start_row, end_row, bytes) intervals, the live bytes of a counterfactual trace."""
@@ -77,99 +78,97 @@ class Lifetimes:
 
 
 def compute(snapshot: Snapshot, trace: Trace) -> Lifetimes:
+    """Pair the trace's allocs and frees per address with sorted numpy operations.
+
+    Events (alloc, free_requested, free_completed rows) are sorted by (address, row); within an
+    address, an event closes the block opened by the event right before it when that one is an
+    alloc. A `free_completed` whose previous event is not an alloc is "free-standing": the first
+    one after a `free_requested` completes the block that request closed; the others (and those
+    with no request before them) are orphans, or, when the file logs requests, completions whose
+    request came before the first row (ignored).
+    """
     n = len(trace)
     action = trace.action
-    addr = trace.addr
-    size = trace.size
-    open_at: dict[int, int] = {}  # address -> block index
-    a_addr: list[int] = []
-    a_size: list[int] = []
-    a_stack: list[int] = []
-    a_alloc: list[int] = []
-    a_free: list[int] = []
-    a_done: list[int] = []
-    closed_last: dict[int, int] = {}  # address -> block whose free_completed is pending
-    orphans = 0
-    reused = 0
+    rows = np.flatnonzero((action == ALLOC) | (action == FREE_REQUESTED)
+                          | (action == FREE_COMPLETED))
     logs_requests = bool((action == FREE_REQUESTED).any())
-    rows = np.flatnonzero((action == ALLOC) | (action == FREE_REQUESTED) |
-                          (action == FREE_COMPLETED))
-    stack = trace.stack
-    for i in rows.tolist():
-        act = action[i]
-        ad = int(addr[i])
-        if act == ALLOC:
-            prev = open_at.get(ad)
-            if prev is not None:  # never freed in the trace, yet its memory was handed out again
-                a_free[prev] = i
-                reused += 1
-            open_at[ad] = len(a_addr)
-            a_addr.append(ad)
-            a_size.append(int(size[i]))
-            a_stack.append(int(stack[i]))
-            a_alloc.append(i)
-            a_free.append(n)
-            a_done.append(-1)
-            continue
-        b = open_at.pop(ad, None)
-        if b is not None:
-            a_free[b] = i
-            if act == FREE_COMPLETED:
-                a_done[b] = i
-            else:
-                closed_last[ad] = b
-            continue
-        if act == FREE_COMPLETED:
-            b = closed_last.pop(ad, None)
-            if b is not None:
-                a_done[b] = i
-                continue
-            if logs_requests:  # its request came before the first row: not live in the trace
-                continue
-            # a completed free with neither alloc nor request: alive before the first row
-        elif act != FREE_REQUESTED:
-            continue
-        orphans += 1
-        a_addr.append(ad)
-        a_size.append(int(size[i]))
-        a_stack.append(int(stack[i]))
-        a_alloc.append(-1)
-        a_free.append(i)
-        a_done.append(i if act == FREE_COMPLETED else -1)
-        if act == FREE_REQUESTED:
-            closed_last[ad] = len(a_addr) - 1
+    ev_addr = trace.addr[rows]
+    order = np.lexsort((rows, ev_addr))  # by address, then row
+    row = rows[order]
+    ad = ev_addr[order]
+    act = action[row]
+    m = len(row)
+    k = np.arange(m)
+    first = np.ones(m, bool)  # first event of its address
+    first[1:] = ad[1:] != ad[:-1]
+    last = np.ones(m, bool)
+    last[:-1] = first[1:]
+    is_a, is_r, is_c = act == ALLOC, act == FREE_REQUESTED, act == FREE_COMPLETED
+    prev_a = np.zeros(m, bool)  # the previous event of this address is an alloc: its block is open
+    prev_a[1:] = is_a[:-1] & ~first[1:]
+    start = np.maximum.accumulate(np.where(first, k, 0))  # index of the address's first event
+    # The block each alloc opens ends at the address's next event (free or reuse) or stays alive.
+    nxt = np.minimum(k + 1, m - 1)
+    a_free = np.where(last, n, row[nxt])
+    a_done = np.where(~last & is_c[nxt], a_free, -1)
+    reused = int((is_a & ~last & is_a[nxt]).sum())
+    # The request each free-standing completion may complete: the latest request before it,
+    # unless another free-standing completion came in between.
+    standing_c = is_c & ~prev_a
+    last_r = np.maximum.accumulate(np.where(is_r, k, -1))
+    has_r = last_r >= start
+    n_standing = np.cumsum(standing_c)
+    since_r = n_standing - np.where(has_r, n_standing[np.maximum(last_r, 0)], 0)
+    consumes = standing_c & has_r & (since_r == 1)  # itself only
+    orphan_r = is_r & ~prev_a
+    orphan_c = standing_c & ~consumes & (not logs_requests)
+    # Completion rows land on the block the request closed: the alloc before the request, or
+    # the orphan block the request itself made.
+    r_of = last_r[consumes]
+    owner = np.where(prev_a[r_of], r_of - 1, r_of)  # event index that made that block
+    done = np.full(m, -1, np.int64)
+    done[owner] = row[consumes]
+    # Every block, keyed by the event that made it (an alloc or an orphan free).
+    makes = is_a | orphan_r | orphan_c
+    ev = np.flatnonzero(makes)
+    free_row = np.where(is_a, a_free, row)[ev]
+    comp = np.where(is_a, np.maximum(a_done, done), np.where(orphan_c, row, done))[ev]
+    alloc_row = np.where(is_a, row, -1)[ev]
+    by_row = np.argsort(row[ev], kind="stable")  # blocks in the order the rows made them
+    ev, free_row, comp, alloc_row = ev[by_row], free_row[by_row], comp[by_row], alloc_row[by_row]
+    src = row[ev]
+    # What is open at dump: addresses whose last event is an alloc, and requests not completed.
+    open_end = set(ad[last & is_a].tolist())
+    pending_end = set(ad[last & has_r & (since_r == 0)].tolist())
     # Blocks alive at dump that the trace never saw allocated.
-    unseen = 0
+    u_addr: list[int] = []
+    u_size: list[int] = []
+    u_stack: list[int] = []
     if n:
-        for seg in snapshot.segments:
-            if seg.device != trace.device:
-                continue
+        for seg in snapshot.segments_on(trace.device):
             for blk in seg.blocks:
                 # Pending-free blocks whose free request is in the trace are already closed.
-                if blk.state == "inactive" or blk.address in open_at or (
-                        blk.state == "active_pending_free" and blk.address in closed_last):
+                if blk.state == "inactive" or blk.address in open_end or (
+                        blk.state == "active_pending_free" and blk.address in pending_end):
                     continue
-                unseen += 1
-                a_addr.append(blk.address)
+                u_addr.append(blk.address)
                 # torch's viewer counts pre-existing blocks by requested size; so do we
-                a_size.append(blk.requested_size or blk.size)
-                a_stack.append(blk.stack if blk.stack is not None else NO_STACK)
-                a_alloc.append(-1)
-                a_free.append(n)
-                a_done.append(-1)
+                u_size.append(blk.requested_size or blk.size)
+                u_stack.append(blk.stack if blk.stack is not None else NO_STACK)
+    u = len(u_addr)
     lt = Lifetimes(
         device=trace.device,
         rows=n,
-        addr=np.array(a_addr, np.uint64),
-        size=np.array(a_size, np.int64),
-        stack=np.array(a_stack, np.int32),
-        alloc_row=np.array(a_alloc, np.int64),
-        free_row=np.array(a_free, np.int64),
-        completed_row=np.array(a_done, np.int64),
+        addr=np.concatenate([trace.addr[src], np.array(u_addr, np.uint64)]),
+        size=np.concatenate([trace.size[src], np.array(u_size, np.int64)]).astype(np.int64),
+        stack=np.concatenate([trace.stack[src], np.array(u_stack, np.int32)]).astype(np.int32),
+        alloc_row=np.concatenate([alloc_row, np.full(u, -1)]).astype(np.int64),
+        free_row=np.concatenate([free_row, np.full(u, n)]).astype(np.int64),
+        completed_row=np.concatenate([comp, np.full(u, -1)]).astype(np.int64),
         live=np.zeros(0, np.int64),
         baseline=0,
-        orphan_frees=orphans,
-        unseen_live=unseen,
+        orphan_frees=int(orphan_r.sum() + orphan_c.sum()),
+        unseen_live=u,
         reused_addresses=reused,
     )
     lt.live = lt.replay()

@@ -65,7 +65,7 @@ def range_context(annotations: list[Annotation], device: int, rows: int
     """For every row, the record_function ranges open around it (outermost first)."""
     ctx = np.zeros(rows, np.int32)
     contexts: list[tuple[str, ...]] = [()]
-    ids = {(): 0}
+    ids: dict[tuple[str, ...], int] = {(): 0}
     open_: list[str] = []
     prev = 0
     for a in annotations:

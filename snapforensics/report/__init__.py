@@ -1,44 +1,19 @@
-"""Renderers of one finished Diagnosis: terminal, markdown, json, html."""
+"""Reports: every document (diagnosis, compare, ...) in every format, as text.
+
+`registry.RENDERERS` says which renderer makes which (document, format); `output.emit` is the
+one way a report is written (-o FILE, -o -, stdout); `sanitize` neutralizes snapshot strings for
+each sink.
+"""
 
 from __future__ import annotations
 
-from snapforensics.analysis.diagnosis import Diagnosis
+from typing import Any
 
-FORMATS = ("terminal", "markdown", "json", "html")
+from snapforensics.report.registry import FORMATS, PLAIN, Screen, render
 
-
-def write_file(path, text: str) -> None:
-    """Write a report atomically: a reader never sees half a file, a failure leaves none."""
-    from pathlib import Path
-
-    from snapforensics.errors import SnapError
-
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True) if not tmp.is_dir() else None
-        raise SnapError(f"cannot write {path}: {e.strerror or e}") from None
+__all__ = ["FORMATS", "Screen", "render", "render_text"]
 
 
-def render_text(d: Diagnosis, fmt: str) -> str:
-    """Render to a string (for -o FILE and for every non-terminal format)."""
-    if fmt == "json":
-        from snapforensics.report import json
-        return json.render(d)
-    if fmt == "markdown":
-        from snapforensics.report import markdown
-        return markdown.render(d)
-    if fmt == "html":
-        from snapforensics.report import html
-        return html.render(d)
-    from io import StringIO
-
-    from rich.console import Console
-
-    from snapforensics.report import terminal
-    buf = StringIO()
-    terminal.render(d, Console(file=buf, width=110, force_terminal=False, no_color=True))
-    return buf.getvalue()
+def render_text(d: Any, fmt: str, screen: Screen = PLAIN) -> str:
+    """A diagnosis as text in `fmt` (the Python API's shortcut for render("diagnosis", ...))."""
+    return render("diagnosis", d, fmt, screen)

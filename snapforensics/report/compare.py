@@ -1,13 +1,24 @@
-"""Rendering of a Comparison (analysis/compare.py): terminal, markdown, json."""
+"""Rendering of a Comparison (analysis/compare.py) and of two runs compared rank by rank
+(analysis/gate.py): terminal, markdown, html (json: report/json).
+
+Labels, sources, categories and rule ids came from snapshots: each passes its sink's function
+of report/sanitize.py, exactly as in the diagnosis reports.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from snapforensics.analysis.compare import BEFORE_AFTER, Comparison
-from snapforensics.report.common import human
+from rich.table import Table
+from rich.text import Text
 
-FORMATS = ("terminal", "markdown", "json")
+from snapforensics.analysis.compare import BEFORE_AFTER, Comparison
+from snapforensics.report.common import VERDICT_ORDER, human
+from snapforensics.report.registry import PLAIN, Screen
+from snapforensics.report.sanitize import FRAME, ROWS, TEXT
+from snapforensics.report.sanitize import markdown as md
+from snapforensics.report.terminal import t
+
 PEAK_NAMES = (("overall_bytes", "overall peak"), ("forward_bytes", "forward peak"),
               ("backward_bytes", "backward peak"))
 
@@ -90,7 +101,7 @@ def imbalance_line(c: Comparison) -> str | None:
 def finding_rows(c: Comparison) -> list[tuple[str, str, str, list[str]]]:
     """(rule, verdict, status, one cell per input) for every rule seen in any input. The
     verdict is the most severe one seen; a cell names its own verdict only when it differs."""
-    sev = {"anomalous": 0, "expected": 1, "info": 2}
+    sev = VERDICT_ORDER
     rules: dict[str, str] = {}
     for inp in c.inputs:
         for f in inp["findings"]:
@@ -138,122 +149,111 @@ def category_rows(c: Comparison) -> list[tuple[str, list[str]]]:
 
 # ---------------------------------------------------------------------------------- formats
 
-def render_text(c: Comparison, fmt: str) -> str:
-    if fmt == "json":
-        from snapforensics.report.json import dumps
-        return dumps(c.to_dict(), indent=True)
-    if fmt == "markdown":
-        return render_markdown(c)
-    from io import StringIO
-
-    from rich.console import Console
-    buf = StringIO()
-    render_terminal(c, Console(file=buf, width=120, force_terminal=False, no_color=True))
-    return buf.getvalue()
-
-
-def render_terminal(c: Comparison, console) -> None:
-    from rich.table import Table
-    from rich.text import Text
-
+def terminal(c: Comparison, screen: Screen = PLAIN) -> str:
+    console = screen.console(width=120)
     mode = "before/after" if c.mode == BEFORE_AFTER else "rank vs rank"
-    console.print(Text(f"snapforensics compare ({mode}, baseline {c.baseline['label']})",
-                       style="bold"))
+    console.print(t(f"snapforensics compare ({mode}, baseline {c.baseline['label']})", FRAME,
+                    "bold"))
     flagged = c.imbalance and c.imbalance["flagged"]
-    console.print(Text(headline(c), style="bold red" if flagged else "bold"))
-    for w in c.warnings:
-        console.print(Text(f"warning: {w}", style="yellow"))
+    console.print(t(headline(c), TEXT, "bold red" if flagged else "bold"))
+    for w in c.warnings[:ROWS]:
+        console.print(t(f"warning: {w}", TEXT, "yellow"))
 
-    t = Table(title="inputs", title_justify="left", show_edge=False)
-    t.add_column("")
-    t.add_column("source", overflow="fold")
-    t.add_column("rank", justify="right")
-    t.add_column("peak", justify="right")
-    t.add_column("peak in")
-    t.add_column("anomalies", overflow="fold")
+    tab = Table(title="inputs", title_justify="left", show_edge=False)
+    tab.add_column("")
+    tab.add_column("source", overflow="fold")
+    tab.add_column("rank", justify="right")
+    tab.add_column("peak", justify="right")
+    tab.add_column("peak in")
+    tab.add_column("anomalies", overflow="fold")
     for n, inp in enumerate(c.inputs):
-        t.add_row(_letter(n), inp["label"], "-" if inp["rank"] is None else str(inp["rank"]),
-                  human(inp["peaks"]["overall_bytes"]), str(inp["peak_phase"] or "-"),
-                  ", ".join(inp["anomalies"]) or "none")
-    console.print(t)
+        tab.add_row(_letter(n), t(inp["label"], FRAME),
+                  "-" if inp["rank"] is None else str(inp["rank"]),
+                  human(inp["peaks"]["overall_bytes"]), t(inp["peak_phase"] or "-"),
+                  t(", ".join(inp["anomalies"]) or "none", TEXT))
+    console.print(tab)
 
-    t = Table(title=f"peaks, change vs {_letter(0)}", title_justify="left", show_edge=False)
-    t.add_column("")
-    t.add_column(_letter(0), justify="right")
+    tab = Table(title=f"peaks, change vs {_letter(0)}", title_justify="left", show_edge=False)
+    tab.add_column("")
+    tab.add_column(_letter(0), justify="right")
     for n in range(1, len(c.inputs)):
-        t.add_column(_letter(n), justify="right")
-        t.add_column(f"{_letter(n)} - {_letter(0)}", justify="right")
+        tab.add_column(_letter(n), justify="right")
+        tab.add_column(f"{_letter(n)} - {_letter(0)}", justify="right")
     for key, name in PEAK_NAMES:
         row = [name, human(c.baseline["peaks"][key])]
         for d in c.deltas:
             ch = d["peaks"][key]
             style = "green" if ch["delta_bytes"] < 0 else "red" if ch["delta_bytes"] > 0 else ""
             row += [human(ch["after"]), Text(change(ch), style=style)]
-        t.add_row(*row)
-    console.print(t)
+        tab.add_row(*row)
+    console.print(tab)
 
     rows = category_rows(c)
     if rows:
-        t = Table(title="alive at the peak, by what made it", title_justify="left",
+        tab = Table(title="alive at the peak, by what made it", title_justify="left",
                   show_edge=False)
-        t.add_column("category", overflow="fold")
-        t.add_column(_letter(0), justify="right")
+        tab.add_column("category", overflow="fold")
+        tab.add_column(_letter(0), justify="right")
         for n in range(1, len(c.inputs)):
-            t.add_column(f"{_letter(n)} (change)", justify="right")
+            tab.add_column(f"{_letter(n)} (change)", justify="right")
         for cat, cells in rows:
-            t.add_row(cat, *cells)
-        console.print(t)
+            tab.add_row(t(cat), *cells)
+        console.print(tab)
         if c.mode == BEFORE_AFTER:
             for d in c.deltas:
-                console.print(f"{d['label']}: removed {human(d['removed_at_peak_bytes'])} "
-                              f"and added {human(d['added_at_peak_bytes'])} at the peak")
+                console.print(t(f"{d['label']}: removed {human(d['removed_at_peak_bytes'])} "
+                                 f"and added {human(d['added_at_peak_bytes'])} at the peak",
+                                 TEXT))
 
     rows = finding_rows(c)
     if rows:
-        t = Table(title="findings", title_justify="left", show_edge=False)
-        t.add_column("rule", overflow="fold", min_width=min(40, max(len(r[0]) for r in rows)))
-        t.add_column("verdict")
-        t.add_column("status", overflow="fold")
+        tab = Table(title="findings", title_justify="left", show_edge=False)
+        tab.add_column("rule", overflow="fold", min_width=min(40, max(len(r[0]) for r in rows)))
+        tab.add_column("verdict")
+        tab.add_column("status", overflow="fold")
         for n in range(len(c.inputs)):
-            t.add_column(_letter(n), justify="right", overflow="fold")
+            tab.add_column(_letter(n), justify="right", overflow="fold")
         for rule, verdict, status, cells in rows:
             bad = verdict == "anomalous"
             style = ("green" if bad else "") if status.startswith(("disappears", "gone")) else \
                 ("red" if bad else "") if status.startswith("appears") else ""
-            t.add_row(rule, Text(verdict, style="bold red" if bad else ""), Text(status, style),
-                      *cells)
-        console.print(t)
+            tab.add_row(t(rule), t(verdict, style="bold red" if bad else ""),
+                      t(status, style=style), *cells)
+        console.print(tab)
     else:
         console.print(Text("no findings in any input", style="dim"))
 
     for d in c.deltas:
         lines = prediction_lines(d)
         if lines:
-            console.print(Text(f"prediction check ({c.baseline['label']} -> {d['label']}):",
-                               style="bold"))
+            console.print(t(f"prediction check ({c.baseline['label']} -> {d['label']}):",
+                             FRAME, "bold"))
             for line, p in zip(lines, d["predictions"]):
                 ok = p["error_pct"] is not None and abs(p["error_pct"]) < 10
-                console.print(Text("  " + line, style=("green" if ok else "yellow")
-                                   if p["fixed"] else "dim"))
+                console.print(t("  " + line, TEXT, ("green" if ok else "yellow")
+                                 if p["fixed"] else "dim"))
     line = imbalance_line(c)
     if line:
-        console.print(Text(line, style="bold red" if flagged else "green"))
+        console.print(t(line, TEXT, "bold red" if flagged else "green"))
+    for x in gate_lines(c):
+        console.print(t(x, TEXT, "bold red" if x.startswith("FAIL") else "green"))
+    return console.file.getvalue()
 
 
-def render_markdown(c: Comparison) -> str:
+def markdown(c: Comparison, screen: Screen = PLAIN) -> str:
     mode = "before/after" if c.mode == BEFORE_AFTER else "rank vs rank"
-    out = [f"# snapforensics compare ({mode})", "", f"**{headline(c)}**", ""]
+    out = [f"# snapforensics compare ({mode})", "", f"**{md(headline(c), TEXT)}**", ""]
     if c.warnings:
-        out += [f"- ⚠ {w}" for w in c.warnings] + [""]
+        out += [f"- ⚠ {md(w, TEXT)}" for w in c.warnings[:ROWS]] + [""]
     out += ["| | source | rank | overall peak | forward | backward | peak in | anomalies |",
             "|---|---|---|---|---|---|---|---|"]
     for n, inp in enumerate(c.inputs):
         p = inp["peaks"]
-        out.append(f"| {_letter(n)} | `{inp['source']}` | "
+        out.append(f"| {_letter(n)} | {md(inp['source'], FRAME)} | "
                    f"{'-' if inp['rank'] is None else inp['rank']} | "
                    f"{human(p['overall_bytes'])} | {human(p['forward_bytes'])} | "
-                   f"{human(p['backward_bytes'])} | {inp['peak_phase'] or '-'} | "
-                   f"{', '.join(inp['anomalies']) or 'none'} |")
+                   f"{human(p['backward_bytes'])} | {md(inp['peak_phase'] or '-')} | "
+                   f"{md(', '.join(inp['anomalies']) or 'none', TEXT)} |")
     out += ["", "## Peaks", "",
             "| | " + " | ".join([_letter(0)] + [f"{_letter(n)} | {_letter(n)} - {_letter(0)}"
                                                for n in range(1, len(c.inputs))]) + " |",
@@ -269,31 +269,148 @@ def render_markdown(c: Comparison) -> str:
                 "| category | " + " | ".join([_letter(0)] + [f"{_letter(n)} (change)" for n in
                                                             range(1, len(c.inputs))]) + " |",
                 "|---" * (2 + len(c.deltas)) + "|"]
-        out += [f"| {cat} | " + " | ".join(cells) + " |" for cat, cells in rows]
+        out += [f"| {md(cat)} | " + " | ".join(cells) + " |" for cat, cells in rows]
     rows = finding_rows(c)
     out += ["", "## Findings", ""]
     if rows:
         out += ["| rule | verdict | status | "
                 + " | ".join(_letter(n) for n in range(len(c.inputs))) + " |",
                 "|---" * (3 + len(c.inputs)) + "|"]
-        out += [f"| `{rule}` | {verdict} | {status} | " + " | ".join(cells) + " |"
+        out += [f"| {md(rule)} | {md(verdict)} | {md(status)} | " + " | ".join(cells) + " |"
                 for rule, verdict, status, cells in rows]
     else:
         out.append("No findings in any input.")
     for d in c.deltas:
         lines = prediction_lines(d)
         if lines:
-            out += ["", f"## Prediction check ({c.baseline['label']} -> {d['label']})", ""]
-            out += [f"- {line}" for line in lines]
+            out += ["", "## Prediction check "
+                    + md(f"({c.baseline['label']} -> {d['label']})", FRAME), ""]
+            out += [f"- {md(line, TEXT)}" for line in lines]
     line = imbalance_line(c)
     if line:
-        out += ["", "## Imbalance", "", line, "",
+        out += ["", "## Imbalance", "", md(line, TEXT), "",
                 "| rank | source | peak | vs median |", "|---|---|---|---|"]
-        out += [f"| {'-' if r['rank'] is None else r['rank']} | `{r['source']}` | "
+        out += [f"| {'-' if r['rank'] is None else r['rank']} | {md(r['source'], FRAME)} | "
                 f"{human(r['peak_bytes'])} | {pct(r['deviation_pct'])} |"
                 for r in c.imbalance["ranks"]]
+    gate = gate_lines(c)
+    if gate:
+        out += ["", "## Gate", ""] + [f"- {md(x, TEXT)}" for x in gate]
     return "\n".join(out) + "\n"
 
 
 def _letter(n: int) -> str:
     return chr(ord("A") + n) if n < 26 else f"#{n + 1}"
+
+
+def gate_lines(doc) -> list[str]:
+    """The CI gate's verdict, when one was asked (`--fail-on`)."""
+    if doc.gate is None:
+        return []
+    return [f"FAIL: {x}" for x in doc.gate] or ["gate passed"]
+
+
+def html(c: Comparison, screen: Screen = PLAIN) -> str:
+    """The same sections as markdown, as one self-contained offline page."""
+    from snapforensics.report.pages import lines, page, table
+
+    n = len(c.inputs)
+    body = lines(gate_lines(c), "fail") + lines(c.warnings[:ROWS])
+    body.append("<h2>Inputs</h2>" + table(
+        ["", "source", "rank", "overall peak", "peak in", "anomalies"],
+        [[_letter(i), x["source"], "-" if x["rank"] is None else x["rank"],
+          human(x["peaks"]["overall_bytes"]), x["peak_phase"] or "-",
+          ", ".join(x["anomalies"]) or "none"] for i, x in enumerate(c.inputs)]))
+    body.append("<h2>Peaks</h2>" + table(
+        ["", _letter(0)] + [h for i in range(1, n) for h in (_letter(i), f"{_letter(i)} - A")],
+        [[name, human(c.baseline["peaks"][key])]
+         + [x for d in c.deltas for x in (human(d["peaks"][key]["after"]),
+                                          change(d["peaks"][key]))]
+         for key, name in PEAK_NAMES]))
+    rows = category_rows(c)
+    if rows:
+        body.append("<h2>Alive at the peak, by what made it</h2>" + table(
+            ["category", _letter(0)] + [f"{_letter(i)} (change)" for i in range(1, n)],
+            [[cat, *cells] for cat, cells in rows]))
+    rows = finding_rows(c)
+    body.append("<h2>Findings</h2>" + (table(
+        ["rule", "verdict", "status"] + [_letter(i) for i in range(n)],
+        [[rule, verdict, status, *cells] for rule, verdict, status, cells in rows],
+        [verdict for _, verdict, _, _ in rows]) if rows else "<p>No findings in any input.</p>"))
+    for d in c.deltas:
+        pl = prediction_lines(d)
+        if pl:
+            body += lines([f"Prediction check ({c.baseline['label']} -> {d['label']}):"] + pl,
+                          "")
+    line = imbalance_line(c)
+    if line:
+        body += lines([line], "")
+    mode = "before/after" if c.mode == BEFORE_AFTER else "rank vs rank"
+    return page(f"snapforensics compare ({mode})", headline(c), body, c.tool)
+
+
+# ------------------------------------------------------------------------- two runs, by rank
+
+RUN_HEAD = ["rank", "peak A", "peak B", "change", "new anomalies", "gone anomalies"]
+
+
+def runs_headline(r) -> str:
+    o = r.overall
+    g = o["largest_growth"]
+    words = [f"{o['ranks']} ranks compared: highest peak {human(o['peak_bytes']['before'])} -> "
+             f"{human(o['peak_bytes']['after'])} ({pct(o['peak_bytes']['delta_pct'])})",
+             f"largest change {g['label']} {change(g)}"]
+    if o["new_anomalies"]:
+        words.append("new: " + ", ".join(o["new_anomalies"]))
+    if o["gone_anomalies"]:
+        words.append("gone: " + ", ".join(o["gone_anomalies"]))
+    return "; ".join(words)
+
+
+def _run_rows(r) -> list[list[str]]:
+    from snapforensics.analysis.gate import new_anomalies
+
+    out = []
+    for c in r.pairs:
+        d = c.deltas[0]
+        p = d["peaks"]["overall_bytes"]
+        out.append([who(c.inputs[1]), human(p["before"]), human(p["after"]), change(p),
+                    ", ".join(x["rule"] for x in new_anomalies(d)) or "-",
+                    ", ".join(x["rule"] for x in d["findings"]["disappeared"]
+                              if x["verdict"] == "anomalous") or "-"])
+    return out
+
+
+def _run_notes(r) -> list[str]:
+    return gate_lines(r) + [f"no counterpart: {u}" for u in r.unpaired[:ROWS]]
+
+
+def runs_terminal(r, screen: Screen = PLAIN) -> str:
+    console = screen.console()
+    console.print(t(f"snapforensics compare {r.a} -> {r.b} (rank by rank)", FRAME, "bold"))
+    console.print(t(runs_headline(r), TEXT, "bold"))
+    tab = Table(show_edge=False)
+    for col in RUN_HEAD:
+        tab.add_column(col, overflow="fold")
+    for row in _run_rows(r):
+        tab.add_row(*(t(x, TEXT) for x in row))
+    console.print(tab)
+    for x in _run_notes(r):
+        console.print(t(x, TEXT, "bold red" if x.startswith("FAIL") else "yellow"))
+    return console.file.getvalue()
+
+
+def runs_markdown(r, screen: Screen = PLAIN) -> str:
+    from snapforensics.report.pages import md_table
+
+    return "\n".join([f"# snapforensics compare {md(r.a)} -> {md(r.b)} (rank by rank)", "",
+                      f"**{md(runs_headline(r), TEXT)}**", ""]
+                     + md_table(RUN_HEAD, _run_rows(r))
+                     + [f"- {md(x, TEXT)}" for x in _run_notes(r)]) + "\n"
+
+
+def runs_html(r, screen: Screen = PLAIN) -> str:
+    from snapforensics.report.pages import lines, page, table
+
+    return page(f"snapforensics compare {r.a} -> {r.b} (rank by rank)", runs_headline(r),
+                [table(RUN_HEAD, _run_rows(r))] + lines(_run_notes(r)), r.pairs[0].tool)

@@ -1,4 +1,5 @@
-"""JSON: the contract others script against (schema in analysis/diagnosis.py)."""
+"""JSON: the contracts others script against (snapforensics.diagnosis/1 in
+analysis/diagnosis.py, snapforensics.compare/1 in analysis/compare.py). Strings stay exact."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 import orjson
 
-from snapforensics.analysis.diagnosis import Diagnosis
+from snapforensics.report.registry import PLAIN, Screen
 
 
 def dumps(v: Any, indent: bool = False) -> str:
@@ -20,5 +21,6 @@ def dumps(v: Any, indent: bool = False) -> str:
                           separators=None if indent else (",", ":"))
 
 
-def render(d: Diagnosis) -> str:
-    return dumps(d.to_dict(), indent=True)
+def render(doc: Any, screen: Screen = PLAIN) -> str:
+    """Any document with `to_dict()`: a diagnosis, a comparison, ..."""
+    return dumps(doc.to_dict(), indent=True)

@@ -1,15 +1,21 @@
-"""Rich terminal output: the default for `diagnose`."""
+"""Terminal text: the default for `diagnose`, coloured for a real terminal, plain otherwise.
+
+Every string from the snapshot passes `sanitize.terminal` and reaches rich as `Text` (markup
+parsing is off on the console): nothing in a file can move the cursor or make a live link.
+The fix is printed as plain lines, outside any border and never wrapped, so it can be copied
+from an 80-column terminal; stack paths drop their site-packages prefix.
+"""
 
 from __future__ import annotations
 
-from rich.console import Console, Group
-from rich.panel import Panel
+from rich.console import Console
 from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from snapforensics.analysis.diagnosis import Diagnosis
+from snapforensics.analysis.diagnosis import Diagnosis, Finding
 from snapforensics.report.common import (
+    command_line,
     finding_lines,
     headline,
     human,
@@ -18,61 +24,107 @@ from snapforensics.report.common import (
     provenance_line,
     verdict_order,
 )
+from snapforensics.report.redact import short_path
+from snapforensics.report.registry import PLAIN, Screen
+from snapforensics.report.sanitize import (
+    FRAME,
+    FRAMES,
+    NAME,
+    ROWS,
+    TEXT,
+    lines,
+    terminal,
+)
 
 COLOR = {"anomalous": "bold red", "expected": "green", "info": "cyan"}
 
 
-def render(d: Diagnosis, console: Console) -> None:
-    console.print(Text(f"snapforensics: {d.source}", style="bold"))
-    console.print(Text(headline(d), style="bold red" if d.anomalies else "bold green"))
-    console.print(peak_line(d))
-    console.print(Text(provenance_line(d), style="dim"))
-    for w in d.warnings:
-        console.print(Text(f"warning: {w}", style="yellow"))
+def t(s: object, limit: int = NAME, style: str = "") -> Text:
+    """Untrusted text for rich: neutralized, capped, never markup."""
+    return Text(terminal(s, limit), style=style)
+
+
+def render(d: Diagnosis, screen: Screen = PLAIN) -> str:
+    console = screen.console()
+    console.print(t(f"snapforensics: {d.source}", FRAME, "bold"))
+    console.print(t(headline(d), TEXT, "bold red" if d.anomalies else "bold green"))
+    console.print(t(peak_line(d), TEXT))
+    console.print(t(provenance_line(d), TEXT, "dim"))
+    cmd = command_line(d)
+    if cmd:
+        console.print(t(f"command: {cmd}", FRAME, "dim"))
+    for w in d.warnings[:ROWS]:
+        console.print(t(f"warning: {w}", TEXT, "yellow"))
+    if len(d.warnings) > ROWS:
+        console.print(t(f"… {len(d.warnings) - ROWS} more warnings", style="yellow"))
     for dev in d.devices:
-        t = Table(title=f"device {dev.device}: peak {human(dev.peaks['overall_bytes'])} "
-                        f"in {dev.peak_phase}", title_justify="left", show_edge=False)
-        t.add_column("alive at peak, by what made it")
-        t.add_column("bytes", justify="right")
-        t.add_column("share", justify="right")
-        total = sum(dev.categories_at_peak.values()) or 1
-        for c, b in sorted(dev.categories_at_peak.items(), key=lambda x: -x[1]):
-            t.add_row(c, human(b), f"{100 * b / total:.0f}%")
-        if dev.categories_at_peak:
-            console.print(t)
-        if len(dev.iterations) > 1 or any(i["backward_peak_bytes"] for i in dev.iterations):
-            it = Table(show_edge=False)
-            it.add_column("iteration")
-            it.add_column("forward peak", justify="right")
-            it.add_column("backward peak", justify="right")
-            it.add_column("recompute peak", justify="right")
-            it.add_column("optimizer peak", justify="right")
-            for i in dev.iterations:
-                it.add_row(str(i["index"]), human(i["forward_peak_bytes"]),
-                           human(i["backward_peak_bytes"]), *phase_peaks(i))
-            console.print(it)
-        elif not dev.categories_at_peak:
-            console.print(f"device {dev.device}: {human(dev.segments['allocated_bytes'])} "
-                          f"allocated in {dev.segments['count']} segments "
-                          f"({human(dev.segments['reserved_bytes'])} reserved) at dump")
+        _device(console, d, dev)
     if not d.findings:
         console.print(Text("no findings", style="dim"))
     for f in verdict_order(d.findings):
-        parts = [Text("\n".join(finding_lines(f)), style="bold"), Text(f.cause)]
-        mods = f.evidence.get("modules") or []
-        if mods:
-            mt = Table(show_edge=False, box=None)
-            mt.add_column("module")
-            mt.add_column("bytes", justify="right")
-            mt.add_column("blocks", justify="right")
-            for m in mods[:8]:
-                mt.add_row(m["module"], human(m["bytes"]), str(m["blocks"]))
-            parts.append(mt)
-        for s in (f.evidence.get("stacks") or [])[:1]:
-            parts.append(Text("stack:\n  " + "\n  ".join(s["stack"][:8]), style="dim"))
-        if f.fix:
-            parts.append(Text("fix:", style="bold"))
-            parts.append(Syntax(f.fix, "python", theme="ansi_dark", background_color="default"))
-        console.print(Panel(Group(*parts), title=f"[{COLOR.get(f.verdict, '')}]"
-                            f"{f.verdict.upper()}[/] {f.title}", subtitle=f.rule,
-                            title_align="left", subtitle_align="right"))
+        _finding(console, d, f)
+    return console.file.getvalue()
+
+
+def _device(console: Console, d: Diagnosis, dev) -> None:
+    if dev.categories_at_peak:
+        tab = Table(title=t(f"device {dev.device}: peak {human(dev.peaks['overall_bytes'])} in "
+                            f"{dev.peak_phase}"), title_justify="left", show_edge=False)
+        tab.add_column("alive at peak, by what made it")
+        tab.add_column("bytes", justify="right")
+        tab.add_column("share", justify="right")
+        total = sum(dev.categories_at_peak.values()) or 1
+        for c, b in sorted(dev.categories_at_peak.items(), key=lambda x: -x[1])[:ROWS]:
+            tab.add_row(t(c), human(b), f"{100 * b / total:.0f}%")
+        console.print(tab)
+    if len(dev.iterations) > 1 or any(i["backward_peak_bytes"] for i in dev.iterations):
+        it = Table(show_edge=False)
+        for name in ("iteration", "forward peak", "backward peak", "recompute peak",
+                     "optimizer peak"):
+            it.add_column(name, justify="left" if name == "iteration" else "right")
+        for i in dev.iterations[:ROWS]:
+            it.add_row(str(i["index"]), human(i["forward_peak_bytes"]),
+                       human(i["backward_peak_bytes"]), *phase_peaks(i))
+        console.print(it)
+        if len(dev.iterations) > ROWS:
+            console.print(Text(f"… {len(dev.iterations) - ROWS} more iterations", style="dim"))
+    elif not dev.categories_at_peak:
+        console.print(f"device {dev.device}: {human(dev.segments['allocated_bytes'])} "
+                      f"allocated in {dev.segments['count']} segments "
+                      f"({human(dev.segments['reserved_bytes'])} reserved) at dump")
+
+
+def _finding(console: Console, d: Diagnosis, f: Finding) -> None:
+    console.print()
+    head = Text.assemble((f.verdict.upper(), COLOR.get(f.verdict, "")), " ",
+                         t(f.title, NAME, "bold"), "  ", t(f.rule, NAME, "dim"))
+    console.rule(style=COLOR.get(f.verdict, ""))
+    console.print(head)
+    for line in finding_lines(d, f):
+        console.print(t(line, TEXT, "bold"))
+    console.print(t(f.cause, TEXT))
+    mods = f.evidence.get("modules") or []
+    if mods:
+        mt = Table(show_edge=False, box=None)
+        mt.add_column("module", overflow="fold")
+        mt.add_column("bytes", justify="right")
+        mt.add_column("blocks", justify="right")
+        for m in mods[:8]:
+            mt.add_row(t(m["module"]), human(m["bytes"]), str(m["blocks"]))
+        console.print(mt)
+    for s in (f.evidence.get("stacks") or [])[:1]:
+        console.print(Text("stack:", style="dim"))
+        for frame in s["stack"][:8]:
+            console.print(t("  " + short_path(frame), FRAME, "dim"), overflow="fold")
+    if f.fix:
+        console.print(Text("fix:", style="bold"))
+        _code(console, f.fix)
+
+
+def _code(console: Console, code: str) -> None:
+    """Code as plain lines: no border, no wrap, no crop; highlighted only with colours on."""
+    body = "\n".join(terminal(x, FRAME) for x in lines(code, FRAMES))
+    text = Syntax(body, "python", theme="ansi_dark", background_color="default").highlight(body) \
+        if console.color_system else Text(body)
+    for line in text.split("\n"):
+        console.print(line, soft_wrap=True)

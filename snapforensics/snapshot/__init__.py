@@ -1,12 +1,12 @@
 """Snapshot files in, one normalized interned model out.
 
-unpickle.py reads the file safely, normalize.py validates it into the model (model.py) with
+unpickle.py reads the file safely, normalization.py validates it into the model (model.py) with
 intern.py's tables and format.py's verdict on what kind of file it is.
 """
 
 from snapforensics.snapshot.format import rank_from_name
 from snapforensics.snapshot.model import Frame, Snapshot, Trace
-from snapforensics.snapshot.normalize import load, normalize
+from snapforensics.snapshot.normalization import load, normalize
 from snapforensics.snapshot.unpickle import read_raw, read_raw_info
 
 __all__ = [

@@ -11,7 +11,8 @@ from snapforensics.snapshot.intern import Interner
 from snapforensics.snapshot.model import A, Backend, Format, Frame, Segment, Trace
 
 RANK_PATTERNS = (
-    re.compile(r"(?:^|[^a-z])rank[_-]?(\d{1,6})(?!\d)", re.IGNORECASE),  # rank3.pickle, snapshot_rank_3
+    # rank3.pickle, snapshot_rank_3
+    re.compile(r"(?:^|[^a-z])rank[_-]?(\d{1,6})(?!\d)", re.IGNORECASE),
     re.compile(r"^(\d{6})_step_\d+(?:\D|$)"),  # torchtitan: 000003_step_10.pickle
     re.compile(r"^snapshot_\d{9,}_(\d{1,5})\.(?:pickle|pkl)\b"),  # MindSpeed-MM
 )

@@ -7,11 +7,14 @@ the identity and contents of their frames list; streams and pools by value.
 
 from __future__ import annotations
 
+import operator
+from itertools import chain, repeat
 from typing import Any
 
 import numpy as np
 
 from snapforensics.errors import SnapError
+from snapforensics.snapshot.budget import Budget
 from snapforensics.snapshot.columns import (
     LISTS,
     at,
@@ -23,13 +26,20 @@ from snapforensics.snapshot.columns import (
 from snapforensics.snapshot.model import NO_STACK, Frame
 
 _BUCKET = 16
+_FRAMES_TYPES = {list, tuple, type(None)}
+# Frames sampled per round, in eighths of the length (-1: last). Lists still unresolved after the
+# last round go one by one (linear, only slower).
+_SAMPLES = (0, 4, -1, 2, 6, 1, 3, 5, 7, 0, 4, -1, 2, 6, 1, 3, 5, 7)
+_MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0xD6E8FEB86659FD93)
 
 
 class Interner:
     """Frames by identity then value; stacks by (length, sampled frame identities) then `==`,
     then by value (tuples of frame ids); streams and pools by value."""
 
-    def __init__(self) -> None:
+    def __init__(self, budget: Budget | None = None) -> None:
+        self.budget = budget or Budget(None)
+        self.by_list: dict[int, int] = {}  # id(frames list) -> stack id (segments share lists)
         self.frames: list[Frame] = []
         self.frame_ids: dict[Frame, int] = {}
         self.by_obj: dict[int, int] = {}  # id(frame dict) -> frame id
@@ -81,6 +91,15 @@ class Interner:
         """
         if frames is None:
             return NO_STACK
+        sid = self.by_list.get(id(frames))
+        if sid is not None:
+            return sid
+        sid = self._stack(frames, where, row)
+        self.by_list[id(frames)] = sid
+        self.keep_alive.append(frames)
+        return sid
+
+    def _stack(self, frames: Any, where: str, row: int | None) -> int:
         if type(frames) not in LISTS:
             raise SnapError(f"{at(where, row)}: frames must be a list, got {tname(frames)}")
         n = len(frames)
@@ -115,6 +134,7 @@ class Interner:
         return sid
 
     def _intern_stack(self, frames: list | tuple, where: str, row: int | None) -> int:
+        self.budget.add(len(frames), "frames in distinct stacks")
         get = self.by_obj.get
         fids = []
         for f in frames:
@@ -131,29 +151,91 @@ class Interner:
         return sid
 
     def stack_column(self, col: list, where_dev: str) -> np.ndarray:
-        """`stack()` for every entry; the common case (a repeat of the first stack in its bucket)
-        is inlined here, which halves the per-entry cost."""
-        get = self.buckets.get
+        """Stack id of every entry's frames list, in bulk: no Python code runs per entry.
+
+        1. Distinct lists by identity (`np.unique` of `id()`): torch shares one list between an
+           alloc and its free, and files may share lists between many entries.
+        2. Distinct contents: lists with the same length, innermost and middle frame objects
+           are compared with `==` to the first such list (C pointer compares: frames are
+           memoized objects); those that differ go to another round.
+        3. Only the first list of each content, and the rare lists that differ from it, go
+           through `stack()`, in order of first appearance: ids are those a row-by-row walk
+           would give.
+        """
+        n = len(col)
+        types = set(map(type, col))
+        if not types <= _FRAMES_TYPES:
+            i = next(i for i, fl in enumerate(col) if type(fl) not in _FRAMES_TYPES)
+            raise SnapError(f"{where_dev}[{i}]: frames must be a list, got {tname(col[i])}")
+        if type(None) in types:  # no frames: same as an empty list
+            col = [() if fl is None else fl for fl in col]
+        ids = np.fromiter(map(id, col), np.uint64, n)
+        _, first, inv = np.unique(ids, return_index=True, return_inverse=True)
+        del ids
+        order = np.argsort(first, kind="stable")
+        rank = np.empty_like(order)
+        rank[order] = np.arange(len(order))
+        first = first[order]
+        lists = list(map(col.__getitem__, first.tolist()))
+        return self._distinct_stacks(lists, first, where_dev)[rank[inv.reshape(-1)]]
+
+    def _distinct_stacks(self, lists: list, rows: np.ndarray, where_dev: str) -> np.ndarray:
+        """Stack ids of distinct list objects (in order of first appearance, at `rows`)."""
+        m = len(lists)
+        out = np.full(m, NO_STACK, np.int32)
+        lens = np.fromiter(map(len, lists), np.int64, m)
+        idx = np.flatnonzero(lens)
+        if not len(idx):
+            return out
+        e = list(map(lists.__getitem__, idx.tolist()))
+        ln = lens[idx]
+
+        def sample(frac: int, sub: np.ndarray) -> np.ndarray:
+            """id() of the frame at `frac`/8 of each list's length (-1: the last frame)."""
+            pos = repeat(-1) if frac < 0 else ((ln[sub] * frac) >> 3).tolist()
+            lists = map(e.__getitem__, sub.tolist())
+            return np.fromiter(map(id, map(operator.getitem, lists, pos)), np.uint64, len(sub))
+
+        # Each round: lists are keyed by length and some sampled frame objects; the first list
+        # of each key is a representative, the lists equal to it take its stack, the others
+        # (another content with the same key) go to the next round with one more sample.
+        todo = np.arange(len(e))
+        rep = todo.copy()
+        key = ln.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        for r, frac in enumerate(_SAMPLES):
+            key[todo] ^= sample(frac, todo) * np.uint64(_MIX[r % len(_MIX)])
+            if r == 0:
+                continue  # the first round keys on two samples
+            _, g_first, g_inv = np.unique(key[todo], return_index=True, return_inverse=True)
+            first = todo[g_first[g_inv.reshape(-1)]]
+            try:
+                same = np.fromiter(map(operator.eq, map(e.__getitem__, todo.tolist()),
+                                       map(e.__getitem__, first.tolist())), bool, len(todo))
+            except RecursionError:  # only hostile extra keys in frames can nest
+                break
+            rep[todo[same]] = first[same]
+            todo = todo[~same]
+            if not len(todo):
+                break
+        # Representatives (and lists left after the rounds) are interned one by one, in order
+        # of first appearance, so stack and frame ids are those a row-by-row walk would give.
+        own = np.flatnonzero(rep == np.arange(len(e)))
+        sid = np.empty(len(e), np.int32)
         stack = self.stack
-        out: list[int] = []
-        append = out.append
-        for i, fl in enumerate(col):
-            if fl is None:
-                append(NO_STACK)
-                continue
-            if type(fl) is list:
-                n = len(fl)
-                if n:
-                    b = get((n, id(fl[0]), id(fl[n >> 1]), id(fl[-1]), id(fl[n >> 2])))
-                    if b is not None:
-                        try:
-                            if b[0][0] == fl:
-                                append(b[0][1])
-                                continue
-                        except RecursionError:
-                            pass
-            append(stack(fl, where_dev, i))
-        return np.array(out, np.int32)
+        sid[own] = [stack(e[j], where_dev, r)
+                    for j, r in zip(own.tolist(), rows[idx[own]].tolist())]
+        out[idx] = sid[rep]
+        return out
+
+    def check_strings(self, extra: int = 0) -> None:
+        """Bytes of frame names and files the analysis reads, stack by stack (+ `extra`)."""
+        if not self.budget.limited:
+            return
+        per_frame = np.fromiter((len(f.name) + len(f.filename) for f in self.frames), np.int64,
+                                len(self.frames))
+        fids = np.fromiter(chain.from_iterable(self.stacks), np.int64,
+                           sum(map(len, self.stacks)))
+        self.budget.strings(int(per_frame[fids].sum()) + extra)
 
     # -- streams
     def stream(self, s: Any, where: str) -> int:

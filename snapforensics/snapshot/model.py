@@ -1,14 +1,16 @@
 """The normalized, interned snapshot model every analysis reads.
 
-The loader (`unpickle.py` -> `normalize.py`) is the only code that sees the raw pickle. Everything after it sees:
-frames interned once into a table, stacks as tuples of frame ids interned into a table, and
-each device's trace as parallel numpy arrays (one row per trace entry, oldest first).
+The loader (`unpickle.py` -> `normalization.py`) is the only code that sees the raw pickle.
+Everything after it sees: frames interned once into a table, stacks as tuples of frame ids
+interned into a table, and each device's trace as parallel numpy arrays (one row per trace
+entry, oldest first).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import cached_property
 from typing import NamedTuple
 
 import numpy as np
@@ -164,9 +166,20 @@ class Snapshot:
         found = {t.device for t in self.traces if len(t)} | {s.device for s in self.segments}
         return sorted(found)
 
+    @cached_property
+    def _segments_by_device(self) -> dict[int, list[Segment]]:
+        by: dict[int, list[Segment]] = {}
+        for s in self.segments:
+            by.setdefault(s.device, []).append(s)
+        return by
+
+    def segments_on(self, device: int) -> list[Segment]:
+        """The segments of one device (grouped once: files may list 65,536 devices)."""
+        return self._segments_by_device.get(device, [])
+
     def segment_totals(self, device: int) -> dict[str, int]:
         """What the allocator held on `device` at dump time."""
-        segs = [s for s in self.segments if s.device == device]
+        segs = self.segments_on(device)
         live = [b.size for s in segs for b in s.blocks if b.state != "inactive"]
         return {"count": len(segs), "reserved_bytes": sum(s.total_size for s in segs),
                 "allocated_bytes": sum(live), "active_blocks": len(live)}

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import gc
 import gzip
+import io
 import os
 import pickle
 import re
 import stat
+import threading
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -156,12 +158,91 @@ def _permission_message(p: Path, mode: int) -> str:
             f"make it readable, e.g. `chmod a+r {p}`, or run as its owner")
 
 
+# Opcodes that build a tuple (or hash its items into a frozenset). Nesting tuples makes hash()
+# recurse in C with no depth check (a deep tuple used as a dict key overflows the C stack and
+# kills the process). A stream holds at most as many of these opcodes as it has bytes of these
+# values, so that count bounds the nesting depth before anything is unpickled.
+_TUPLE_OPS = b"t\x85\x86\x87\x91"
+_NOT_TUPLE_OPS = bytes(c for c in range(256) if c not in _TUPLE_OPS)
+_STACK_PER_LEVEL = 128  # bytes of C stack one tuple level costs in hash() (measured: ~64)
+_MAX_STACK = 8 << 30  # a nesting bound above this is refused, not reserved
+GZIP_RATIO = 64  # a snapshot pickle compresses ~9x; more than this much is not one
+
+
+def _count_tuple_ops(data: bytes) -> int:
+    return len(data.translate(None, _NOT_TUPLE_OPS))
+
+
+def _plain_bytes(f: Any, p: Path) -> int:
+    """Tuple-opcode bytes of an uncompressed file (read once in chunks; stays in page cache)."""
+    n = 0
+    try:
+        while chunk := f.read(16 << 20):
+            n += _count_tuple_ops(chunk)
+        f.seek(0)
+    except OSError as e:
+        raise SnapError(f"{p}: cannot read: {e.strerror or e}") from None
+    return n
+
+
+def _gunzip(f: Any, size: int, p: Path) -> tuple[bytes, bool, str]:
+    """The decompressed stream, at most GZIP_RATIO x the file (or 64 MiB), whether it was cut
+    there, and the error that ended it early ("" if none). Trailing bytes after the pickle (a
+    gzip padded with GBs of zeros) are never all inflated."""
+    cap = max(64 << 20, GZIP_RATIO * size)
+    stream = gzip.GzipFile(fileobj=f, mode="rb")
+    parts: list[bytes] = []
+    n, err = 0, ""
+    try:
+        while n <= cap and (chunk := stream.read1(min(1 << 20, cap + 1 - n))):
+            parts.append(chunk)
+            n += len(chunk)
+    except (OSError, EOFError, zlib.error) as e:
+        err = f"{tname(e)}: {str(e)[:200]}"
+    data = b"".join(parts)
+    return data[:cap], n > cap, err
+
+
+def _load(stream: Any, bound: int, budget: int) -> Any:
+    """Unpickle with the globals refused, under the memory guard, on a thread whose C stack
+    holds any tuple nesting the stream can describe (`bound` levels)."""
+    need = (16 << 20) + bound * _STACK_PER_LEVEL
+    if need > _MAX_STACK:
+        raise SnapError(f"the pickle may nest tuples {bound} deep; a memory snapshot nests them "
+                        "2 deep (not a memory snapshot, or hostile)")
+    result: list[Any] = []
+
+    def run() -> None:
+        try:
+            with gc_paused(), _memory_guard(budget):
+                result.append(_RefuseGlobals(stream).load())
+        except BaseException as e:  # noqa: BLE001 handed to the caller's thread
+            result.append(e)
+            result.append(None)
+
+    old = threading.stack_size()
+    try:
+        threading.stack_size(need)
+        t = threading.Thread(target=run, name="unpickle", daemon=True)
+        t.start()
+    except (RuntimeError, ValueError, MemoryError):
+        raise SnapError(f"cannot reserve {need >> 20} MiB of stack to unpickle this file safely "
+                        "(the pickle may nest tuples that deep)") from None
+    finally:
+        threading.stack_size(old)
+    t.join()
+    if len(result) == 2:
+        raise result[0]
+    return result[0]
+
+
 def read_raw_info(path: str | os.PathLike) -> tuple[Any, list[str], dict]:
     """Unpickle `path` safely. Returns the raw object, loader warnings and facts about the file."""
     p = Path(path)
     f, size = _open(p)
     info: dict[str, Any] = {"file_bytes": size, "gzip": False, "stale_bytes": 0}
     warnings: list[str] = []
+    cut, damaged = False, ""
     with f:
         try:
             head = f.read(256)
@@ -171,17 +252,18 @@ def read_raw_info(path: str | os.PathLike) -> tuple[Any, list[str], dict]:
         if not head:
             raise SnapError(f"{p}: empty file, not a snapshot")
         stream: Any = f
-        estimate = size
         if head[:2] == b"\x1f\x8b":
             info["gzip"] = True
-            stream = gzip.GzipFile(fileobj=f, mode="rb")
-            try:
-                head = stream.peek(256)[:256]
-            except (OSError, EOFError, zlib.error) as e:
-                raise SnapError(f"{p}: corrupt gzip file ({tname(e)}: {e})") from None
-            if not head:
+            data, cut, damaged = _gunzip(f, size, p)
+            if not data and damaged:
+                kind = "truncated" if damaged.startswith("EOFError") else "corrupt"
+                raise SnapError(f"{p}: {kind} gzip file ({damaged})")
+            if not data:
                 raise SnapError(f"{p}: empty gzip file, not a snapshot")
-            estimate = size * 30
+            head = data[:256]
+            stream = io.BytesIO(data)
+            bound = _count_tuple_ops(data)
+            info["pickle_bytes"] = len(data)
         if head[:1] != b"\x80" and head[:1] not in (b"(", b"]", b"}"):
             m = _GLOBAL_FIRST.match(head)
             if m:  # a protocol 0/1 pickle that opens with a global (GLOBAL or INST opcode)
@@ -191,10 +273,12 @@ def read_raw_info(path: str | os.PathLike) -> tuple[Any, list[str], dict]:
                                 "either not a memory snapshot or unsafe to open (nothing from "
                                 "it was executed)")
             raise SnapError(_not_pickle_message(p, head))
-        budget = max(4 << 30, 16 * estimate)
+        if not info["gzip"]:
+            bound = _plain_bytes(f, p)
+            info["pickle_bytes"] = size
+        budget = max(4 << 30, 16 * info["pickle_bytes"])
         try:
-            with gc_paused(), _memory_guard(budget):
-                obj = _RefuseGlobals(stream).load()
+            obj = _load(stream, bound, budget)
         except SnapError as e:
             raise SnapError(f"{p}: {e}") from None
         except RecursionError:
@@ -204,32 +288,31 @@ def read_raw_info(path: str | os.PathLike) -> tuple[Any, list[str], dict]:
                 f"{p}: the pickle asks for more memory than a snapshot of {size} bytes can need "
                 "(corrupt or hostile file); if it is genuine, raise the cap with "
                 "SNAPFORENSICS_LOAD_MEMORY=<bytes> (0 = no cap)") from None
-        except (zlib.error, gzip.BadGzipFile) as e:
-            raise SnapError(f"{p}: corrupt gzip file ({tname(e)}: {e})") from None
         except EOFError as e:
+            if damaged and not damaged.startswith("EOFError"):
+                raise SnapError(f"{p}: corrupt gzip file ({damaged})") from None
+            if cut:
+                raise SnapError(
+                    f"{p}: the gzip stream inflates to more than {GZIP_RATIO}x its size before "
+                    "the pickle ends; a memory snapshot compresses about 9x (corrupt or hostile "
+                    "file)") from None
             kind = "gzip stream" if info["gzip"] else "pickle"
-            raise SnapError(f"{p}: truncated {kind} ({e or 'ran out of input'}); the dump was "
+            why = damaged.partition(": ")[2] if damaged else (e or "ran out of input")
+            raise SnapError(f"{p}: truncated {kind} ({why}); the dump was "
                             "probably interrupted or the copy is incomplete") from None
         except Exception as e:  # noqa: BLE001 corrupt opcodes, bad memo refs, unhashable keys: all bad input
             msg = str(e).splitlines()[0][:200] if str(e) else ""
             raise SnapError(f"{p}: truncated or corrupt pickle ({tname(e)}: {msg})") from None
         try:
-            if info["gzip"]:
-                stale = 0
-                while True:
-                    chunk = stream.read(1 << 20)
-                    if not chunk:
-                        break
-                    stale += len(chunk)
-            else:
-                stale = size - f.tell()
-        except (OSError, EOFError, zlib.error):
+            stale = (len(data) - stream.tell()) if info["gzip"] else size - f.tell()
+        except OSError:
             stale = 0
+        if damaged:
             warnings.append("the gzip stream is damaged after the pickle end; ignored")
     if stale > 0:
         info["stale_bytes"] = stale
-        warnings.append(f"{stale} stale bytes after the pickle end (torch_npu rewrites snapshot "
-                        "files without truncating them); ignored")
+        warnings.append(f"{'at least ' if cut else ''}{stale} stale bytes after the pickle end "
+                        "(torch_npu rewrites snapshot files without truncating them); ignored")
     return obj, warnings, info
 
 

@@ -24,6 +24,7 @@ outside the repeated layers (embedding, head, loss) are assumed kept.
 from __future__ import annotations
 
 from collections import Counter
+from typing import NamedTuple
 
 import numpy as np
 
@@ -58,19 +59,30 @@ def fix_for(d: DeviceAnalysis, layer: str | None) -> str:
     return _HF_FIX if hugging_face(d) else FIX.format(layer=layer or "TransformerBlock")
 
 
-def _layers(d: DeviceAnalysis, blocks: np.ndarray) -> tuple[int, int, int, np.ndarray]:
-    """(L layers, bytes of one layer, layer input bytes, the repeating blocks)."""
+class Layers(NamedTuple):
+    repeats: int  # L repetitions of the same layer
+    layer_bytes: int  # activations of one layer
+    input_bytes: int  # one layer's input (what checkpointing keeps per layer)
+    blocks: np.ndarray  # the repeating blocks
+
+
+class Saving(NamedTuple):
+    activations: int  # activations of the iteration alive at the row
+    saved: int  # what checkpointing saves there
+
+
+def _layers(d: DeviceAnalysis, blocks: np.ndarray) -> Layers:
     if not blocks.size:
-        return 0, 0, 0, blocks
+        return Layers(0, 0, 0, blocks)
     keys = generic_keys(d, d.lt.stack[blocks])
     uk, kinv, counts = np.unique(keys, return_inverse=True, return_counts=True)
     per_block_count = counts[kinv]
-    by_count = Counter()
+    by_count: Counter[int] = Counter()
     for c, s in zip(per_block_count.tolist(), d.lt.size[blocks].tolist()):
         if c > 1:
             by_count[c] += s
     if not by_count:
-        return 0, 0, 0, blocks[:0]
+        return Layers(0, 0, 0, blocks[:0])
     # A stack called twice per layer (two norms on one line) repeats 2L times: the layer count
     # is the repeat count whose multiples carry the most bytes, among counts that carry a
     # real share (>= 25%) of the repeating bytes on their own (so a stray 2 does not win).
@@ -85,15 +97,15 @@ def _layers(d: DeviceAnalysis, blocks: np.ndarray) -> tuple[int, int, int, np.nd
     layer = int(d.lt.size[rep].sum()) // L
     sizes = Counter(d.lt.size[rep].tolist())
     h = max(sizes, key=lambda s: (sizes[s], s)) if sizes else 0
-    return int(L), layer, int(h), rep
+    return Layers(int(L), layer, int(h), rep)
 
 
-def _saving(d: DeviceAnalysis, row: int, it_index: int, kept_cap: int) -> tuple[int, int]:
-    """(activations of iteration `it_index` alive after `row`, what checkpointing saves there)."""
+def _saving(d: DeviceAnalysis, row: int, it_index: int, kept_cap: int) -> Saving:
+    """Activations of iteration `it_index` alive after `row`, and what checkpointing saves."""
     m = d.lt.alive_at(row) & (d.category == CAT_CODE[Category.ACTIVATION]) & \
         (d.iteration == it_index)
     a = int(d.lt.size[m].sum())
-    return a, max(0, a - min(a, kept_cap))
+    return Saving(a, max(0, a - min(a, kept_cap)))
 
 
 def check(d: DeviceAnalysis) -> list[Finding]:
@@ -120,7 +132,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     _, save_fwd = _saving(d, r, it.index, kept_cap)
     p = d.peak_row
     pit = d.tl.iteration_of(p)
-    act_p, save_peak = _saving(d, p, pit.index, kept_cap) if pit else (0, 0)
+    act_p, save_peak = _saving(d, p, pit.index, kept_cap) if pit else Saving(0, 0)
     if save_peak < MIN_SAVING * d.peak_bytes:
         return []
     name = repeated_module(d, d.lt.stack[rep], L)

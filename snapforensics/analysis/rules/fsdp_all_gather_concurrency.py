@@ -22,12 +22,13 @@ its copied-out parameters no earlier than that.
 from __future__ import annotations
 
 import heapq
+from typing import NamedTuple
 
 import numpy as np
 
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding
-from snapforensics.analysis.evidence import by_module, human, peaks, top_stacks
+from snapforensics.analysis.evidence import by_module, counterfactual, human, top_stacks
 from snapforensics.analysis.fsdp_units import forward_end, unit_of_event
 from snapforensics.analysis.vocab import BACKWARD_PHASES, CAT_CODE, Category, Phase, Verdict
 
@@ -47,7 +48,7 @@ def _in_flight(d: DeviceAnalysis, params: bool = False) -> np.ndarray:
     """All-gather outputs (with `params`, also the unsharded parameters copied out of them)
     made in forward/backward that are neither kept across phases nor stale."""
     f = d.fsdp
-    stale = d.fsdp.stale
+    stale = f.stale
     what = f.primary | (d.category == CAT_CODE[Category.UNSHARDED_PARAM]) if params else f.primary
     m = what & ~stale & (d.lt.alloc_row >= 0) & (d.iteration >= 0) & \
         np.isin(d.phase, [Phase.FORWARD, Phase.BACKWARD, Phase.RECOMPUTE])
@@ -68,12 +69,23 @@ def _effective_free(d: DeviceAnalysis, blocks: np.ndarray) -> dict[int, int]:
     """When each all-gather output stops standing for its unit: once its unit copied the
     parameters out of it, those parameters do (a buffer whose release the trace shows late,
     e.g. dropped on a thread the recorder does not see, is not a unit still in flight)."""
-    return {b: fr for b, (fr, _) in _copy_outs(d, blocks).items()}
+    return {b: c.done_row for b, c in _copy_outs(d, blocks).items()}
 
 
-def _copy_outs(d: DeviceAnalysis, blocks: np.ndarray) -> dict[int, tuple[int, np.ndarray]]:
-    """For each FSDP2 all-gather output: (the row its unit's copy-out is done with it, the
-    unshard event's blocks copied out of it). FSDP1's flat parameter is its own copy-out."""
+class CopyOut(NamedTuple):
+    done_row: int  # the row its unit's copy-out is done with the all-gather output
+    blocks: np.ndarray  # the unshard event's blocks copied out of it
+
+
+class Concurrency(NamedTuple):
+    units: int  # most distinct units alive at once
+    row: int  # where (-1: none)
+    alive: np.ndarray  # the blocks alive there
+
+
+def _copy_outs(d: DeviceAnalysis, blocks: np.ndarray) -> dict[int, CopyOut]:
+    """The copy-out of each FSDP2 all-gather output among `blocks`. FSDP1's flat parameter is
+    its own copy-out."""
     f = d.fsdp
     ev = f.event
     events: dict[int, list[int]] = {}
@@ -82,7 +94,7 @@ def _copy_outs(d: DeviceAnalysis, blocks: np.ndarray) -> dict[int, tuple[int, np
     starts = sorted((int(d.lt.alloc_row[v].min()), k) for k, v in
                     ((k, np.array(v)) for k, v in events.items()))
     rows = np.array([r for r, _ in starts], np.int64)
-    out = {}
+    out: dict[int, CopyOut] = {}
     for b in blocks.tolist():
         if not f.primary[b] or f.fsdp1_flat[b]:
             continue
@@ -98,15 +110,14 @@ def _copy_outs(d: DeviceAnalysis, blocks: np.ndarray) -> dict[int, tuple[int, np
             else:
                 same = 0.9 * size <= int(d.lt.size[blk].sum()) <= size
             if same:
-                out[b] = (min(fr, int(d.lt.free_row[blk].max())), blk)
+                out[b] = CopyOut(min(fr, int(d.lt.free_row[blk].max())), blk)
                 break
     return out
 
 
-def _max_concurrency(d: DeviceAnalysis, blocks: np.ndarray):
-    """(max distinct units alive at once, row, the blocks alive there)."""
+def _max_concurrency(d: DeviceAnalysis, blocks: np.ndarray) -> Concurrency:
     if not blocks.size:
-        return 0, -1, blocks
+        return Concurrency(0, -1, blocks)
     eff = _effective_free(d, blocks)
     ev = []
     for b in blocks.tolist():
@@ -114,7 +125,8 @@ def _max_concurrency(d: DeviceAnalysis, blocks: np.ndarray):
         ev.append((eff.get(b, int(d.lt.free_row[b])), 0, b))  # frees first at the same row
     ev.sort()
     alive: dict[int, None] = {}
-    best, best_row, best_set = 0, -1, []
+    best, best_row = 0, -1
+    best_set: list[int] = []
     for row, kind, b in ev:
         if kind:
             alive[b] = None
@@ -123,7 +135,7 @@ def _max_concurrency(d: DeviceAnalysis, blocks: np.ndarray):
                 best, best_row, best_set = len(units), row, list(alive)
         else:
             alive.pop(b, None)
-    return best, best_row, np.array(best_set, np.int64)
+    return Concurrency(best, best_row, np.array(best_set, np.int64))
 
 
 def _rate_limited(d: DeviceAnalysis, blocks: np.ndarray) -> np.ndarray:
@@ -144,7 +156,7 @@ def _rate_limited(d: DeviceAnalysis, blocks: np.ndarray) -> np.ndarray:
             while frees and frees[0] <= a:
                 heapq.heappop(frees)
         alloc[b] = a
-        blk = outs[b][1] if b in outs else None
+        blk = outs[b].blocks if b in outs else None
         if blk is not None and blk.size:
             alloc[blk] = np.minimum(np.maximum(d.lt.alloc_row[blk], a), d.lt.free_row[blk])
             heapq.heappush(frees, int(d.lt.free_row[blk].max()))
@@ -165,7 +177,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     for name, phases in (("forward", [Phase.FORWARD]), ("backward", BACKWARD_PHASES)):
         sel = counted[np.isin(d.phase[counted], phases)]
         per_phase[name] = _max_concurrency(d, sel)
-    phase = max(per_phase, key=lambda k: per_phase[k][0])
+    phase = max(per_phase, key=lambda k: per_phase[k].units)
     n, row, alive = per_phase[phase]
     if n <= LIMIT:
         return []
@@ -176,7 +188,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         unit_bytes[k] = unit_bytes.get(k, 0) + int(d.lt.size[b])
     excess = int(sum(sorted(unit_bytes.values(), reverse=True)[LIMIT:]))
     alloc = _rate_limited(d, blocks)
-    after = peaks(d, d.lt.replay(alloc_row=alloc))
+    after, replay = counterfactual(d, alloc_row=alloc)
     saving = max(d.peak_bytes - after["overall_bytes"], 0)
     verdict = Verdict.ANOMALOUS if saving >= _MIN_SAVING * d.peak_bytes else Verdict.INFO
     it = int(d.iteration[alive[0]]) if alive.size else -1
@@ -192,6 +204,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
             f" Rate-limiting them would lower the peak by only {human(saving)}: not what sets "
             "the peak here."))
     return [Finding(
+        replay=replay,
         rule=RULE, verdict=verdict,
         title=f"{n} all-gathers in flight at once (more than {LIMIT}): no rate limit",
         cause=cause, bytes=alive_bytes, blocks=int(len(alive)), device=d.device, fix=FIX,

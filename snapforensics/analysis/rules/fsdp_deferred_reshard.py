@@ -17,7 +17,7 @@ import numpy as np
 
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding
-from snapforensics.analysis.evidence import by_module, human, max_alive, replay_peaks, top_stacks
+from snapforensics.analysis.evidence import by_module, counterfactual, human, max_alive, top_stacks
 from snapforensics.analysis.fsdp_units import reshard_rows
 from snapforensics.analysis.vocab import Verdict
 
@@ -38,7 +38,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     kept = max_alive(d, blocks)
     free_row = d.lt.free_row.copy()
     free_row[blocks] = reshard_rows(d, blocks, per_micro_batch=True)
-    after = replay_peaks(d, free_row)
+    after, replay = counterfactual(d, free_row)
     saving = max(d.peak_bytes - after["overall_bytes"], 0)
     per_step = int(d.lt.size[blocks].sum()) // max(len(steps), 1)
     micro = max(d.tl.iterations[int(i)].micro_batch for i in d.iteration[blocks]) + 2
@@ -54,6 +54,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
            f"Resharding every micro-batch would not lower the peak ({human(d.peak_bytes)}): "
            "the kept parameters are not where it is."))
     return [Finding(
+        replay=replay,
         rule=RULE, verdict=Verdict.EXPECTED,
         title="Parameters kept unsharded between micro-batches (gradient accumulation)",
         cause=cause, bytes=kept, blocks=int(len(blocks)), device=d.device, fix=FIX,

@@ -17,6 +17,8 @@ predicted peak keeps the first gather alive through the unit's backward instead.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from snapforensics.analysis.context import DeviceAnalysis
@@ -24,9 +26,9 @@ from snapforensics.analysis.diagnosis import Finding
 from snapforensics.analysis.evidence import (
     by_module,
     by_path,
+    counterfactual,
     human,
     lowers_peak,
-    peaks,
     top_stacks,
 )
 from snapforensics.analysis.fsdp_units import FsdpUnits, forward_end, unit_of_event
@@ -51,16 +53,28 @@ apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block),
 _RATIO = 1.5  # unnamed units: backward unshards vs units resharded in forward
 
 
-def _events_by_iteration(d: DeviceAnalysis, f: FsdpUnits, stale: np.ndarray):
-    """iteration -> (events resharded during forward, backward events) as lists of block arrays."""
+class IterationEvents(NamedTuple):
+    """One iteration's unshard events, each the array of its blocks."""
+
+    resharded_in_forward: list[np.ndarray]
+    backward: list[np.ndarray]
+
+
+class Pair(NamedTuple):
+    """Two gathers of the same unit in one backward."""
+
+    first: np.ndarray
+    second: np.ndarray
+
+
+def _events_by_iteration(d: DeviceAnalysis, f: FsdpUnits,
+                         stale: np.ndarray) -> dict[int, IterationEvents]:
     ev = f.event
     idx = np.flatnonzero(ev >= 0)
     groups: dict[int, list[int]] = {}
     for b in idx.tolist():
         groups.setdefault(int(ev[b]), []).append(b)
-    out: dict[int, tuple[list, list]] = {}
-    for it in d.tl.iterations:
-        out[it.index] = ([], [])
+    out = {it.index: IterationEvents([], []) for it in d.tl.iterations}
     starts = np.array([it.start for it in d.tl.iterations], np.int64)
     for blocks in groups.values():
         bl = np.array(blocks, np.int64)
@@ -72,18 +86,18 @@ def _events_by_iteration(d: DeviceAnalysis, f: FsdpUnits, stale: np.ndarray):
             it = d.tl.iterations[k]
             if it.backward_start >= 0 and it.start <= fr <= forward_end(it) and \
                     int(d.lt.alloc_row[b]) < fr:
-                out[k][0].append(bl)
+                out[k].resharded_in_forward.append(bl)
         if d.phase[b] in BACKWARD_PHASES and d.iteration[b] >= 0 and not stale[bl].any():
-            out[int(d.iteration[b])][1].append(bl)
+            out[int(d.iteration[b])].backward.append(bl)
     return out
 
 
-def _pairs(d: DeviceAnalysis, bw: list) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(first, second) gathers of the same unit: same name, else the next event of equal size
-    that starts after the first was freed."""
+def _pairs(d: DeviceAnalysis, bw: list[np.ndarray]) -> list[Pair]:
+    """Gathers of the same unit: same name, else the next event of equal size that starts
+    after the first was freed."""
     bw = sorted(bw, key=lambda bl: int(d.lt.alloc_row[bl].min()))
-    used = set()
-    pairs = []
+    used: set[int] = set()
+    pairs: list[Pair] = []
     for i, first in enumerate(bw):
         if i in used:
             continue
@@ -99,7 +113,7 @@ def _pairs(d: DeviceAnalysis, bw: list) -> list[tuple[np.ndarray, np.ndarray]]:
                 m is None and m2 is None and int(d.lt.size[second].sum()) == size and
                 int(d.lt.alloc_row[second].min()) >= end)
             if same:
-                pairs.append((first, second))
+                pairs.append(Pair(first, second))
                 used.update((i, j))
                 break
             if m is None and int(d.lt.alloc_row[second].min()) >= end:
@@ -116,8 +130,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
             continue
         named = all(unit_of_event(d, bl) is not None for bl in bw + resharded)
         if named:
-            exp: dict[str, int] = {}
-            got: dict[str, int] = {}
+            exp: dict[str | None, int] = {}
+            got: dict[str | None, int] = {}
             for bl in resharded:
                 exp[unit_of_event(d, bl)] = exp.get(unit_of_event(d, bl), 0) + 1
             for bl in bw:
@@ -125,7 +139,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
             doubled = {u for u, n in got.items() if n >= 2 and n >= 2 * exp.get(u, 0)}
             if not doubled:
                 continue
-            pairs = [p for p in _pairs(d, bw) if unit_of_event(d, p[0]) in doubled]
+            pairs = [p for p in _pairs(d, bw) if unit_of_event(d, p.first) in doubled]
         else:
             if len(bw) < _RATIO * len(resharded) or len(bw) - len(resharded) < 1:
                 continue
@@ -140,9 +154,9 @@ def check(d: DeviceAnalysis) -> list[Finding]:
             keep_until = int(d.lt.free_row[second].max())
             free_row[first] = np.maximum(free_row[first], keep_until)
             free_row[second] = d.lt.alloc_row[second]
-    after = peaks(d, d.lt.replay(free_row=free_row))
+    after, replay = counterfactual(d, free_row)
     per_iter = {k: sum(int(d.lt.size[s].sum()) for _, s in p) for k, p in found.items()}
-    worst = max(per_iter, key=per_iter.get)
+    worst = max(per_iter, key=per_iter.__getitem__)
     seconds = np.concatenate([s for _, s in found[worst]])
     firsts = np.concatenate([fi for fi, _ in found[worst]])
     paths = {f"{label}: {p}": v for label, bl in (("first", firsts), ("second", seconds))
@@ -161,6 +175,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
            f"The memory peak does not move ({human(d.peak_bytes)}): this costs communication, "
            "not memory."))
     return [Finding(
+        replay=replay,
         rule=RULE, verdict=Verdict.ANOMALOUS if at_peak else Verdict.INFO,
         title="Units all-gathered twice per backward (recompute reshards, backward re-gathers)",
         cause=cause, bytes=per_iter[worst], blocks=int(len(seconds)), device=d.device, fix=FIX,

@@ -17,6 +17,8 @@ the trace with the reduce-side buffers at the parameter dtype.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from snapforensics.analysis.context import DeviceAnalysis
@@ -40,12 +42,19 @@ fully_shard(block, mp_policy=mp)
 # Keeping reduce_dtype=float32 is the usual choice for accuracy: then this cost is expected."""
 
 
-def _ratio(d: DeviceAnalysis, f: FsdpUnits) -> tuple[float | None, dict]:
-    """Reduce-scatter input / all-gather output per unit (median), or of the largest of each."""
+class Ratio(NamedTuple):
+    """Reduce-scatter input / all-gather output: the median over units, or of the largest of
+    each when units are unnamed (None when unknown); and per named unit."""
+
+    ratio: float | None
+    per_unit: dict[str, float]
+
+
+def _ratio(d: DeviceAnalysis, f: FsdpUnits) -> Ratio:
     rs = np.flatnonzero(d.mask(Category.REDUCE_SCATTER))
     ag = np.flatnonzero(f.primary)
     if not rs.size or not ag.size:
-        return None, {}
+        return Ratio(None, {})
     per: dict[str, list[int]] = {}
     for b in rs.tolist():
         m = d.module_of(b)
@@ -57,9 +66,9 @@ def _ratio(d: DeviceAnalysis, f: FsdpUnits) -> tuple[float | None, dict]:
             per[m][1] = max(per[m][1], int(d.lt.size[b]))
     ratios = {m: v[0] / v[1] for m, v in per.items() if v[0] and v[1]}
     if ratios:
-        return float(np.median(list(ratios.values()))), ratios
+        return Ratio(float(np.median(list(ratios.values()))), ratios)
     big_ag = int(d.lt.size[ag].max())
-    return (int(d.lt.size[rs].max()) / big_ag if big_ag else None), {}
+    return Ratio(int(d.lt.size[rs].max()) / big_ag if big_ag else None, {})
 
 
 def check(d: DeviceAnalysis) -> list[Finding]:
@@ -69,14 +78,13 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     r = ratio if wide else None  # never assumed: without it the fp32-grad extra is not counted
     scale = np.zeros(len(d.lt))  # share of each block that is a mixed-precision extra
     parts: dict[str, np.ndarray] = {}
-    if wide:
+    ug = np.zeros(len(d.lt), bool)
+    if r is not None:
         m = d.category == CAT_CODE[Category.REDUCE_SCATTER]
         scale[m] = 1 - 1 / r
         parts["reduce_in_higher_precision"] = m
-    ug = d.category == CAT_CODE[Category.UNSHARDED_GRAD]
-    if r is None:
-        ug = np.zeros(len(d.lt), bool)
-    if ug.any():
+        ug = d.category == CAT_CODE[Category.UNSHARDED_GRAD]
+    if r is not None and ug.any():
         scale[ug] = 1 - 1 / r
         parts["fp32_accumulated_grads"] = ug
     if f.ag_input.any():

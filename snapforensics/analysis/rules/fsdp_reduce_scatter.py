@@ -18,7 +18,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     if not idx.size:
         return []
     per_iter = per_iteration(d, idx)
-    worst = max(per_iter, key=per_iter.get)
+    worst = max(per_iter, key=per_iter.__getitem__)
     blocks = idx[d.iteration[idx] == worst]
     n_mod = len({d.module_of(b) for b in blocks.tolist()})
     return [Finding(

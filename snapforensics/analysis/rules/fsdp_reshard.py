@@ -20,10 +20,10 @@ from snapforensics.analysis.diagnosis import Finding
 from snapforensics.analysis.evidence import (
     by_module,
     by_path,
+    counterfactual,
     human,
     lowers_peak,
     max_alive,
-    replay_peaks,
     top_stacks,
 )
 from snapforensics.analysis.fsdp_units import reshard_rows
@@ -52,13 +52,13 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     # Most bytes left unsharded at once in each backward; report the worst iteration.
     per_iter = {int(i): max_alive(d, blocks[d.iteration[blocks] == i])
                 for i in np.unique(d.iteration[blocks])}
-    worst = max(per_iter, key=per_iter.get)
+    worst = max(per_iter, key=per_iter.__getitem__)
     if per_iter[worst] < MIN_SHARE * d.peak_bytes:
         return []
     worst_blocks = blocks[d.iteration[blocks] == worst]
     free_row = d.lt.free_row.copy()
     free_row[blocks] = reshard_rows(d, blocks)
-    after = replay_peaks(d, free_row)
+    after, replay = counterfactual(d, free_row)
     saving = d.peak_bytes - after["overall_bytes"]
     at_peak = lowers_peak(d, saving)
     paths = by_path(d, worst_blocks)
@@ -81,6 +81,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         "pre-forward / pre-backward hooks), so parameter memory climbs layer by layer through "
         "backward instead of staying at one or two layers. " + effect)
     return [Finding(
+        replay=replay,
         rule=RULE, verdict=Verdict.ANOMALOUS if at_peak else Verdict.INFO,
         title="Parameters unsharded in backward/recompute are not resharded",
         cause=cause, bytes=per_iter[worst], blocks=int(len(worst_blocks)), device=d.device,

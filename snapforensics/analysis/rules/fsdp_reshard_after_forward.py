@@ -18,12 +18,15 @@ post-forward and re-gathered for its backward (one unit of backward prefetch, FS
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import numpy as np
 
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding
 from snapforensics.analysis.evidence import human, peaks, top_stacks
 from snapforensics.analysis.fsdp_units import ROOT, forward_end
+from snapforensics.analysis.phases import Iteration
 from snapforensics.analysis.vocab import Category, Phase, Verdict
 
 RULE = "fsdp.reshard_after_forward_disabled"
@@ -42,12 +45,32 @@ fully_shard(model)  # root: reshard_after_forward=None keeps it unsharded for ba
 # FSDP1: FullyShardedDataParallel(..., sharding_strategy=ShardingStrategy.FULL_SHARD)"""
 
 
-def _units(d: DeviceAnalysis, blocks: np.ndarray, ev: np.ndarray) -> dict:
+# A unit's key: its FQN, else ("event", id) of its unshard event.
+UnitKey = str | tuple[str, int]
+
+
+class Kept(NamedTuple):
+    """One iteration's forward unshards kept unsharded into backward."""
+
+    kept: dict[UnitKey, np.ndarray]  # non-root units still unsharded after forward: blocks
+    units: dict[UnitKey, np.ndarray]  # every unit unsharded in forward, in forward order
+    root: UnitKey | None
+
+
+class Plan(NamedTuple):
+    """What resharding after forward changes in one iteration."""
+
+    it: Iteration
+    kept: dict[UnitKey, np.ndarray]
+    units: dict[UnitKey, np.ndarray]
+
+
+def _units(d: DeviceAnalysis, blocks: np.ndarray, ev: np.ndarray) -> dict[UnitKey, np.ndarray]:
     """unit key -> blocks (forward unshards of one iteration), in first-allocation order."""
-    units: dict = {}
+    units: dict[UnitKey, list[int]] = {}
     for b in blocks[np.argsort(d.lt.alloc_row[blocks], kind="stable")].tolist():
         m = d.module_of(b)
-        key = m if m is not None else ("event", int(ev[b]))
+        key: UnitKey = m if m is not None else ("event", int(ev[b]))
         units.setdefault(key, []).append(b)
     return {k: np.array(v, np.int64) for k, v in units.items()}
 
@@ -62,14 +85,13 @@ def _forward_unshards(d: DeviceAnalysis) -> dict[int, np.ndarray]:
     return {i: np.array(v, np.int64) for i, v in out.items()}
 
 
-def _kept(d: DeviceAnalysis, it, ev: np.ndarray, fw: np.ndarray | None):
-    """(kept non-root units {key: blocks}, all forward units in order, root key) of one
-    iteration."""
+def _kept(d: DeviceAnalysis, it: Iteration, ev: np.ndarray, fw: np.ndarray | None) -> Kept:
     if fw is None or not fw.size or it.backward_start < 0:
-        return {}, {}, None
+        return Kept({}, {}, None)
     units = _units(d, fw, ev)
     end = forward_end(it)
     alive_keys = [k for k, v in units.items() if (d.lt.free_row[v] > end).any()]
+    root: UnitKey | None
     if ROOT in units:
         root = ROOT
     elif alive_keys and all(not isinstance(k, str) for k in units):
@@ -80,18 +102,20 @@ def _kept(d: DeviceAnalysis, it, ev: np.ndarray, fw: np.ndarray | None):
     # once (torchtitan keeps the last block unsharded on purpose), so it is not counted either.
     last = alive_keys[-1] if alive_keys and list(units)[-1] == alive_keys[-1] else None
     total = sum(int(d.lt.size[v].sum()) for k, v in units.items() if k != root) or 1
-    kept = {}
+    kept: dict[UnitKey, np.ndarray] = {}
     for k, v in units.items():
         if k == root or k == last:
             continue
         alive = v[d.lt.free_row[v] > end]
         if alive.size and d.lt.size[alive].sum() >= _MIN_SHARE * total:
             kept[k] = alive
-    return kept, units, root
+    return Kept(kept, units, root)
 
 
-def _counterfactual(d: DeviceAnalysis, plans: list) -> tuple[np.ndarray, list]:
-    """Free each kept unit at its post-forward; re-gather it for its backward."""
+def _counterfactual(d: DeviceAnalysis,
+                    plans: list[Plan]) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+    """Free rows and extra (start, end, bytes) intervals of the trace replayed with each kept
+    unit freed at its post-forward and re-gathered for its backward."""
     free_row = d.lt.free_row.copy()
     extra = []
     for it, kept, units in plans:
@@ -119,28 +143,29 @@ def _counterfactual(d: DeviceAnalysis, plans: list) -> tuple[np.ndarray, list]:
 
 def check(d: DeviceAnalysis) -> list[Finding]:
     f = d.fsdp
-    plans = []
-    per_iter = {}
+    plans: list[Plan] = []
+    per_iter: dict[int, Kept] = {}
     fw = _forward_unshards(d)
     for it in d.tl.iterations:
         kept, units, root = _kept(d, it, f.event, fw.get(it.index))
         if kept:
-            plans.append((it, kept, units))
-            per_iter[it.index] = (kept, root)
+            plans.append(Plan(it, kept, units))
+            per_iter[it.index] = Kept(kept, units, root)
     if not plans:
         return []
     worst = max(per_iter, key=lambda i: sum(int(d.lt.size[v].sum())
-                                            for v in per_iter[i][0].values()))
-    kept, root = per_iter[worst]
+                                            for v in per_iter[i].kept.values()))
+    kept, _, root = per_iter[worst]
     blocks = np.concatenate(list(kept.values()))
     kept_bytes = int(d.lt.size[blocks].sum())
     free_row, extra = _counterfactual(d, plans)
     after = peaks(d, d.lt.replay(free_row=free_row, extra=extra))
     before = d.peak_bytes
     named = [k for k in kept if isinstance(k, str)]
-    mods = [{"module": k if isinstance(k, str) else f"(unit {n})",
-             "bytes": int(d.lt.size[v].sum()), "blocks": int(len(v))}
-            for n, (k, v) in enumerate(kept.items())]
+    mods: list[dict[str, Any]] = [
+        {"module": k if isinstance(k, str) else f"(unit {n})",
+         "bytes": int(d.lt.size[v].sum()), "blocks": int(len(v))}
+        for n, (k, v) in enumerate(kept.items())]
     mods.sort(key=lambda r: -r["bytes"])
     it = d.tl.iterations[worst]
     share = kept_bytes / before if before else 0.0
@@ -170,8 +195,9 @@ def check(d: DeviceAnalysis) -> list[Finding]:
             "forward_end_row": forward_end(it),
             "units_kept": len(kept),
             "named_units": len(named),
-            "per_iteration_bytes": {str(i): int(sum(int(d.lt.size[v].sum()) for v in k.values()))
-                                    for i, (k, _) in sorted(per_iter.items())},
+            "per_iteration_bytes": {str(i): int(sum(int(d.lt.size[v].sum())
+                                                    for v in p.kept.values()))
+                                    for i, p in sorted(per_iter.items())},
             "modules": mods[:12],
             "stacks": top_stacks(d, blocks, 1),
             "predicted_peaks": after,

@@ -9,7 +9,8 @@ that stays alive until FSDP finalizes backward (`finalize_backward` / FSDP1
 its `set_modules_to_forward_prefetch` list all-gathers units whose backward already ran (or will
 be gathered again by their own pre-backward), one buffer per layer accumulating through backward.
 
-Verdict `anomalous`: the buffers are pure waste. Predicted peak: the trace replayed without them.
+Verdict `anomalous` when dropping them lowers the peak (`evidence.lowers_peak`), else `info`
+(each is still one wasted all-gather). Predicted peak: the trace replayed without them.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ from snapforensics.analysis.diagnosis import Finding
 from snapforensics.analysis.evidence import (
     by_module,
     by_path,
+    counterfactual,
     human,
     lowers_peak,
     max_alive,
-    peaks,
     per_iteration,
     top_stacks,
 )
@@ -53,13 +54,13 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     if not stale.size:
         return []
     per_iter = per_iteration(d, stale)
-    worst = max(per_iter, key=per_iter.get)
+    worst = max(per_iter, key=per_iter.__getitem__)
     blocks = stale[d.iteration[stale] == worst]
     # Alive together at worst (they accumulate): the most bytes alive at once in that iteration.
     at_once = max_alive(d, blocks)
     free_row = d.lt.free_row.copy()
     free_row[stale] = d.lt.alloc_row[stale]  # never allocated
-    after = peaks(d, d.lt.replay(free_row=free_row))
+    after, replay = counterfactual(d, free_row)
     paths = by_path(d, blocks)
     at_peak = lowers_peak(d, d.peak_bytes - after["overall_bytes"])
     via = ", ".join(f"{p} ({human(v)})" for p, v in sorted(paths.items(), key=lambda x: -x[1]))
@@ -76,6 +77,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
            f"They are not what sets the peak ({human(d.peak_bytes)}): without them it would be "
            f"{human(after['overall_bytes'])}; they still cost one wasted all-gather each."))
     return [Finding(
+        replay=replay,
         rule=RULE, verdict=Verdict.ANOMALOUS if at_peak else Verdict.INFO,
         title="Unused all-gather buffers from prefetch during backward, freed only at the end",
         cause=cause, bytes=per_iter[worst], blocks=int(len(blocks)), device=d.device, fix=FIX,

@@ -101,8 +101,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     cause = (
         f"Allocation of {human(want)} failed at row {row} ({d.phase_name(row)}): the driver had "
         f"{human(free) if free is not None else 'an unknown amount'} free"
-        + (f" and the allocator's cache {human(cached)} of {human(res)} reserved" if res
-           is not None else "")
+        + (f" and the allocator's cache {human(cached)} of {human(res)} reserved"
+           if res is not None and cached is not None else "")
         + f", with {human(allocated)} allocated in {alive.size} live blocks"
         + (f", mostly {top} ({human(cats[top])})" if top else "") + ". "
         + ("The free bytes would have covered it but not in one piece: fragmentation."

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterable
 from itertools import repeat
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from snapforensics.errors import SnapError
+from snapforensics.snapshot.budget import Budget
 from snapforensics.snapshot.columns import (
     LISTS,
     MAX_BYTES,
@@ -52,8 +54,10 @@ OTHER = A["other"]
 
 
 def load(path: str | os.PathLike) -> Snapshot:
-    raw, warnings, info = read_raw_info(path)
+    # The GC stays off from the first unpickled object to the model: re-enabling it while the
+    # raw graph is alive would make the next allocation walk millions of containers.
     with gc_paused():
+        raw, warnings, info = read_raw_info(path)
         try:
             return normalize(raw, source=str(path), warnings=warnings, file_info=info)
         except SnapError as e:
@@ -66,6 +70,7 @@ def _trace(entries: Any, device: int, it: Interner, inline_ann: list[Annotation]
     if type(entries) not in LISTS:
         raise SnapError(f"{where_dev} must be a list, got {tname(entries)}")
     n = len(entries)
+    it.budget.add(n, "trace entries")
     if n == 0:
         return Trace.empty(device)
     if set(map(type, entries)) != {dict}:
@@ -90,7 +95,7 @@ def _trace(entries: Any, device: int, it: Interner, inline_ann: list[Annotation]
     # pool_id (newest torch) feeds format["pools"]: torch writes it on every entry of a file or on
     # none, so a field absent from the first and last 500 entries is absent.
     if "pool_id" in keys_seen:
-        pools = column(entries, "pool_id")
+        pools: Iterable[Any] = column(entries, "pool_id")
         try:
             pools = dict.fromkeys(pools)
         except TypeError:  # lists: validate each
@@ -151,6 +156,7 @@ def _legacy_history(b: dict, bw: str) -> tuple[Any, int | None]:
 def _segments(raw: Any, it: Interner, fmt: dict) -> list[Segment]:
     if type(raw) not in LISTS:
         raise SnapError(f"segments must be a list, got {tname(raw)}")
+    it.budget.add(len(raw), "segments")
     out = []
     stack = it.stack
     legacy = 0
@@ -164,6 +170,7 @@ def _segments(raw: Any, it: Interner, fmt: dict) -> list[Segment]:
             blocks_raw = []
         if type(blocks_raw) not in LISTS:
             raise SnapError(f"{where}: blocks must be a list, got {tname(blocks_raw)}")
+        it.budget.add(len(blocks_raw), "segment blocks")
         blocks = []
         offset = seg_addr
         bwhere = f"{where}.blocks"
@@ -255,12 +262,13 @@ def _dflt(d: dict, key: str, default: Any) -> Any:
     return default if v is None else v
 
 
-def _place_annotations(raw: Any, traces: list[Trace]) -> list[Annotation]:
+def _place_annotations(raw: Any, traces: list[Trace], it: Interner) -> list[Annotation]:
     """External annotations carry only a time: place each before the first later trace row."""
     if raw is None:
         return []
     if type(raw) not in LISTS:
         raise SnapError(f"external_annotations must be a list, got {tname(raw)}")
+    it.budget.add(len(raw), "annotations")
     by_dev = {t.device: t for t in traces}
     sorted_ok = {t.device: len(t) > 0 and not np.isnan(t.time_us).any()
                  and not (np.diff(t.time_us) < 0).any() for t in traces}
@@ -283,7 +291,7 @@ def _place_annotations(raw: Any, traces: list[Trace]) -> list[Annotation]:
         if trace is None or math.isnan(t):
             continue
         # START sits before rows of the same time, END after them.
-        side = "left" if stage == "START" else "right"
+        side: Literal["left", "right"] = "left" if stage == "START" else "right"
         row = int(np.searchsorted(trace.time_us, t, side=side)) if sorted_ok[trace.device] \
             else len(trace)
         out.append(Annotation(trace.device, "END" if stage == "END" else "START",
@@ -292,25 +300,29 @@ def _place_annotations(raw: Any, traces: list[Trace]) -> list[Annotation]:
 
 
 _PLAIN = (str, int, float, bool, type(None))
+_METADATA_ITEMS = 100_000  # provenance and allocator settings hold tens of items
 
 
-def _plain(v: Any, depth: int = 0) -> Any:
-    """A bounded copy of JSON-like metadata; raises ValueError for anything else."""
+def _plain(v: Any, left: list[int], depth: int = 0) -> Any:
+    """A bounded copy of JSON-like metadata (at most `left[0]` items in all, however shared);
+    raises ValueError for anything else."""
     t = type(v)
+    left[0] -= 1
+    if left[0] < 0:
+        raise ValueError("too large")
     if t in _PLAIN:
         if t is int and not -(1 << 63) <= v < (1 << 64):
             raise ValueError("int out of range")
         return clean_str(v) if t is str else v
     if depth >= 6:
         raise ValueError("nested too deeply")
-    if t is dict:
+    if t in LISTS or t is dict:
         if len(v) > 10_000:
             raise ValueError("too large")
-        return {clean_str(k): _plain(x, depth + 1) for k, x in v.items() if type(k) is str}
-    if t in LISTS:
-        if len(v) > 10_000:
-            raise ValueError("too large")
-        return [_plain(x, depth + 1) for x in v]
+        if t is dict:
+            return {clean_str(k): _plain(x, left, depth + 1) for k, x in v.items()
+                    if type(k) is str}
+        return [_plain(x, left, depth + 1) for x in v]
     raise ValueError(f"{t.__name__} is not plain data")
 
 
@@ -322,7 +334,7 @@ def _metadata(raw: dict, key: str, warnings: list[str]) -> dict:
         warnings.append(f"'{key}' is {tname(v)}, expected a dict; ignored")
         return {}
     try:
-        return _plain(v)
+        return _plain(v, [_METADATA_ITEMS])
     except ValueError as e:
         warnings.append(f"'{key}' is not plain data ({e}); ignored")
         return {}
@@ -331,7 +343,7 @@ def _metadata(raw: dict, key: str, warnings: list[str]) -> dict:
 def normalize(raw: Any, source: str = "<memory>", warnings: list[str] | None = None,
               file_info: dict | None = None) -> Snapshot:
     warnings = list(warnings or [])
-    it = Interner()
+    it = Interner(Budget(file_info.get("pickle_bytes") if file_info else None))
     it.keep_alive.append(raw)
     fmt: dict[str, Any] = {}
     bare = False
@@ -354,6 +366,7 @@ def normalize(raw: Any, source: str = "<memory>", warnings: list[str] | None = N
         raise SnapError(f"device_traces must be a list, got {tname(dt)}")
     if len(dt) > MAX_DEVICE:
         raise SnapError(f"device_traces has {len(dt)} lists, more than any machine has devices")
+    it.budget.add(len(dt), "devices")
     inline: list[Annotation] = []
     keys: set = set()
     traces = [_trace(entries, d, it, inline, keys) for d, entries in enumerate(dt)]
@@ -363,8 +376,9 @@ def normalize(raw: Any, source: str = "<memory>", warnings: list[str] | None = N
         if (len(t) > 1 and not np.isnan(t.time_us).any() and (np.diff(t.time_us) < 0).any()
                 and not (t.action == A["workspace_snapshot"]).any()):
             warnings.append(f"device {t.device}: trace times go backwards; kept file order")
-    annotations = sorted(_place_annotations(raw.get("external_annotations"), traces) + inline,
+    annotations = sorted(_place_annotations(raw.get("external_annotations"), traces, it) + inline,
                          key=lambda a: (a.device, a.row))
+    it.check_strings(sum(len(a.name) for a in annotations))
     provenance = _metadata(raw, "snapforensics", warnings)
     settings = _metadata(raw, "allocator_settings", warnings)
     detect_format(raw, traces, segments, it, provenance, keys, fmt)

@@ -1,0 +1,82 @@
+"""`diagnose --format json` against the unpickling floor, time and peak RSS, in one run.
+
+    python benchmarks/bench_diagnose.py FILE [FILE ...] [--repeat 1]
+
+For each file, each step runs in its own subprocess (so each peak RSS is that step's alone,
+read from os.wait4's rusage), interleaved, best wall time of --repeat runs:
+  floor   `gc.disable(); pickle.load(f)`            (the unpickling floor, issue 10)
+  pickle  plain `pickle.load(f)` (GC on, as a user runs it)
+  ours    `python -m snapforensics diagnose FILE --format json -o TMP`
+Times are whole-process wall times (interpreter start-up and imports included for every step).
+Prints ours / floor for time and for peak RSS. Targets: <= 2x time, <= 1.2x RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+LOAD = ("import gc, pickle, sys\n"
+        "{gc}\n"
+        "with open(sys.argv[1], 'rb') as f:\n"
+        "    pickle.load(f)  # the file under test is our own synthetic or corpus file\n")
+
+
+def run(cmd: list[str]) -> tuple[float, int, int]:
+    """(wall seconds, peak RSS bytes, exit code) of one child process."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    with tempfile.TemporaryFile() as err:
+        t = time.perf_counter()
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
+        _, status, ru = os.wait4(p.pid, 0)
+        wall = time.perf_counter() - t
+        p.returncode = code = os.waitstatus_to_exitcode(status)
+        if code:
+            err.seek(0)
+            msg = err.read().decode(errors="replace").strip()[-300:]
+            print(f"  ! {' '.join(cmd[:4])}... exit {code}: {msg}", file=sys.stderr)
+    return wall, ru.ru_maxrss * 1024, code
+
+
+def bench(path: Path, repeat: int) -> dict:
+    py = sys.executable
+    steps = {
+        "floor": [py, "-c", LOAD.format(gc="gc.disable()"), str(path)],
+        "pickle": [py, "-c", LOAD.format(gc=""), str(path)],
+    }
+    best: dict[str, tuple[float, int]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        steps["ours"] = [py, "-m", "snapforensics", "diagnose", str(path), "--format", "json",
+                         "-o", str(Path(tmp) / "out.json")]
+        for _ in range(repeat):
+            for name, cmd in steps.items():
+                wall, rss, _ = run(cmd)
+                if name not in best or wall < best[name][0]:
+                    best[name] = (wall, max(rss, best.get(name, (0, 0))[1]))
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("files", nargs="+", type=Path)
+    ap.add_argument("--repeat", type=int, default=1)
+    args = ap.parse_args()
+    print(f"{'file':34} {'MB':>6} | {'floor s':>7} {'GB':>5} | {'pickle s':>8} {'GB':>5} | "
+          f"{'ours s':>7} {'GB':>5} | {'time/floor':>10} {'rss/floor':>9}")
+    for p in args.files:
+        b = bench(p, args.repeat)
+        (ft, fr), (pt, pr), (ot, orss) = b["floor"], b["pickle"], b["ours"]
+        print(f"{p.name[:34]:34} {p.stat().st_size / 1e6:6.0f} | {ft:7.2f} {fr / 2**30:5.2f} | "
+              f"{pt:8.2f} {pr / 2**30:5.2f} | {ot:7.2f} {orss / 2**30:5.2f} | "
+              f"{ot / ft:9.2f}x {orss / fr:8.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""All rules together: one shape per rule module, and which rules fire on which real runs.
+
+Healthy layouts (`fixed`, `nested`, FSDP1 FULL_SHARD) must trigger none of the FSDP configuration
+rules; CPU-recorded runs no allocator rule; runs without FSDP no fsdp.* rule (the corpus); and the
+FSDP rules hold on CUDA-shaped EDITED copies of the recordings."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import pkgutil
+from pathlib import Path
+
+import pytest
+from corpus import corpus_files
+from edits import cuda_shaped
+from findings import FSDP_CONFIGURATION, LIFECYCLE, fired, found
+
+import snapforensics.analysis.rules as rules_pkg
+from snapforensics.analysis import diagnose
+from snapforensics.analysis.rules import (
+    RULES,
+    activations_checkpointing,
+    allocator_fragmentation,
+    allocator_record_stream,
+    fsdp_all_gather_concurrency,
+    fsdp_double_all_gather,
+    fsdp_full_init,
+    fsdp_grad_sync_off,
+    fsdp_mixed_precision,
+    fsdp_reshard_after_forward,
+    fsdp_stale_prefetch,
+    leak_iteration_growth,
+    oom_report,
+)
+from snapforensics.snapshot import load, normalize, read_raw
+
+slow = pytest.mark.slow
+
+
+RULES_DIR = Path(rules_pkg.__file__).parent
+TESTS_DIR = Path(__file__).parent / "rules"
+
+
+def test_every_rule_has_the_same_shape():
+    """RULE (a unique stable id), check(d) -> list[Finding], and its fix (FIX, or fix_for)."""
+    ids = [m.RULE for m in RULES]
+    assert len(set(ids)) == len(ids), ids
+    for m in RULES:
+        assert isinstance(m.RULE, str) and m.RULE.count(".") == 1, m.__name__
+        assert list(inspect.signature(m.check).parameters) == ["d"], m.__name__
+        assert hasattr(m, "FIX") or callable(getattr(m, "fix_for", None)), m.__name__
+
+
+def test_rules_folder_holds_only_the_registered_rules():
+    names = {i.name for i in pkgutil.iter_modules([str(RULES_DIR)])}
+    assert names == {m.__name__.rsplit(".", 1)[1] for m in RULES}
+
+
+def test_no_rule_imports_another():
+    for path in RULES_DIR.glob("*.py"):
+        if path.name == "__init__.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                assert not (node.module or "").startswith("snapforensics.analysis.rules"), path
+                assert node.level == 0, path
+
+
+def test_every_rule_has_its_test_module():
+    """tests/rules/test_<rule module>.py, keyed by the module's RULE."""
+    for m in RULES:
+        name = m.__name__.rsplit(".", 1)[1]
+        test = TESTS_DIR / f"test_{name}.py"
+        assert test.is_file(), test
+        assert f"from snapforensics.analysis.rules.{name} import RULE" in test.read_text(), test
+
+@slow
+@pytest.mark.parametrize("variant", ["fixed", "nested"])
+def test_healthy_layouts_fire_no_fsdp_configuration_rule(diagnosed, variant):
+    d = diagnosed(variant)
+    assert not d.anomalies, [(f.rule, f.cause) for f in d.anomalies]
+    assert not fired(d) & FSDP_CONFIGURATION, [(f.rule, f.cause) for f in d.findings]
+
+
+@pytest.mark.slow
+def test_healthy_and_other_variants_stay_quiet(diagnosed):
+    fixed = diagnosed("fixed")
+    assert not [f.rule for f in fixed.findings if f.rule in LIFECYCLE]
+    assert not found(diagnosed("noac"), leak_iteration_growth.RULE)  # no growth without the leak
+    # checkpointed: recompute present
+    assert not found(diagnosed("leak"), activations_checkpointing.RULE)
+    for d in (fixed, diagnosed("noac"), diagnosed("leak")):  # CPU-recorded: no allocator findings
+        assert not found(d, allocator_fragmentation.RULE) and \
+            not found(d, allocator_record_stream.RULE) and not found(d, oom_report.RULE)
+
+
+@slow
+@pytest.mark.parametrize("annotations", [True, False])
+def test_rules_hold_on_cuda_shaped_traces(recording, annotations):
+    """Edited recordings: op/module/record_function frames removed, stacks cut at the autograd
+    engine, ranges as annotations or absent (edits.cuda_shaped)."""
+    expect = {"fixed": (), "nested": (),
+              "reshard_after_forward_false": (fsdp_reshard_after_forward,),
+              "prefetch_in_recompute": (fsdp_stale_prefetch, fsdp_all_gather_concurrency),
+              "no_rate_limit": (fsdp_all_gather_concurrency,), "full_init": (fsdp_full_init,),
+              "no_grad_sync": (fsdp_grad_sync_off,), "mixed_precision": (fsdp_mixed_precision,),
+              "fsdp1_shard_grad_op": (fsdp_reshard_after_forward, fsdp_mixed_precision),
+              "fsdp1_reentrant": (fsdp_double_all_gather,)}
+    for variant, modules in expect.items():
+        want = {m.RULE for m in modules}
+        raw, _ = read_raw(recording(variant))
+        d = diagnose(normalize(cuda_shaped(raw, annotations=annotations), source=variant))
+        assert fired(d) & FSDP_CONFIGURATION == want, (variant,
+                                                       [(f.rule, f.cause) for f in d.findings])
+
+
+def _has_fsdp_frames(snap) -> bool:
+    return any("/fsdp/" in f.filename.replace("\\", "/") or f.name == "fully_shard"
+               for f in snap.frames)
+
+
+def test_corpus_without_fsdp_gets_a_diagnosis_and_no_fsdp_findings(corpus_dir):
+    files = corpus_files()
+    assert files
+    no_fsdp = 0
+    for path in files:
+        snap = load(path)
+        d = diagnose(snap)
+        if not _has_fsdp_frames(snap):
+            no_fsdp += 1
+            assert not [f.rule for f in d.findings if f.rule.startswith("fsdp.")], path.name
+        for dev in d.devices:  # what was alive at the peak, by category and stack
+            if dev.history["allocations"] and dev.peaks["overall_bytes"] > 0:
+                assert dev.categories_at_peak, (path.name, dev.device)
+                assert dev.top_stacks_at_peak, (path.name, dev.device)
+        for f in d.findings:
+            if f.rule in LIFECYCLE:
+                assert f.bytes > 0 and f.evidence, (path.name, f.rule)
+                assert f.verdict != "anomalous" or f.fix, (path.name, f.rule)
+    assert no_fsdp >= len(files) // 2
