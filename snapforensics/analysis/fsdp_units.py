@@ -134,7 +134,7 @@ class FsdpUnits:
         d = self._d
         prov = d.snapshot.provenance
         w = prov.get("world_size") if isinstance(prov, dict) else None
-        recorded = isinstance(w, int) and w >= 1
+        recorded = w if isinstance(w, int) and w >= 1 else None
         rs = np.flatnonzero(d.mask(Category.REDUCE_SCATTER))
         sg = np.flatnonzero(d.mask(Category.SHARDED_GRAD))
         ratios = []
@@ -148,10 +148,11 @@ class FsdpUnits:
                     ratios.append(int(d.lt.size[nearest]) / n)
         if ratios:
             r = float(np.median(ratios))
-            if r >= 1.5 and abs(r - round(r)) < 0.1 and (not recorded or round(r) <= w):
-                return WorldSize(int(round(r)), not recorded)
-        if recorded:
-            return WorldSize(w, False)
+            fits = recorded is None or round(r) <= recorded
+            if r >= 1.5 and abs(r - round(r)) < 0.1 and fits:
+                return WorldSize(int(round(r)), recorded is None)
+        if recorded is not None:
+            return WorldSize(recorded, False)
         return WorldSize(None, False)
 
     @cached_property

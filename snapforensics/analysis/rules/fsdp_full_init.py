@@ -103,8 +103,9 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     blocks = np.flatnonzero(transient_mask)
     training_peak = int(live[start:].max()) if start < lt.rows else 0
     takeover = _takeover_world(d, start, init_peak, world)
-    at_peak = init_peak >= training_peak and lowers_peak(d, d.peak_bytes - after["overall_bytes"])
-    if at_peak:
+    starts_at_peak = init_peak >= training_peak and \
+        lowers_peak(d, d.peak_bytes - after["overall_bytes"])
+    if starts_at_peak:
         effect = (f"It is this run's peak ({human(init_peak)}, training peaks at "
                   f"{human(training_peak)}).")
     else:
@@ -125,7 +126,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         f"training peak falls as 1/world size. {effect} With meta-device init the start-up "
         f"peak is predicted at {human(new_init)}.")
     return [Finding(
-        rule=RULE, verdict=Verdict.ANOMALOUS if at_peak else Verdict.INFO,
+        rule=RULE, verdict=Verdict.ANOMALOUS if starts_at_peak else Verdict.INFO,
         title="Full model materialized on the device before sharding",
         cause=cause, bytes=transient, blocks=int(len(blocks)), device=d.device, fix=fix_for(d),
         predicted_peak_bytes=after["overall_bytes"],
