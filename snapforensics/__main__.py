@@ -1,3 +1,4 @@
 from snapforensics.cli import main
 
-main()
+if __name__ == "__main__":  # worker processes may import this module again
+    main()

@@ -32,12 +32,14 @@ def _register() -> None:
     from snapforensics.commands.compare import compare_command
     from snapforensics.commands.demo import demo_command
     from snapforensics.commands.diagnose import diagnose_command
+    from snapforensics.commands.forecast import forecast_command
     from snapforensics.commands.record import record_command
 
     cli.add_command(record_command, "record")
     cli.add_command(diagnose_command, "diagnose")
     cli.add_command(demo_command, "demo")
     cli.add_command(compare_command, "compare")
+    cli.add_command(forecast_command, "forecast")
 
 
 _register()

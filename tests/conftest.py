@@ -6,6 +6,7 @@ Helpers that are plain functions live in modules next to this file (`corpus`, `r
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,15 @@ def corpus_dir() -> Path:
     if not CORPUS.is_dir():
         pytest.skip(f"snapshot corpus not found at {CORPUS} (set SNAPFORENSICS_CORPUS)")
     return CORPUS
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path_factory, monkeypatch):
+    """The suite never reads or writes the user's cache (~/.cache/snapforensics): one private
+    cache folder for the session, inherited by the CLI subprocesses."""
+    if not os.environ.get("SNAPFORENSICS_TEST_CACHE"):
+        os.environ["SNAPFORENSICS_TEST_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    monkeypatch.setenv("SNAPFORENSICS_CACHE_DIR", os.environ["SNAPFORENSICS_TEST_CACHE"])
 
 
 @pytest.fixture(scope="session")

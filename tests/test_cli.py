@@ -87,3 +87,13 @@ def test_analyzer_needs_no_torch():
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["peaks"]["overall_bytes"] > 0
+
+
+@pytest.mark.parametrize("args", [["diagnose", "--bogus"], ["diagnose"], ["nosuchcommand"],
+                                  ["diagnose", "x.pickle", "--format", "pdf"],
+                                  ["compare", "a.pickle", "b.pickle", "--mode", "sideways"]])
+def test_usage_errors_are_one_line_exit_2(args):
+    r = run(*args)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("snapforensics: error:"), r.stderr
+    assert "--help" in r.stderr and r.stdout == ""

@@ -222,3 +222,26 @@ def _entry_kinds(frames: list[Frame], ranges: tuple[str, ...]):
             yield "pre_backward"
         elif kind in ("pre_forward", "root_pre_forward"):
             yield "pre_forward"
+
+
+def user_categories(spec) -> dict[str, re.Pattern]:
+    """User categories from `{name: regex}` or `["NAME=REGEX", ...]` (`--category`), compiled.
+
+    Raises SnapError (exit 2) on a malformed item or a regex that does not compile."""
+    from snapforensics.errors import SnapError
+
+    if not spec:
+        return {}
+    items = spec.items() if hasattr(spec, "items") else (
+        tuple(s.split("=", 1)) if "=" in s else (s, None) for s in spec)
+    out: dict[str, re.Pattern] = {}
+    for name, regex in items:
+        name = str(name).strip()
+        if not name or regex is None or len(name) > 64 or not name.isprintable():
+            raise SnapError(f"category {name[:64]!r}: expected NAME=REGEX with a printable name "
+                            "of at most 64 characters")
+        try:
+            out[name] = regex if isinstance(regex, re.Pattern) else re.compile(str(regex))
+        except re.error as e:
+            raise SnapError(f"category {name!r}: invalid regular expression: {e}") from None
+    return out

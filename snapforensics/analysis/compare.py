@@ -44,15 +44,17 @@ class Comparison:
     imbalance: dict[str, Any] | None = None  # ranks mode only
     warnings: list[str] = field(default_factory=list)
     tool: str = f"snapforensics {__version__}"
+    gate: list[str] | None = None  # why `--fail-on` failed ([] passed); None: no gate asked
 
     @property
     def baseline(self) -> dict[str, Any]:
         return self.inputs[0]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"schema": SCHEMA, "tool": self.tool, "mode": self.mode,
-                "baseline": self.inputs[0]["source"], "inputs": self.inputs,
-                "deltas": self.deltas, "imbalance": self.imbalance, "warnings": self.warnings}
+        out = {"schema": SCHEMA, "tool": self.tool, "mode": self.mode,
+               "baseline": self.inputs[0]["source"], "inputs": self.inputs,
+               "deltas": self.deltas, "imbalance": self.imbalance, "warnings": self.warnings}
+        return out if self.gate is None else out | {"gate": {"failures": self.gate}}
 
 
 def compare(diags: Sequence[Diagnosis], mode: str = AUTO) -> Comparison:

@@ -16,7 +16,7 @@ from snapforensics.analysis.allocator import Allocator
 from snapforensics.analysis.classify import PATHS, StackInfo, classify
 from snapforensics.analysis.fsdp_units import FsdpUnits
 from snapforensics.analysis.stacks import is_noise
-from snapforensics.analysis.vocab import BACKWARD_PHASES, CAT_CODE, Category, Phase
+from snapforensics.analysis.vocab import BACKWARD_PHASES, CAT_CODE, CATEGORIES, Category, Phase
 from snapforensics.snapshot.model import NO_STACK, Snapshot, Trace
 
 PATH_CODE = {p: i for i, p in enumerate(PATHS)}
@@ -33,6 +33,8 @@ class DeviceAnalysis:
     path: np.ndarray  # int8 per block: index into PATHS, -1 none
     phase: np.ndarray  # int8 per block: phase at its alloc row
     iteration: np.ndarray  # int32 per block: iteration of its alloc row, -1 none
+    # names of the codes in `category`: the built-in CATEGORIES, then user categories
+    category_names: tuple[str, ...] = CATEGORIES
 
     # Facts several rules share, by family: each computed on first use, once per device.
     @cached_property
@@ -75,6 +77,39 @@ class DeviceAnalysis:
         """(row, name) of START annotations on this device whose name matches."""
         return [(a.row, a.name) for a in self.snapshot.annotations
                 if a.device == self.device and a.stage == "START" and pattern.search(a.name)]
+
+    def add_categories(self, user: dict[str, re.Pattern]) -> None:
+        """User categories (`--category NAME=REGEX`): a block whose stack frames (`name
+        file:line`) or open record_function ranges match NAME's regex becomes NAME, the first
+        match in the given order winning. Applied after the built-in classification and after
+        the rules ran, so rules always see the built-in categories."""
+        if not user or not len(self.lt):
+            return
+        names = list(self.category_names)
+        codes = []
+        for name in user:
+            if name not in names:
+                names.append(name)
+            codes.append(names.index(name))
+        if len(names) > np.iinfo(self.category.dtype).max:
+            raise ValueError(f"too many categories ({len(names)})")
+        ctx_of = self.tl.ctx[np.clip(self.lt.alloc_row, 0, None)] if len(self.tl.ctx) else \
+            np.zeros(len(self.lt), np.int32)
+        ctx_of = np.where(self.lt.alloc_row >= 0, ctx_of, 0)
+        n_ctx = max(len(self.tl.contexts), 1)
+        keys, inverse = np.unique(self.lt.stack.astype(np.int64) * n_ctx + ctx_of,
+                                  return_inverse=True)
+        new = np.full(len(keys), -1, np.int64)
+        for i, k in enumerate(keys.tolist()):  # once per distinct (stack, ranges) pair
+            stack_id, c = divmod(k, n_ctx)
+            texts = [f"{f.name} {f.filename}:{f.line}"
+                     for f in self.snapshot.stack_frames(stack_id)]
+            texts += list(self.tl.contexts[c]) if self.tl.contexts else []
+            new[i] = next((code for code, pat in zip(codes, user.values())
+                           if any(pat.search(t) for t in texts)), -1)
+        hit = new[inverse]
+        self.category[hit >= 0] = hit[hit >= 0]
+        self.category_names = tuple(names)
 
     def phase_name(self, row: int) -> str:
         return Phase(int(self.tl.phase[row])).label if 0 <= row < len(self.tl.phase) else "init"

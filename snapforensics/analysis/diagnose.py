@@ -2,23 +2,37 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from snapforensics import __version__
+from snapforensics.analysis import timeline
 from snapforensics.analysis.context import DeviceAnalysis, analyse
-from snapforensics.analysis.diagnosis import DeviceSummary, Diagnosis
+from snapforensics.analysis.diagnosis import DeviceSummary, Diagnosis, Finding, top_anomaly
 from snapforensics.analysis.evidence import human, top_stacks
 from snapforensics.analysis.evidence import peaks as phase_peaks
 from snapforensics.analysis.rules import RULES
-from snapforensics.analysis.vocab import CATEGORIES, Phase
+from snapforensics.analysis.vocab import Phase
 from snapforensics.snapshot.model import Snapshot, Trace
 
 
-def diagnose(snapshot: Snapshot) -> Diagnosis:
+def diagnose(snapshot: Snapshot, categories: dict[str, re.Pattern] | None = None) -> Diagnosis:
+    return diagnose_devices(snapshot, categories)[0]
+
+
+def diagnose_devices(snapshot: Snapshot, categories: dict[str, re.Pattern] | None = None
+                     ) -> tuple[Diagnosis, list[DeviceAnalysis]]:
+    """The Diagnosis and the per-device analyses it was made from (for the Python API).
+
+    `categories`: user categories (name -> regex on stack frames and range names), applied
+    after the rules ran (see `DeviceAnalysis.add_categories`)."""
     analyses = [analyse(snapshot, t) for t in snapshot.active_traces]
     findings = [f for d in analyses for rule in RULES for f in rule.check(d)]
     warnings = list(snapshot.warnings)
-    summaries = [_summary(snapshot, d) for d in analyses]
+    for d in analyses:
+        d.add_categories(categories or {})
+    summaries = [_summary(snapshot, d, findings) for d in analyses]
     for d in analyses:
         if d.lt.reused_addresses:
             warnings.append(f"device {d.device}: {d.lt.reused_addresses} allocations reuse an "
@@ -44,20 +58,25 @@ def diagnose(snapshot: Snapshot) -> Diagnosis:
         warnings.append("no allocation history in this snapshot (recorded without "
                         "_record_memory_history, or a segments-only dump): figures come from the "
                         "segments alive at dump time only")
-    return Diagnosis(source=snapshot.source, rank=snapshot.rank, format=snapshot.format,
-                     provenance=snapshot.provenance, warnings=warnings, devices=summaries,
-                     findings=findings, tool=f"snapforensics {__version__}")
+    diagnosis = Diagnosis(source=snapshot.source, rank=snapshot.rank, format=snapshot.format,
+                          provenance=snapshot.provenance, warnings=warnings, devices=summaries,
+                          findings=findings, tool=f"snapforensics {__version__}")
+    return diagnosis, analyses
 
 
-def _summary(snapshot: Snapshot, d: DeviceAnalysis) -> DeviceSummary:
+def _summary(snapshot: Snapshot, d: DeviceAnalysis, findings: list[Finding]) -> DeviceSummary:
     lt, tl = d.lt, d.tl
     peaks = phase_peaks(d, lt.live) | {"overall_bytes": d.peak_bytes}
     alive = np.flatnonzero(lt.alive_at(d.peak_row)) if d.peak_row >= 0 else np.zeros(0, int)
+    names = d.category_names
     at_peak = {c: int(lt.size[alive][d.category[alive] == i].sum())
-               for i, c in enumerate(CATEGORIES)}
+               for i, c in enumerate(names)}
     totals = {c: {"bytes": int(lt.size[d.category == i].sum()),
-                  "blocks": int((d.category == i).sum())} for i, c in enumerate(CATEGORIES)}
+                  "blocks": int((d.category == i).sum())} for i, c in enumerate(names)}
     stacks = top_stacks(d, alive, 5)
+    top = top_anomaly([f for f in findings if f.device == d.device])
+    plot = timeline.build(d, top, d.allocator.reserved if snapshot.kind.caching_allocator
+                          else None)
     return DeviceSummary(
         device=d.device,
         peaks=peaks,
@@ -71,7 +90,8 @@ def _summary(snapshot: Snapshot, d: DeviceAnalysis) -> DeviceSummary:
                  "orphan_frees": lt.orphan_frees, "unseen_live_blocks": lt.unseen_live,
                  "truncated": lt.truncated, "baseline_bytes": lt.baseline},
         segments=snapshot.segment_totals(d.device),
-        timeline=_timeline(d),
+        timeline=plot.timeline_rows() if plot else [],
+        plot=plot,
     )
 
 
@@ -87,20 +107,6 @@ def _iteration(d: DeviceAnalysis, it) -> dict:
     return {"index": it.index, "forward_peak_bytes": it.forward_peak,
             "backward_peak_bytes": it.backward_peak, "start_row": it.start, "end_row": it.end,
             "phases": phases}
-
-
-def _timeline(d: DeviceAnalysis, points: int = 1200) -> list[list]:
-    """Live bytes downsampled to at most `points` rows, each bucket keeping its max."""
-    live = d.lt.live
-    if not len(live):
-        return []
-    edges = np.unique(np.linspace(0, len(live), min(points, len(live)) + 1).astype(np.int64))
-    labels = [p.label for p in Phase]
-    out = []
-    for a, b in zip(edges[:-1], edges[1:]):
-        r = int(a + np.argmax(live[a:b]))
-        out.append([r, int(live[r]), labels[int(d.tl.phase[r])]])
-    return out
 
 
 def _segments_only(snapshot: Snapshot, device: int) -> DeviceSummary:

@@ -2,12 +2,33 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, NamedTuple
+
+import numpy as np
 
 from snapforensics.analysis.vocab import Verdict
 
 SCHEMA = "snapforensics.diagnosis/1"
+INTERNAL = {"json": False}  # field metadata: kept for renderers and the API, not in the JSON
+
+
+def public(obj: Any) -> dict[str, Any]:
+    """A dataclass as JSON-ready data, without its INTERNAL fields (never even copied)."""
+    hidden = {f.name: None for f in fields(obj) if f.metadata.get("json") is False}
+    out = asdict(replace(obj, **hidden))
+    for k in hidden:
+        del out[k]
+    return out
+
+
+class Replay(NamedTuple):
+    """A fix as a counterfactual trace: blocks' moved rows (None: unchanged) and extra
+    (start_row, end_row, bytes) intervals, as `Lifetimes.replay` takes them."""
+
+    free_row: np.ndarray | None = None
+    alloc_row: np.ndarray | None = None
+    extra: tuple = ()
 
 
 @dataclass
@@ -23,6 +44,23 @@ class Finding:
     predicted_peak_bytes: int | None = None
     saving_bytes: int | None = None
     evidence: dict[str, Any] = field(default_factory=dict)
+    # the fix as a counterfactual trace (moved rows): the forecast applies it before its own
+    # scenario, the plots draw the live bytes it replays to; not in the JSON
+    replay: Replay | None = field(default=None, repr=False, compare=False, metadata=INTERNAL)
+
+    def to_dict(self) -> dict[str, Any]:
+        return public(self)
+
+
+def saving_rank(f: Finding) -> tuple[int, int]:
+    """What to fix first: the peak saving (what fixing it buys), then bytes (how big it is)."""
+    return (f.saving_bytes or 0, f.bytes)
+
+
+def top_anomaly(findings: list[Finding]) -> Finding | None:
+    """The anomaly to fix first (the one the headline names)."""
+    bad = [f for f in findings if f.verdict == Verdict.ANOMALOUS]
+    return max(bad, key=saving_rank) if bad else None
 
 
 @dataclass
@@ -39,6 +77,8 @@ class DeviceSummary:
     segments: dict[str, int]
     # live bytes over the trace, downsampled keeping each bucket's max: [row, bytes, phase]
     timeline: list[list] = field(default_factory=list)
+    # the timeline plot's series (analysis/timeline.py), for renderers; not part of the JSON
+    plot: Any = field(default=None, repr=False, compare=False, metadata=INTERNAL)
 
 
 @dataclass
@@ -68,6 +108,11 @@ class Diagnosis:
     def anomalies(self) -> list[Finding]:
         return [f for f in self.findings if f.verdict == Verdict.ANOMALOUS]
 
+    @property
+    def top(self) -> Finding | None:
+        """The anomaly to fix first (the headline's): the largest saving, else the most bytes."""
+        return top_anomaly(self.findings)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "schema": SCHEMA,
@@ -78,6 +123,22 @@ class Diagnosis:
             "provenance": self.provenance,
             "warnings": self.warnings,
             "peaks": self.peaks,
-            "devices": [asdict(d) for d in self.devices],
-            "findings": [asdict(f) for f in self.findings],
+            "devices": [public(d) for d in self.devices],
+            "findings": [public(f) for f in self.findings],
         }
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> Diagnosis:
+        """The inverse of `to_dict` (a fleet worker's or the cache's document); fields this
+        version does not know are ignored, so newer documents still load."""
+        if doc.get("schema") != SCHEMA:
+            raise ValueError(f"not a {SCHEMA} document")
+        return cls(source=doc["source"], rank=doc["rank"], format=doc["format"],
+                   provenance=doc["provenance"], warnings=list(doc["warnings"]),
+                   devices=[_known(DeviceSummary, x) for x in doc["devices"]],
+                   findings=[_known(Finding, x) for x in doc["findings"]], tool=doc["tool"])
+
+
+def _known(cls, d: dict[str, Any]):
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in d.items() if k in names})

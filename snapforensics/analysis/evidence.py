@@ -8,7 +8,8 @@ import numpy as np
 
 from snapforensics.analysis.classify import PATHS
 from snapforensics.analysis.context import DeviceAnalysis
-from snapforensics.analysis.vocab import CATEGORIES, Phase
+from snapforensics.analysis.diagnosis import Replay
+from snapforensics.analysis.vocab import Phase
 
 
 def by_module(d: DeviceAnalysis, blocks: np.ndarray, limit: int = 12) -> list[dict]:
@@ -34,7 +35,7 @@ def top_stacks(d: DeviceAnalysis, blocks: np.ndarray, limit: int = 3) -> list[di
     first = np.zeros(len(uniq), np.int64)
     first[inv[::-1]] = blocks[::-1]  # some block of each stack
     return [{"bytes": int(tot[i]), "blocks": int(cnt[i]), "stack": d.stack_text(int(uniq[i])),
-             "category": CATEGORIES[d.category[first[i]]]} for i in order]
+             "category": d.category_names[d.category[first[i]]]} for i in order]
 
 
 def per_iteration(d: DeviceAnalysis, blocks: np.ndarray) -> dict[int, int]:
@@ -75,9 +76,13 @@ def peaks(d: DeviceAnalysis, live: np.ndarray) -> dict[str, int]:
             "backward_bytes": int(live[bw].max()) if bw.any() else 0}
 
 
-def replay_peaks(d: DeviceAnalysis, free_row: np.ndarray) -> dict[str, int]:
-    """Peaks of the trace replayed with moved frees."""
-    return peaks(d, d.lt.replay(free_row))
+def counterfactual(d: DeviceAnalysis, free_row: np.ndarray | None = None,
+                   alloc_row: np.ndarray | None = None, extra: tuple = ()
+                   ) -> tuple[dict[str, int], Replay]:
+    """Peaks of the trace replayed with a fix's moved rows, and that replay (a finding keeps
+    it, so the forecast can apply the fix before its own scenario)."""
+    r = Replay(free_row, alloc_row, tuple(extra))
+    return peaks(d, d.lt.replay(free_row=free_row, alloc_row=alloc_row, extra=list(extra))), r
 
 
 def human(n: float) -> str:

@@ -26,6 +26,8 @@ class Phase(IntEnum):
         return self.name.lower()
 
 
+PHASE_LABELS = tuple(p.label for p in Phase)  # by code, for the int8 phase arrays
+
 # Phases of backward: recompute runs inside it.
 BACKWARD_PHASES = (Phase.BACKWARD, Phase.RECOMPUTE)
 

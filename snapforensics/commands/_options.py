@@ -22,3 +22,13 @@ def report_options(kind: str) -> Callable:
                             help="Report format [default: from -o's extension, else "
                                  "terminal].")(f)
     return deco
+
+
+def run_options(f: Callable) -> Callable:
+    """How the inputs are diagnosed: `-j`, `--no-cache`, `-q` (as `jobs`, `no_cache`, `quiet`)."""
+    f = click.option("-q", "--quiet", is_flag=True, help="No progress bar.")(f)
+    f = click.option("--no-cache", is_flag=True,
+                     help="Neither read nor write the cache (~/.cache/snapforensics).")(f)
+    return click.option("-j", "--jobs", type=click.IntRange(min=1), default=None,
+                        help="Inputs diagnosed at once [default: the core count, fewer when "
+                             "the largest file would not fit in memory that many times].")(f)

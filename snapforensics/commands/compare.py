@@ -1,16 +1,19 @@
-"""`snapforensics compare A B [C ...]`: before/after a fix, or rank vs rank, relative to A."""
+"""`snapforensics compare A B [C ...]`: before/after a fix, rank vs rank, or two run folders
+rank by rank, relative to A; `--fail-on` makes it a CI gate (exit 1)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import click
 
-from snapforensics.commands._options import report_options
+from snapforensics.commands._options import report_options, run_options
+from snapforensics.errors import EXIT_ANOMALY
 
 
-def compare_paths(paths: Sequence[str | Path], mode: str = "auto"):
+def compare_paths(paths: Sequence[str | Path], mode: str = "auto", **run):
     """Expand folders and globs, diagnose each file once, compare (analysis.compare)."""
     from snapforensics.analysis.compare import compare
     from snapforensics.commands.inputs import diagnose_paths, expand
@@ -20,7 +23,17 @@ def compare_paths(paths: Sequence[str | Path], mode: str = "auto"):
     if len(files) < 2:
         raise SnapError("compare needs at least two snapshots (baseline first), "
                         f"got {len(files)}")
-    return compare(diagnose_paths(files), mode=mode)
+    return compare(diagnose_paths(files, **run), mode=mode)
+
+
+def compare_folders(a: str, b: str, **run):
+    """Two run folders, rank by rank (analysis.gate.compare_runs)."""
+    from snapforensics.analysis.gate import compare_runs
+    from snapforensics.commands.inputs import diagnose_paths, expand
+
+    fa, fb = expand([a]), expand([b])
+    diags = diagnose_paths(fa + fb, **run)
+    return compare_runs(a, b, diags[:len(fa)], diags[len(fa):])
 
 
 @click.command("compare")
@@ -30,14 +43,35 @@ def compare_paths(paths: Sequence[str | Path], mode: str = "auto"):
               show_default=True,
               help="auto: ranks when every input is a distinct rank of one run (same folder or "
                    "same recorded command), else before-after.")
+@click.option("--fail-on", "fail_on", multiple=True, metavar="regression=P%|new-anomaly",
+              help="Exit 1 when a peak grew by more than P% over the baseline, or an anomaly "
+                   "appears that the baseline did not have (repeatable; CI gate).")
+@run_options
 def compare_command(snapshots: tuple[str, ...], fmt: str | None, output: str | None,
-                    mode: str) -> int:
+                    mode: str, fail_on: tuple[str, ...], jobs: int | None, no_cache: bool,
+                    quiet: bool) -> int:
     """Compare snapshots against the first: before/after a fix (A = baseline, B = after) or
-    the ranks of one run (a folder or rank*.pickle glob). Peaks and their change, what is alive
-    at the peak, findings that appear / disappear / persist, A's predicted peak vs B's measured
-    peak, and the rank that deviates most from the median."""
+    the ranks of one run (a folder or rank*.pickle glob). Two run folders are compared rank by
+    rank (rank0 with rank0, ...). Peaks and their change, what is alive at the peak, findings
+    that appear / disappear / persist, A's predicted peak vs B's measured peak, and the rank
+    that deviates most from the median."""
+    from snapforensics.analysis import gate
     from snapforensics.report.output import choose_format, emit
 
-    choose_format("compare", fmt, output)  # a bad -o fails before the diagnoses
-    emit("compare", compare_paths(snapshots, mode=mode.replace("-", "_")), fmt, output)
-    return 0
+    gate.parse(fail_on)  # a typo in the gate is an error before minutes of work
+    run = {"jobs": jobs, "cache": not no_cache, "progress": not quiet}
+    folders = len(snapshots) == 2 and all(map(os.path.isdir, snapshots)) and mode != "ranks"
+    kind = "compare_runs" if folders else "compare"
+    choose_format(kind, fmt, output)  # a bad -o fails before the diagnoses
+    if folders:
+        doc = compare_folders(*snapshots, **run)
+        pairs = doc.pairs
+    else:
+        doc = compare_paths(snapshots, mode=mode.replace("-", "_"), **run)
+        pairs = [doc]
+    if fail_on:
+        doc.gate = gate.failures(pairs, fail_on)
+    emit(kind, doc, fmt, output)
+    for x in doc.gate or []:
+        click.echo(f"snapforensics: gate failed: {x}", err=True)
+    return EXIT_ANOMALY if doc.gate else 0

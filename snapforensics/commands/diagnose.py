@@ -1,32 +1,89 @@
-"""`snapforensics diagnose SNAPSHOT`: load, analyse, render."""
+"""`snapforensics diagnose SNAPSHOT...`: load, analyse, render; one report for one file, one
+fleet report for a run folder, a glob or several files (every rank diagnosed in parallel)."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 
 import click
 
-from snapforensics.commands._options import report_options
-from snapforensics.errors import EXIT_ANOMALY
+from snapforensics.commands._options import report_options, run_options
+from snapforensics.errors import EXIT_ANOMALY, SnapError
 
 
 @click.command("diagnose")
-@click.argument("snapshot", type=click.Path(path_type=Path))
+@click.argument("snapshots", nargs=-1, required=True)
 @report_options("diagnosis")
 @click.option("--fail-on", type=click.Choice(["anomalous", "never"]), default="never",
               show_default=True, help="Exit 1 when a finding with this verdict is found (CI gate).")
 @click.option("--redact-paths", is_flag=True,
               help="Keep only file names / package-relative paths (for public tickets).")
-def diagnose_command(snapshot: Path, fmt: str | None, output: str | None, fail_on: str,
-                     redact_paths: bool) -> int:
-    """Diagnose one memory snapshot (.pickle, .pkl, gzip'd too)."""
-    from snapforensics.commands.inputs import diagnose_paths
+@click.option("--scheduler", metavar="ADDRESS",
+              help="Run on a Dask cluster (tcp://HOST:PORT); inputs may be fsspec URLs "
+                   "(s3://, gs://) that its workers read. Needs snapforensics[fleet].")
+@click.option("--category", "categories", multiple=True, metavar="NAME=REGEX",
+              help="User category (repeatable): blocks whose stack frames ('function "
+                   "file:line') or record_function ranges match REGEX are reported as NAME, "
+                   "after the built-in classification; the first match wins.")
+@run_options
+def diagnose_command(snapshots: tuple[str, ...], fmt: str | None, output: str | None,
+                     fail_on: str, redact_paths: bool, scheduler: str | None,
+                     categories: tuple[str, ...], jobs: int | None, no_cache: bool,
+                     quiet: bool) -> int:
+    """Diagnose memory snapshots (.pickle, .pkl, gzip'd too). Several files, a glob or a run
+    folder (its rank*.pickle) give one fleet report: peaks per rank with their spread, findings
+    by rank, the worst rank first."""
+    from snapforensics.analysis.classify import user_categories
+    from snapforensics.analysis.diagnosis import Diagnosis
+    from snapforensics.parallel import expand, is_url, local_path, run
     from snapforensics.report.output import choose_format, emit
 
-    choose_format("diagnosis", fmt, output)  # a bad -o fails before the analysis
-    d, = diagnose_paths([snapshot])
+    srcs = expand(snapshots)
+    # one file (a path or URL), not a folder or a glob
+    single = len(snapshots) == 1 and srcs in ([snapshots[0]], [local_path(snapshots[0])])
+    kind = "diagnosis" if single else "fleet"
+    fmt = choose_format(kind, fmt, output)  # a bad -o fails before the analysis
+    user_categories(categories)  # and so does a bad --category
+    if single and fmt in PLOTTED and not is_url(srcs[0]):
+        d = _with_plots(srcs[0], categories, cache=not no_cache)
+    else:
+        docs = run(srcs, jobs=jobs, cache=not no_cache, scheduler=scheduler,
+                   progress=not quiet, categories=categories, expanded=True)
+        if single:
+            if "error" in docs[0]:
+                raise SnapError(f"{docs[0]['source']}: {docs[0]['error']}")
+            d = Diagnosis.from_dict(docs[0])
+    if single:
+        if redact_paths:
+            from snapforensics.report.redact import redact
+            d = redact(d)
+        emit("diagnosis", d, fmt, output)
+        return EXIT_ANOMALY if fail_on == "anomalous" and d.anomalies else 0
+    from snapforensics.analysis.fleet import fleet
+
+    f = fleet(docs)
     if redact_paths:
         from snapforensics.report.redact import redact
-        d = redact(d)
-    emit("diagnosis", d, fmt, output)
-    return EXIT_ANOMALY if fail_on == "anomalous" and d.anomalies else 0
+        f = redact(f)  # type: ignore[arg-type]
+    emit("fleet", f, fmt, output)
+    if f.errors:
+        e = f.errors[0]
+        raise SnapError(f"{len(f.errors)} of {len(docs)} inputs unreadable (first: "
+                        f"{e['source']}: {e['error']})")
+    return EXIT_ANOMALY if fail_on == "anomalous" and f.anomalies else 0
+
+
+# Formats that draw the timeline plot: it needs the trace, which the diagnosis documents that
+# `parallel.run` passes between processes (and caches) do not carry.
+PLOTTED = ("html", "markdown")
+
+
+def _with_plots(path: str, categories: tuple[str, ...], cache: bool):
+    """One file diagnosed in this process, its plot series kept (the model from the cache)."""
+    from snapforensics.analysis.classify import user_categories
+    from snapforensics.analysis.diagnose import diagnose
+    from snapforensics.snapshot import cache as snapcache
+
+    if not os.path.exists(path):
+        raise SnapError(f"{path}: no such file")
+    return diagnose(snapcache.load(path, cache=cache), user_categories(categories))

@@ -1,63 +1,37 @@
-"""File discovery for the commands: what a folder, a glob or a path given stands for.
+"""File discovery for the commands: what a folder, a glob, a URL or a path given stands for
+(`expand`, from parallel.py, which the library's `parallel.run` shares).
 
 The analysis gets finished Diagnosis objects; finding and loading files is command work.
 """
 
 from __future__ import annotations
 
-import glob
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from snapforensics.analysis.diagnosis import Diagnosis
 from snapforensics.errors import SnapError
+from snapforensics.parallel import expand
 
-SNAPSHOT_SUFFIXES = (".pickle", ".pkl", ".pickle.gz", ".pkl.gz")
+__all__ = ["diagnose_paths", "expand"]
 
+def diagnose_paths(paths: Sequence[str | Path], jobs: int | None = None, cache: bool = True,
+                   progress: bool = False) -> list[Diagnosis]:
+    """Diagnose each input once (a file given twice is read once), in order, in parallel
+    processes and through the cache (`parallel.run`). Every local path is checked first, so a
+    typo in the last one fails before minutes of work; the first unreadable input is the
+    error."""
+    from snapforensics.parallel import is_url, run
 
-def _rank_order(paths: Iterable[Path]) -> list[Path]:
-    from snapforensics.snapshot import rank_from_name
-
-    def key(q: Path):
-        r = rank_from_name(str(q))
-        return (r is None, r or 0, str(q))
-    return sorted(paths, key=key)
-
-
-def expand(args: Iterable[str | Path]) -> list[Path]:
-    """Paths as given; a folder stands for its rank*.pickle files, in rank order; a quoted glob
-    that names no file as such is expanded. Nothing is deduplicated: order is meaning."""
-    out: list[Path] = []
-    for a in args:
-        p = Path(a)
-        if p.is_dir():
-            files = [q for q in p.iterdir() if q.is_file() and q.name.lower().startswith("rank")
-                     and q.name.lower().endswith(SNAPSHOT_SUFFIXES)]
-            if not files:
-                raise SnapError(f"{p}: is a directory with no rank*.pickle files")
-            out += _rank_order(files)
-        elif not p.exists() and any(ch in str(a) for ch in "*?["):
-            hits = glob.glob(str(a))
-            if not hits:
-                raise SnapError(f"{a}: no file matches this pattern")
-            out += _rank_order(Path(h) for h in hits)
-        else:
-            out.append(p)
-    return out
-
-
-def diagnose_paths(paths: Sequence[Path]) -> list[Diagnosis]:
-    """Load and diagnose each path once (a file given twice is read once), in order. Every
-    path is checked first, so a typo in the last one fails before minutes of work."""
-    from snapforensics.analysis.diagnose import diagnose
-    from snapforensics.snapshot import load
-
-    missing = [str(p) for p in paths if not Path(p).exists()]
+    srcs = [str(p) for p in paths]
+    missing = [s for s in srcs if not is_url(s) and not Path(s).exists()]
     if missing:
         raise SnapError(f"{missing[0]}: no such file")
-    cache: dict[str, Diagnosis] = {}
-    for p in paths:
-        key = str(Path(p).resolve())
-        if key not in cache:
-            cache[key] = diagnose(load(p))
-    return [cache[str(Path(p).resolve())] for p in paths]
+    unique = list(dict.fromkeys(srcs))
+    docs = dict(zip(unique, run(unique, jobs=jobs, cache=cache, progress=progress,
+                                expanded=True)))
+    bad = next((d for d in docs.values() if "error" in d), None)
+    if bad is not None:
+        raise SnapError(f"{bad['source']}: {bad['error']}")
+    made = {s: Diagnosis.from_dict(d) for s, d in docs.items()}
+    return [made[s] for s in srcs]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from snapforensics.errors import EXIT_RECORD_FAILED, SnapError
+from snapforensics.errors import EXIT_BAD_INPUT, EXIT_RECORD_FAILED, SnapError
 
 _DEVICES = ["auto", "cuda", "npu", "cpu"]
 _STACKS = ["python", "all"]
@@ -23,7 +23,7 @@ _STACKS = ["python", "all"]
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Folder for rank{R}.pickle (default: a new snapforensics-out/record-TIME).")
 @click.option("--nproc-per-node", type=int, default=1, show_default=True,
-              help="Ranks to launch on this machine (through torch.distributed.run when > 1).")
+              help="Ranks to launch on this machine (each with torchrun's environment).")
 @click.option("--device", metavar="|".join(_DEVICES), default="auto", show_default=True,
               help="auto: cuda if available, else npu (torch_npu), else the CPU allocator.")
 @click.option("--stacks", metavar="|".join(_STACKS), default="python", show_default=True,
@@ -32,10 +32,16 @@ _STACKS = ["python", "all"]
               help="Trace ring buffer size: only the last N alloc/free entries are kept.")
 @click.option("-m", "--module", "module", is_flag=True,
               help="SCRIPT is a module name, run as `python -m MODULE`.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress lines from the recorder.")
+@click.option("--steps", "steps", metavar="A:B", default=None,
+              help="Record optimizer steps A to B-1 only (0-based; 'A:' to the end): the rest "
+                   "runs at full speed.")
+@click.option("--force", is_flag=True,
+              help="Record into a non-empty --out (its earlier rank*.pickle are removed).")
+@click.option("-q", "--quiet", is_flag=True,
+              help="Only errors from the recorder (the script's own output is untouched).")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED, metavar="SCRIPT|MODULE [ARGS]...")
 def record_command(out: Path | None, nproc_per_node: int, device: str, stacks: str,
-                   max_entries: int, module: bool, quiet: bool,
+                   max_entries: int, module: bool, steps: str | None, force: bool, quiet: bool,
                    script_args: tuple[str, ...]) -> None:
     """Record a training run: one memory snapshot per rank.
 
@@ -43,8 +49,9 @@ def record_command(out: Path | None, nproc_per_node: int, device: str, stacks: s
       snapforensics record train.py --lr 1e-3
       snapforensics record --nproc-per-node 2 -m snapforensics.examples.fsdp_ckpt --variant buggy
 
-    A `--` right after SCRIPT/MODULE is dropped. Inside a torchrun launch (one rank per process)
-    it records just this process.
+    A `--` right after SCRIPT/MODULE is dropped. Every rank gets torchrun's environment (RANK,
+    WORLD_SIZE, MASTER_ADDR/PORT, ...), one rank included. Inside a torchrun launch (one rank
+    per process) it records just this process. --out must be new or empty (or --force).
     """
     from snapforensics.record import record
 
@@ -56,5 +63,20 @@ def record_command(out: Path | None, nproc_per_node: int, device: str, stacks: s
     if rest[:1] == ["--"]:
         rest = rest[1:]
     result = record(target, rest, module=module, out=out, nproc_per_node=nproc_per_node,
-                    device=device, stacks=stacks, max_entries=max_entries, quiet=quiet)
+                    device=device, stacks=stacks, max_entries=max_entries, quiet=quiet,
+                    force=force, steps=_parse_steps(steps))
     sys.exit(result.exit_code)
+
+
+def _parse_steps(text: str | None) -> tuple[int, int | None] | None:
+    """``A:B``, ``A:`` or ``:B`` -> (A, B or None)."""
+    if text is None:
+        return None
+    first, sep, stop = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError(text)
+        return (int(first) if first else 0), (int(stop) if stop else None)
+    except ValueError:
+        raise SnapError(f"--steps {text!r}: expected A:B (e.g. 2:4 records steps 2 and 3)",
+                        exit_code=EXIT_BAD_INPUT) from None

@@ -50,6 +50,8 @@ modules unit by unit):
 - ``fsdp1_shard_grad_op``: ``fsdp1`` with ``ShardingStrategy.SHARD_GRAD_OP`` (parameters stay
   unsharded from forward to backward) and ``MixedPrecision(param_dtype=bfloat16,
   reduce_dtype=float32)`` (a low-precision ``_mp_shard`` per unshard, fp32 gradient reduction).
+- ``fsdp1_shard_grad_op_fp32``: ``fsdp1`` with ``SHARD_GRAD_OP`` and no mixed precision: the same
+  run as ``fsdp1`` but for the sharding strategy (the forecast's strategy check compares them).
 - ``fsdp1_reentrant``: FSDP1 ``FULL_SHARD`` per block with HF-style gradient checkpointing: a
   *reentrant* ``checkpoint`` around each FSDP-wrapped block. The recompute re-runs the unit's
   pre-forward (all-gather) and post-forward (reshard), then its pre-backward hook all-gathers it
@@ -60,8 +62,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import socket
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -303,6 +307,10 @@ def v_fsdp1_shard_grad_op(model, mesh):
     return _fsdp1(model, mesh, "SHARD_GRAD_OP", mp=True)
 
 
+def v_fsdp1_shard_grad_op_fp32(model, mesh):
+    return _fsdp1(model, mesh, "SHARD_GRAD_OP")
+
+
 VARIANTS: dict[str, Callable[[Transformer, object], Plan]] = {
     "buggy": v_buggy,
     "fixed": v_fixed,
@@ -317,6 +325,7 @@ VARIANTS: dict[str, Callable[[Transformer, object], Plan]] = {
     "no_rate_limit": v_no_rate_limit,
     "fsdp1": v_fsdp1,
     "fsdp1_shard_grad_op": v_fsdp1_shard_grad_op,
+    "fsdp1_shard_grad_op_fp32": v_fsdp1_shard_grad_op_fp32,
     "fsdp1_reentrant": v_fsdp1_reentrant,
 }
 
@@ -398,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         batch = args.batch or plan.batch or 2
         kept = []  # only the leak variant fills it
         for step in range(args.steps):
+            started, started_cpu = time.perf_counter(), time.process_time()
             optim.zero_grad()
             for mb in range(plan.micro_batches):
                 last = mb == plan.micro_batches - 1
@@ -412,8 +422,13 @@ def main(argv: list[str] | None = None) -> int:
                     confidence = logits.softmax(-1).amax(-1).mean()
                     kept.append((loss, logits, confidence))
             optim.step()
-            if rank == 0:
-                print(f"[fsdp_ckpt:{args.variant}] step {step} loss {loss.item():.4f}", flush=True)
+            if rank == 0:  # step times: what benchmarks/bench_record.py compares
+                print(f"[fsdp_ckpt:{args.variant}] step {step} loss {loss.item():.4f} "
+                      f"({time.perf_counter() - started:.3f} s, "
+                      f"cpu {time.process_time() - started_cpu:.3f} s)", flush=True)
+        if rank == 0:
+            rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            print(f"[fsdp_ckpt:{args.variant}] peak RSS {rss_mb:.1f} MB", flush=True)
     finally:
         dist.destroy_process_group()
     return 0

@@ -3,33 +3,46 @@
 ``record(target, script_args, ...)`` launches ``target`` (a script path, or a module with
 ``module=True``) under allocator recording:
 
-- one rank (``nproc_per_node=1``): a child ``python -m snapforensics.record._bootstrap``, which
-  runs the script as ``python SCRIPT ARGS`` would (no torchrun environment is invented);
-- several ranks: ``python -m torch.distributed.run --standalone --nproc-per-node N -m
-  snapforensics.record._bootstrap ...``; each rank sees RANK/WORLD_SIZE/MASTER_* as under torchrun;
+- ``nproc_per_node`` ranks (1 by default) are started by the recorder itself, each a child
+  ``python -m snapforensics.record._bootstrap`` with torchrun's environment (RANK, LOCAL_RANK,
+  WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT=a free port; OMP_NUM_THREADS=1
+  when unset and there are several ranks), so a torchrun-style script runs as under
+  ``torchrun --standalone``. The ranks share one new process group: SIGINT/SIGTERM/SIGHUP sent
+  to the recorder are forwarded to that whole group (each rank stops its script and still writes
+  what it recorded; a second signal kills them). When one rank fails, the others are stopped the
+  same way; one still running ``STOP_GRACE_S`` after that (blocked in a collective, where
+  Python never sees the signal) is killed.
 - already inside a torchrun launch (``TORCHELASTIC_RUN_ID``, or ``LOCAL_RANK`` + ``WORLD_SIZE``)
   with ``nproc_per_node=1``: this process is recorded in place.
 
 Each rank writes ``OUT/rank{R}.pickle`` (the ``torch.cuda.memory._snapshot()`` format, plus a
 top-level ``"snapforensics"`` provenance dict). CUDA and NPU record the device caching
 allocator's history; without an accelerator the CPU allocator is recorded through the profiler
-(``snapforensics.record.cpu``). torch is never imported by this module.
+(``snapforensics.record.cpu``). ``OUT`` is locked while recording (``.snapforensics-record.lock``,
+``flock``): a second record into it is refused, and so is a non-empty ``OUT`` unless ``force``.
+No temp, status or lock file is left behind. torch is never imported by this module.
 """
 
 from __future__ import annotations
 
 import datetime
+import fcntl
 import importlib.util
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from snapforensics.errors import EXIT_RECORD_FAILED, SnapError
+from snapforensics.errors import EXIT_BAD_INPUT, EXIT_RECORD_FAILED, SnapError
+from snapforensics.record._write import TMP_PREFIX
 
-__all__ = ["RecordResult", "record", "DEVICES", "STACKS", "in_torchrun"]
+__all__ = ["DEVICES", "STACKS", "RecordResult", "in_torchrun", "record"]
 
 DEVICES = ("auto", "cuda", "npu", "cpu")
 STACKS = ("python", "all")
@@ -83,7 +96,13 @@ def _default_out(cwd: Path, inside_torchrun: bool) -> Path:
     return out
 
 
-def _check_target(target: str, module: bool) -> None:
+_LAUNCHERS = ("python", "python3", "torchrun")
+_LAUNCHER_FLAGS = ("--standalone", "--no-python", "--no_python", "--run-path", "--run_path")
+_OWN_OPTIONS = ("--nproc-per-node", "--out", "--device", "--stacks", "--max-entries", "--force",
+                "--quiet")
+
+
+def _check_target(target: str, module: bool, script_args: list[str] = ()) -> None:
     if module:
         top = target.split(".")[0]
         if not top or not all(part.isidentifier() for part in target.split(".")):
@@ -99,8 +118,40 @@ def _check_target(target: str, module: bool) -> None:
         if not found:
             raise SnapError(f"no module named {top!r} (for -m {target})",
                             exit_code=EXIT_RECORD_FAILED)
-    elif not os.path.exists(target):
-        raise SnapError(f"script not found: {target}", exit_code=EXIT_RECORD_FAILED)
+    else:
+        hint = None if target.endswith(".py") else _launcher_suggestion(target, list(script_args))
+        if hint or not os.path.exists(target):
+            raise SnapError(hint or f"script not found: {target}", exit_code=EXIT_RECORD_FAILED)
+
+
+def _launcher_suggestion(target: str, args: list[str]) -> str | None:
+    """``record python x.py`` / ``record torchrun --nproc-per-node 2 x.py``: what to type."""
+    name = os.path.basename(target)
+    if name not in _LAUNCHERS and not name.startswith("python"):
+        return None
+    rest = list(args)
+    if rest[:2] in (["-m", "torch.distributed.run"], ["-m", "torch.distributed.launch"]):
+        rest = rest[2:]
+    ours: list[str] = []
+    while rest and rest[0].startswith("-") and rest[0] != "-m":  # the launcher's own options
+        opt, eq, value = rest[0].partition("=")
+        step = 1 if eq or opt in _LAUNCHER_FLAGS or not opt.startswith("--") else 2
+        if step == 2:
+            value = rest[1] if len(rest) > 1 else ""
+        if opt.replace("_", "-") == "--nproc-per-node":
+            ours += ["--nproc-per-node", value]
+        rest = rest[step:]
+    usage = "snapforensics record [--nproc-per-node N] SCRIPT [ARGS]"
+    try_ = f"; try: {' '.join(['snapforensics record', *ours, *rest])}" if rest else ""
+    return (f"{target} is a launcher, not a script: record launches the script itself "
+            f"({usage}){try_}")
+
+
+def _hint_misplaced_options(script_args: list[str], quiet: bool) -> None:
+    misplaced = [a for a in script_args if a.split("=", 1)[0] in _OWN_OPTIONS]
+    if misplaced:
+        opt = misplaced[0].split("=", 1)[0]
+        _say(quiet, f"hint: options after the script go to the script; put {opt} before it")
 
 
 def _check_torch() -> None:
@@ -114,27 +165,144 @@ def _check_torch() -> None:
                         exit_code=EXIT_RECORD_FAILED)
 
 
-def _run_child(cmd: list[str], env: dict[str, str]) -> int:
-    """Run the launcher; Ctrl-C reaches the children through the process group: let them dump."""
-    proc = subprocess.Popen(cmd, env=env)
-    interrupts = 0
-    while True:
+# after a rank failed, the others get SIGTERM and this long to dump (the CPU recorder's stop and
+# conversion take seconds to a minute); one still running then is blocked where Python never
+# sees the signal (a collective waiting for the dead rank): killed
+STOP_GRACE_S = 120.0
+LOCK_NAME = ".snapforensics-record.lock"
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_env(base: dict[str, str], rank: int, world: int, port: int) -> dict[str, str]:
+    """What ``torchrun --standalone --nproc-per-node WORLD`` gives rank ``rank``."""
+    env = dict(base)
+    env.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
+               WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), ROLE_WORLD_SIZE=str(world),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if world > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does (without its banner)
+    return env
+
+
+class _Ranks:
+    """The rank processes, in one process group, and the signals forwarded to it."""
+
+    def __init__(self, cmd: list[str], envs: list[dict[str, str]]) -> None:
+        self.procs: list[subprocess.Popen] = []
+        for env in envs:
+            group = self.procs[0].pid if self.procs else 0
+            self.procs.append(subprocess.Popen(cmd, env=env, process_group=group))
+        self.pgid = self.procs[0].pid
+        self.signals = 0
+        self.failed: list[int] = []  # ranks that exited nonzero, in the order they did
+        self.stop_at: float | None = None
+
+    def _send(self, sig: int) -> None:
         try:
-            return proc.wait()
-        except KeyboardInterrupt:
-            # the first Ctrl-C reached the children too: let them write their snapshots;
-            # a second one terminates the launcher, a third kills it
-            interrupts += 1
-            if interrupts == 2:
-                proc.terminate()
-            elif interrupts > 2:
-                proc.kill()
+            os.killpg(self.pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def on_signal(self, signum, frame) -> None:
+        self.signals += 1
+        self._send(signum if self.signals == 1 else signal.SIGKILL)
+
+    def wait(self) -> list[int]:
+        handlers = _install(_FORWARDED, self.on_signal)
+        try:
+            while True:
+                for r, p in enumerate(self.procs):
+                    if p.returncode is None and p.poll() is not None and p.returncode != 0:
+                        self.failed.append(r)
+                if all(p.returncode is not None for p in self.procs):
+                    return [p.returncode for p in self.procs]
+                if self.failed and not self.signals and self.stop_at is None:
+                    self._send(signal.SIGTERM)  # the others would wait for the failed rank
+                    self.stop_at = time.monotonic() + STOP_GRACE_S
+                elif self.stop_at is not None and time.monotonic() > self.stop_at:
+                    self._send(signal.SIGKILL)
+                time.sleep(0.05)
+        finally:
+            _install(_FORWARDED, handlers)
+
+
+def _install(signals, handler):
+    """Set ``handler`` (one, or a list per signal) for ``signals``; the previous handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return handler
+    old = []
+    for i, sig in enumerate(signals):
+        h = handler[i] if isinstance(handler, list) else handler
+        old.append(signal.signal(sig, h if h is not None else signal.SIG_DFL))
+    return old
+
+
+class _OutLock:
+    """``OUT`` for this record only: created, locked (``flock`` on a lock file, released by the
+    kernel even if the recorder is killed), refused when it holds files unless ``force`` (which
+    removes earlier ``rank*.pickle``). At exit: status, temp and lock files removed."""
+
+    def __init__(self, out: Path, force: bool) -> None:
+        self.out = out
+        self.force = force
+        self.fd: int | None = None
+
+    def __enter__(self) -> _OutLock:
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.out / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            raise SnapError(f"cannot create {self.out}: {e.strerror or e}",
+                            exit_code=EXIT_BAD_INPUT) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise SnapError(f"another snapforensics record is writing into {self.out}; "
+                            "choose another --out", exit_code=EXIT_BAD_INPUT) from None
+        self.fd = fd
+        others = sorted(p.name for p in self.out.iterdir() if p.name != LOCK_NAME)
+        if others and not self.force:  # leave the folder exactly as it was
+            (self.out / LOCK_NAME).unlink(missing_ok=True)
+            os.close(fd)
+            self.fd = None
+            raise SnapError(f"--out {self.out} is not empty ({others[0]}"
+                            f"{f' and {len(others) - 1} more' if len(others) > 1 else ''}); "
+                            "choose a new folder, or --force to replace its snapshots",
+                            exit_code=EXIT_BAD_INPUT)
+        if self.force:
+            for p in self.out.glob("rank*.pickle"):
+                p.unlink(missing_ok=True)
+        self._clean()
+        return self
+
+    def _clean(self) -> None:
+        for pattern in (".rank*.status.json", TMP_PREFIX + "*"):
+            for p in self.out.glob(pattern):
+                p.unlink(missing_ok=True)
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is None:
+            return
+        self._clean()  # a rank killed mid-dump leaves its temp file: ours to remove
+        (self.out / LOCK_NAME).unlink(missing_ok=True)
+        os.close(self.fd)
+        self.fd = None
 
 
 def record(target: str, script_args: list[str], *, module: bool = False, out: Path | None = None,
            nproc_per_node: int = 1, device: str = "auto", stacks: str = "python",
-           max_entries: int = 1_000_000, quiet: bool = False) -> RecordResult:
-    """Run ``target`` with ``script_args`` under memory recording; see the module docstring."""
+           max_entries: int = 1_000_000, quiet: bool = False, force: bool = False,
+           steps: tuple[int, int | None] | None = None) -> RecordResult:
+    """Run ``target`` with ``script_args`` under memory recording; see the module docstring.
+
+    ``steps=(A, B)`` records optimizer steps A..B-1 only (0-based; B None: to the end)."""
     script_args = [str(a) for a in script_args]
     if device not in DEVICES:
         raise SnapError(f"unknown device {device!r} (choose from {', '.join(DEVICES)})",
@@ -146,67 +314,67 @@ def record(target: str, script_args: list[str], *, module: bool = False, out: Pa
         raise SnapError("--nproc-per-node must be at least 1", exit_code=EXIT_RECORD_FAILED)
     if max_entries < 1:
         raise SnapError("--max-entries must be at least 1", exit_code=EXIT_RECORD_FAILED)
+    if steps and (steps[0] < 0 or (steps[1] is not None and steps[1] <= steps[0])):
+        raise SnapError(f"--steps {steps[0]}:{steps[1] if steps[1] is not None else ''} selects "
+                        "no step (A:B records steps A to B-1, 0-based)", exit_code=EXIT_BAD_INPUT)
     _check_torch()
-    _check_target(target, module)
+    _check_target(target, module, script_args)
 
     inside = in_torchrun() and nproc_per_node == 1
     out_dir = Path(out) if out is not None else _default_out(Path.cwd(), inside)
     out_dir = out_dir.resolve()
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise SnapError(f"cannot create {out_dir}: {e}", exit_code=EXIT_RECORD_FAILED) from None
     opts = {"out": str(out_dir), "device": device, "stacks": stacks,
-            "max_entries": int(max_entries), "module": bool(module)}
+            "max_entries": int(max_entries), "module": bool(module),
+            "steps": list(steps) if steps else None}
 
-    if inside:
+    if inside:  # every rank shares OUT: no lock (the ranks of one launch write distinct files)
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise SnapError(f"cannot create {out_dir}: {e}", exit_code=EXIT_BAD_INPUT) from None
         from snapforensics.record._bootstrap import run_recorded
 
         status = run_recorded(opts, target, script_args)
-        try:
-            os.unlink(out_dir / f".rank{status['rank']}.status.json")
-        except OSError:
-            pass
-        return _result([status], out_dir, expected=[status["rank"]], launcher_rc=None, quiet=quiet)
+        (out_dir / f".rank{status['rank']}.status.json").unlink(missing_ok=True)
+        return _result([status], out_dir, expected=[status["rank"]], codes=[None], quiet=quiet)
 
+    _hint_misplaced_options(script_args, quiet)
     ranks = list(range(nproc_per_node))
-    for r in ranks:  # a stale status from an earlier run must not be read as this run's
-        try:
-            os.unlink(out_dir / f".rank{r}.status.json")
-        except OSError:
-            pass
     env = dict(os.environ)
     root = _package_root()
     env["PYTHONPATH"] = os.pathsep.join(
         [root, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
-    boot = ["-m", "snapforensics.record._bootstrap", json.dumps(opts), target, *script_args]
-    if nproc_per_node == 1:
-        cmd = [sys.executable, *boot]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(nproc_per_node), *boot]
+    cmd = [sys.executable, "-m", "snapforensics.record._bootstrap", json.dumps(opts), target,
+           *script_args]
     what = f"-m {target}" if module else target
-    _say(quiet, f"recording {what} on {nproc_per_node} rank(s), device {device} -> {out_dir}")
-    rc = _run_child(cmd, env)
-
-    statuses = []
-    for r in ranks:
-        p = out_dir / f".rank{r}.status.json"
-        try:
-            statuses.append(json.loads(p.read_text()))
-        except (OSError, ValueError):
-            continue
-        try:
-            os.unlink(p)
-        except OSError:
-            pass
-    return _result(statuses, out_dir, expected=ranks, launcher_rc=rc, quiet=quiet)
+    with _OutLock(out_dir, force):
+        _say(quiet, f"recording {what} on {nproc_per_node} rank(s), device {device} -> {out_dir}")
+        port = _free_port()
+        launched = _Ranks(cmd, [_rank_env(env, r, nproc_per_node, port) for r in ranks])
+        codes = launched.wait()
+        statuses = []
+        for r in ranks:
+            try:
+                statuses.append(json.loads((out_dir / f".rank{r}.status.json").read_text()))
+            except (OSError, ValueError):
+                continue
+    first = launched.failed[0] if launched.failed else None
+    return _result(statuses, out_dir, expected=ranks, codes=codes, quiet=quiet, first_failed=first)
 
 
-def _result(statuses: list[dict], out_dir: Path, *, expected: list[int], launcher_rc: int | None,
-            quiet: bool) -> RecordResult:
+def _rank_code(status: dict | None, returncode: int | None) -> int | None:
+    """The script's exit code on one rank: from its status, else from its process (os._exit, a
+    kill: what a shell would report), None when unknown."""
+    if status is not None and status.get("exit_code") is not None:
+        return int(status["exit_code"])
+    if returncode is None:
+        return None
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _result(statuses: list[dict], out_dir: Path, *, expected: list[int], codes: list,
+            quiet: bool, first_failed: int | None = None) -> RecordResult:
     by_rank = {s["rank"]: s for s in statuses}
-    errors = [s["error"] for s in statuses if s.get("error")]
     setup_failed = [s for s in statuses if s.get("error") and s.get("snapshot") is None
                     and s.get("exit_code") == EXIT_RECORD_FAILED]
     if setup_failed:
@@ -215,34 +383,38 @@ def _result(statuses: list[dict], out_dir: Path, *, expected: list[int], launche
                  if r in by_rank and by_rank[r].get("snapshot")]
     ooms = [Path(by_rank[r]["oom_snapshot"]) for r in expected
             if r in by_rank and by_rank[r].get("oom_snapshot")]
-    missing = [r for r in expected if r not in by_rank]
-    if not snapshots:
-        why = errors[0] if errors else (
-            f"the launcher exited with {launcher_rc}" if launcher_rc is not None else "no status")
-        raise SnapError(f"no snapshot was written ({why})", exit_code=EXIT_RECORD_FAILED)
+    rank_codes = {r: _rank_code(by_rank.get(r), codes[i]) for i, r in enumerate(expected)}
+    order = ([first_failed] if first_failed is not None else []) + expected
+    failing = next((r for r in order if rank_codes.get(r)), None)
+    exit_code = rank_codes[failing] if failing is not None else 0
+    problems = []
     for r in expected:
         s = by_rank.get(r)
         if s and s.get("snapshot"):
-            size = s.get("bytes") or 0
             t = s.get("timings") or {}
             detail = "".join(f", {k[:-2].replace('_', ' ')} {v} s" for k, v in t.items())
             _say(quiet, f"rank {r}: {s['snapshot']} ({s.get('entries')} trace entries, "
-                        f"{size / 1e6:.1f} MB, written in {s.get('seconds')} s{detail})")
-    for e in errors:
-        _say(False, f"warning: {e}")
-    if missing:
-        _say(False, f"warning: rank(s) {', '.join(map(str, missing))} wrote no snapshot "
-                    f"(killed? launcher exit code {launcher_rc})")
-    codes = [by_rank[r]["exit_code"] for r in expected if r in by_rank]
-    exit_code = next((c for c in codes if c), 0)
-    if exit_code == 0 and missing and launcher_rc:
-        exit_code = _launcher_code(launcher_rc)
+                        f"{(s.get('bytes') or 0) / 1e6:.1f} MB, written in {s.get('seconds')} s"
+                        f"{detail})")
+        elif s and s.get("error"):
+            problems.append(s["error"])
+        else:
+            problems.append(f"rank {r} wrote no snapshot (its process ended with code "
+                            f"{rank_codes[r]} before the recorder could dump: os._exit, or killed)")
+    if not snapshots and not exit_code:
+        raise SnapError(problems[0] if problems else "no snapshot was written",
+                        exit_code=EXIT_RECORD_FAILED)
+    for line in problems:
+        _say(False, f"warning: {line}")
+    written = f"{len(snapshots)} snapshot(s) written to {out_dir}"
+    if exit_code:
+        _say(False, f"the script exited with code {exit_code}"
+                    f"{f' on rank {failing}' if len(expected) > 1 else ''}; {written}")
+    else:
+        _say(quiet, written)
+    if snapshots:
+        _say(quiet, f"next: snapforensics diagnose {snapshots[0]}"
+                    + (f"  (ranks side by side: snapforensics compare {out_dir})"
+                       if len(snapshots) > 1 else ""))
     return RecordResult(exit_code=int(exit_code), out_dir=out_dir, snapshots=snapshots,
                         oom_snapshots=ooms)
-
-
-def _launcher_code(rc: int) -> int:
-    if rc < 0:  # killed by a signal: what a shell would report
-        return 128 + (-rc)
-    return rc
-

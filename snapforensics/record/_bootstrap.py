@@ -1,9 +1,10 @@
 """Run a user's script unmodified under allocator recording, then dump the snapshot.
 
-``python -m snapforensics.record._bootstrap OPTIONS_JSON TARGET [ARGS...]`` (one process, or one
-rank under ``torch.distributed.run``). ``OPTIONS_JSON`` carries ``out``, ``device``, ``stacks``,
-``max_entries``, ``module``. The script sees ``sys.argv`` and ``sys.path[0]`` as under
-``python TARGET ARGS`` / ``python -m TARGET ARGS``.
+``python -m snapforensics.record._bootstrap OPTIONS_JSON TARGET [ARGS...]`` (one rank, launched
+by ``snapforensics record``). ``OPTIONS_JSON`` carries ``out``, ``device``, ``stacks``,
+``max_entries``, ``module``, ``steps`` (``[A, B]``: record optimizer steps A..B-1 only). The
+script sees ``sys.argv`` and ``sys.path[0]`` as under ``python TARGET ARGS`` /
+``python -m TARGET ARGS``.
 
 Whatever happens to the script (normal end, ``sys.exit(n)``, an exception, SIGTERM from the
 launcher, Ctrl-C), the snapshot is written to ``OUT/rank{RANK}.pickle`` (atomically, mode 0644)
@@ -25,6 +26,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +119,7 @@ class _TermAsExit:
     def __init__(self) -> None:
         self.installed = False
         self.previous: Any = None
+        self.sigint: Any = None
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -131,16 +134,73 @@ class _TermAsExit:
 
     @staticmethod
     def _handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second one must not cut the dump
         raise SystemExit(128 + signum)
 
     def dumping(self) -> None:
+        """SIGTERM and SIGINT wait until the snapshot is written (SIGKILL still works)."""
         if self.installed:
+            self.sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     def restore(self) -> None:
         if self.installed:
             signal.signal(signal.SIGTERM, self.previous)
+            if self.sigint is not None:
+                signal.signal(signal.SIGINT, self.sigint)
             self.installed = False
+
+
+# torch warnings that are about the recording set-up, not the user's code (message regexes)
+KNOWN_TORCH_WARNINGS = (
+    r"DTensor random operators may not have complete support on cpu device mesh",
+)
+
+
+def _hide_known_torch_warnings() -> None:
+    for message in KNOWN_TORCH_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+
+
+class _StepWindow:
+    """``--steps A:B``: record optimizer steps A..B-1 only (0-based, B None = to the end).
+
+    A step ends when any ``torch.optim.Optimizer.step`` returns (torch's global post hook), so
+    recording starts right after step A-1's ``optimizer.step()`` and stops right after step
+    B-1's. Without a window, recording covers the whole script.
+    """
+
+    def __init__(self, backend: Any, steps: list | None) -> None:
+        self.backend = backend
+        self.first, self.stop = (steps or (0, None))
+        self.done = 0
+        self.started = False
+        self._hook = None
+
+    def install(self) -> None:
+        if self.first == 0:
+            self._start()
+        if self.first > 0 or self.stop is not None:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            self._hook = register_optimizer_step_post_hook(self._after_step)
+
+    def _start(self) -> None:
+        self.backend.start()
+        self.started = True
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        self.done += 1
+        if self.done == self.first:
+            self._start()
+        if self.stop is not None and self.done == self.stop:
+            self.backend.stop()
+            self.remove()
+
+    def remove(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
 
 
 def run_recorded(opts: dict, target: str, args: list[str]) -> dict:
@@ -250,8 +310,9 @@ def run_recorded(opts: dict, target: str, args: list[str]) -> dict:
     saved_argv = sys.argv[:]
     term = _TermAsExit()
     code: int | None = None
+    window = _StepWindow(backend, opts.get("steps"))
     try:
-        backend.start()
+        window.install()
     except Exception as e:
         sys.argv[:] = saved_argv
         if saved_path0 is not None:
@@ -264,6 +325,7 @@ def run_recorded(opts: dict, target: str, args: list[str]) -> dict:
     except Exception:
         pass
     term.install()
+    _hide_known_torch_warnings()
     try:
         sys.argv[:] = [target, *args]
         try:
@@ -287,8 +349,12 @@ def run_recorded(opts: dict, target: str, args: list[str]) -> dict:
         if saved_path0 is not None and sys.path:
             sys.path[0] = saved_path0
         status["exit_code"] = code if code is not None else 1
+        window.remove()
         t0 = time.perf_counter()
         try:
+            if not window.started:
+                raise RuntimeError(f"the script made {window.done} optimizer step(s): step "
+                                   f"{window.first} (--steps) was never reached")
             snap = backend.snapshot()
             extra = snap.get("snapforensics") if isinstance(snap.get("snapforensics"), dict) else {}
             snap["snapforensics"] = {**_provenance(exit_code=status["exit_code"], **prov), **extra}
@@ -298,8 +364,7 @@ def run_recorded(opts: dict, target: str, args: list[str]) -> dict:
             status["entries"] = _count_entries(snap)
             status["bytes"] = p.stat().st_size
             status["timings"] = getattr(backend, "timings", None)
-        except BaseException as e:
-            traceback.print_exc()
+        except BaseException as e:  # reported once, by the launching record
             status["error"] = f"rank {rank}: writing the snapshot failed: {type(e).__name__}: {e}"
         status["seconds"] = round(time.perf_counter() - t0, 3)
         term.restore()

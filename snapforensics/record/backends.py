@@ -7,7 +7,12 @@ Everything imports torch lazily: this module is imported by the bootstrap only.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import os
+import re
+import sys
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -102,6 +107,7 @@ class CudaBackend:
     def __init__(self, stacks: str, max_entries: int):
         self.stacks = stacks
         self.max_entries = max_entries
+        self._taken: dict | None = None
 
     def _memory(self):
         import torch.cuda.memory
@@ -114,14 +120,20 @@ class CudaBackend:
                                     max_entries=self.max_entries)
         mem._record_memory_history(*args, **kwargs)
 
+    def stop(self) -> None:
+        """Stop recording now: the history so far is taken for ``snapshot()``."""
+        if self._taken is None:
+            mem = self._memory()
+            self._taken = _as_dict(mem._snapshot())
+            try:
+                mem._record_memory_history(None)
+            except Exception:
+                pass
+
     def snapshot(self) -> dict:
-        mem = self._memory()
-        snap = mem._snapshot()
-        try:
-            mem._record_memory_history(None)
-        except Exception:
-            pass
-        return _as_dict(snap)
+        self.stop()
+        snap, self._taken = self._taken, None
+        return snap
 
     def _oom_attach(self):
         import torch
@@ -169,7 +181,14 @@ class CpuBackend:
         self.stacks = stacks  # no C++ frames on this path: recorded in provenance only
         self.max_entries = max_entries
         self._prof = None
+        self._stopped = None  # the profiler after stop(), converted by snapshot()
         self.timings: dict[str, float] = {}
+        # The profiler records allocator events only on threads it traces: a tensor freed on a
+        # gloo worker thread has no free event (profile_all_threads=True drops every memory event
+        # in torch 2.13). The allocator's process-wide accounting sees it, and every recorded
+        # event carries that total: cpu.py recovers the lost frees from it, and the bytes of
+        # blocks allocated before recording started (--steps). On from here to the dump.
+        self._accounting = _cpu_allocator_accounting(True)
 
     def start(self) -> None:
         from torch.profiler import ProfilerActivity, profile
@@ -177,31 +196,85 @@ class CpuBackend:
         from snapforensics.record import cpu  # noqa: F401  (import now, sys.path may change)
 
         _warm_imports()
-
-        # (profile_all_threads=True would catch the frees made on gloo worker threads, but in
-        # torch 2.13 it drops every memory event: cpu.py infers those frees instead)
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True,
                              with_stack=True, record_shapes=False)
-        self._prof.__enter__()
+        with _profiler_log_filtered():
+            self._prof.__enter__()
+
+    def stop(self) -> None:
+        """Stop recording now (the conversion waits for ``snapshot()``)."""
+        import time
+
+        prof, self._prof = self._prof, None
+        if prof is None:
+            return
+        t0 = time.perf_counter()
+        with _profiler_log_filtered():
+            prof.__exit__(None, None, None)
+        self.timings["profiler_stop_s"] = round(time.perf_counter() - t0, 3)
+        self._stopped = prof
 
     def snapshot(self) -> dict:
         import time
 
         from snapforensics.record.cpu import profile_to_snapshot
 
-        prof, self._prof = self._prof, None
+        self.stop()
+        _cpu_allocator_accounting(self._accounting)
+        prof, self._stopped = self._stopped, None
         if prof is None:
             raise RuntimeError("CPU recording was not started")
-        t0 = time.perf_counter()
-        prof.__exit__(None, None, None)
         t1 = time.perf_counter()
         snap = profile_to_snapshot(prof, self.max_entries)
-        self.timings = {"profiler_stop_s": round(t1 - t0, 3),
-                        "convert_s": round(time.perf_counter() - t1, 3)}
+        self.timings["convert_s"] = round(time.perf_counter() - t1, 3)
         return snap
 
     def attach_oom(self, callback: Callable[[dict], None]) -> bool:
         return False
+
+
+# Kineto writes these on fd 2 at every profiler start/stop (USDT:/STAGE: lines, not
+# controlled by KINETO_LOG_LEVEL): noise for someone recording a training script.
+_PROFILER_NOISE = re.compile(rb"^(USDT|STAGE):\S* \S+ \d+:\d+ \S+\.cpp:\d+\] ")
+
+
+@contextlib.contextmanager
+def _profiler_log_filtered():
+    """fd 2 goes to a temp file while the profiler starts or stops; what is not kineto's
+    start/stop log is written back to stderr (another thread's output is delayed, not lost)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [line for line in tmp.read().splitlines(keepends=True)
+                    if not _PROFILER_NOISE.match(line)]
+            if kept:
+                os.write(2, b"".join(kept))
+
+
+def _cpu_allocator_accounting(on: bool) -> bool:
+    """Set c10's ``caffe2_report_cpu_memory_usage`` flag (the CPU allocator then keeps its byte
+    count on every thread, not only on threads the profiler traces); returns the previous value.
+    The flag is an exported global of libc10 with no Python binding. False when it is missing."""
+    import ctypes
+
+    import torch
+
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+        flag = ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage")
+    except (OSError, ValueError):
+        return False
+    previous = bool(flag.value)
+    flag.value = bool(on)
+    return previous
 
 
 # Importing these under the profiler's Python tracer costs seconds and records nothing useful

@@ -34,8 +34,8 @@ that pickle memoizes them. Sizes are the profiler's ``alloc_size`` (bytes reques
 Threads: allocations on every thread the profiler saw are kept (gloo worker threads allocate
 under ``gloo:all_gather`` / ``gloo:all_reduce``); annotations come from the script's thread only
 (the one with the most allocations). A tensor freed on a thread the profiler does not trace (a
-gloo worker dropping the last reference to a collective's buffer) has no free event; such frees
-are inferred (see ``_infer_lost_frees``), get the single frame
+gloo worker dropping the last reference to an all-gather output) has no free event. Such frees are
+recovered from the allocator's own accounting (see ``_recover_lost_frees``), get the single frame
 ``{"filename": "<snapforensics>", "line": 0, "name": "free_on_untraced_thread"}``, and are counted
 in the returned ``snapshot["snapforensics"]["cpu_inferred_frees"]``.
 """
@@ -43,10 +43,43 @@ in the returned ``snapshot["snapforensics"]["cpu_inferred_frees"]``.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+from enum import IntEnum
 from typing import Any
 
 _PYCALL = re.compile(r"^(.*)\((\d+)\): (.*)$")
 _MODULE_PREFIX = "nn.Module: "
+INFERRED_FREE_FRAME = ("<snapforensics>", 0, "free_on_untraced_thread")
+UNRECORDED_FRAME = ("<snapforensics>", 0, "allocated_before_recording")
+
+
+class Cell(IntEnum):
+    """What an ancestor of an allocation contributes to its stack."""
+
+    OP = 1  # a TorchOp: an ``<op>`` frame, or a ``<record_function>`` frame for a user scope
+    PYCALL = 2  # a Python function or an ``nn.Module`` call
+    NOT_A_FRAME = 3  # a C call from Python, a Kineto/backend event: keeps the depth only
+
+
+# A path cell is a list [event, Cell, frame, start_ns] (lists: a million of them are made per
+# recording, a class instance costs ~4x more). frame: None until an allocation needs it, then the
+# interned frame, False for "not a frame", or _STOP (the recorder's own frames start there).
+EVENT, KIND, FRAME, START = range(4)
+@dataclass(slots=True)
+class _Alloc:
+    """One allocator event (``size`` < 0 for a free) on the profiler's CPU device."""
+
+    time_ns: int
+    seq: int
+    ptr: int
+    size: int
+    frames: list
+    tid: int
+    starts: list  # each frame's start time (ns), to place record_function ranges among them
+    total: int | None  # the allocator's own running total after this event (all threads)
+
+
+_STOP = object()  # a runpy frame: the recorder's own frames start here
 
 
 def _event_types():
@@ -76,168 +109,135 @@ def profile_to_snapshot(prof: Any, max_entries: int = 1_000_000) -> dict:
 
 def events_to_snapshot(roots: list, max_entries: int, EventType: Any, RecordScope: Any) -> dict:
     """The conversion proper, over the roots of ``experimental_event_tree()``."""
-    ALLOC = EventType.Allocation
-    TORCH_OP = EventType.TorchOp
-    PY_CALL = EventType.PyCall
-    PY_CCALL = EventType.PyCCall
-    USER_SCOPE = RecordScope.USER_SCOPE
+    frames = _Frames(RecordScope.USER_SCOPE)
+    allocs, ranges = _walk(roots, EventType, frames)
+    allocs.sort(key=lambda a: (a.time_ns, a.seq))
+    _add_range_frames(allocs, ranges, frames)
+    main_tid = _main_thread(allocs)
+    events, inferred = _recover_lost_frees(allocs, frames)
+    trace, live = _build_trace(events)
+    return {
+        "segments": _segments(live, _unrecorded_bytes(allocs, live), frames),
+        "device_traces": [_last(trace, max_entries)],
+        "external_annotations": _annotations(ranges, main_tid),
+        "snapforensics": {"cpu_inferred_frees": inferred},
+    }
 
-    frame_cache: dict[tuple, dict] = {}
-    stack_cache: dict[tuple, list] = {}
 
-    def intern_frame(filename: str, line: int, name: str) -> dict:
+class _Frames:
+    """Interned frames and stacks: identical ones are the same objects, so pickle memoizes them."""
+
+    def __init__(self, user_scope: Any) -> None:
+        self.user_scope = user_scope
+        self._frames: dict[tuple, dict] = {}
+        self._stacks: dict[tuple, list] = {}
+        self._pycalls: dict[str, Any] = {}
+
+    def intern(self, filename: str, line: int, name: str) -> dict:
         key = (filename, line, name)
-        f = frame_cache.get(key)
+        f = self._frames.get(key)
         if f is None:
-            f = frame_cache[key] = {"filename": filename, "line": line, "name": name}
+            f = self._frames[key] = {"filename": filename, "line": line, "name": name}
         return f
 
-    _STOP = object()  # marks a runpy frame: the recorder's own frames start here
-    pycall_frames: dict[str, Any] = {}
+    def stack(self, frames: list) -> list:
+        key = tuple(map(id, frames))
+        cached = self._stacks.get(key)
+        if cached is None:
+            cached = self._stacks[key] = frames
+        return cached
 
-    def frame_of_pycall(name: str):
-        f = pycall_frames.get(name)
+    def of_pycall(self, name: str):
+        """``path(LINE): func`` or ``nn.Module: Name_N``; ``_STOP`` for runpy's ``_run_code``."""
+        f = self._pycalls.get(name)
         if f is not None:
             return f
         if name.startswith(_MODULE_PREFIX):
-            f = intern_frame("<nn.Module>", 0, name[len(_MODULE_PREFIX):])
+            f = self.intern("<nn.Module>", 0, name[len(_MODULE_PREFIX):])
         else:
             m = _PYCALL.match(name)
             if m is None:
-                f = intern_frame(name, 0, "")
+                f = self.intern(name, 0, "")
             elif m.group(1) == "<frozen runpy>" and m.group(3) == "_run_code":
                 f = _STOP
             else:
-                f = intern_frame(m.group(1), int(m.group(2)), m.group(3))
-        pycall_frames[name] = f
+                f = self.intern(m.group(1), int(m.group(2)), m.group(3))
+        self._pycalls[name] = f
         return f
 
-    # Depth-first, children in time order. `path` holds, for each ancestor of the current event,
-    # a [event, kind, frame] cell; frames are computed only when an allocation needs them.
-    allocs: list[tuple] = []  # (time_ns, seq, ptr, size, frames, tid)
-    ranges: list[tuple] = []  # (start_ns, end_ns, seq, name, tid) of record_function ranges
-    path: list[list] = []
-    seq = 0
+    def of_cell(self, cell: list):
+        ev = cell[EVENT]
+        if cell[KIND] is Cell.OP:
+            kind = "<record_function>" if ev.extra_fields.scope == self.user_scope else "<op>"
+            return self.intern(kind, 0, ev.name)
+        return self.of_pycall(ev.name)
 
-    def frames_for_path() -> tuple[list, list]:
-        """The interned stack above the current event, and each frame's start time (ns)."""
+    def of_path(self, path: list[list]) -> tuple[list, list]:
+        """The interned stack above the current event (innermost first), and each frame's start."""
         out = []
         starts = []
         for cell in reversed(path):
-            f = cell[2]
+            f = cell[FRAME]
             if f is None:
-                ev, kind = cell[0], cell[1]
-                if kind == 1:  # torch op
-                    if ev.extra_fields.scope == USER_SCOPE:
-                        f = intern_frame("<record_function>", 0, ev.name)
-                    else:
-                        f = intern_frame("<op>", 0, ev.name)
-                else:  # python call
-                    f = frame_of_pycall(ev.name)
-                cell[2] = f
-                cell.append(ev.start_time_ns)
-            if f is False:  # not a frame (PyCCall, ...)
+                f = cell[FRAME] = self.of_cell(cell)
+                cell[START] = cell[EVENT].start_time_ns
+            if f is False:
                 continue
             if f is _STOP:
                 break
             out.append(f)
-            starts.append(cell[3])
-        key = tuple(map(id, out))
-        cached = stack_cache.get(key)
-        if cached is None:
-            cached = stack_cache[key] = out
-        return cached, starts
+            starts.append(cell[START])
+        return self.stack(out), starts
 
-    # Iterative DFS; _EXIT marks the end of an event's children (pop its path cell). Tags are
-    # tested most frequent first (C calls, Python calls, ops, allocations).
-    _EXIT = object()
-    work: list = list(reversed(_sorted_roots(roots)))
+
+def _walk(roots: list, EventType: Any, frames: _Frames) -> tuple[list[_Alloc], list[tuple]]:
+    """Depth-first over the tree, children in time order: the CPU allocator events with their
+    stacks, and the record_function ranges ``(start_ns, end_ns, seq, name, tid)``."""
+    ALLOC, TORCH_OP = EventType.Allocation, EventType.TorchOp
+    PY_CALL, PY_CCALL = EventType.PyCall, EventType.PyCCall
+    user_scope = frames.user_scope
+    allocs: list[_Alloc] = []
+    ranges: list[tuple] = []
+    path: list[list] = []
+    not_a_frame = [None, Cell.NOT_A_FRAME, False, 0]  # shared: nothing in it is ever read
+    seq = 0
+    _EXIT = object()  # marks the end of an event's children: pop its path cell
+    work: list = sorted(roots, key=lambda e: e.start_time_ns, reverse=True)
     pop, push, extend = work.pop, path.append, work.extend
-    while work:
+    while work:  # tags tested most frequent first (C calls, Python calls, ops, allocations)
         ev = pop()
         if ev is _EXIT:
             path.pop()
             continue
         tag = ev.tag
         if tag == PY_CCALL:
-            cell = [ev, 3, False]  # not a frame, but keeps the depth
+            cell = not_a_frame
         elif tag == PY_CALL:
-            cell = [ev, 2, None]
+            cell = [ev, Cell.PYCALL, None, 0]
         elif tag == TORCH_OP:
-            cell = [ev, 1, None]
-            if ev.extra_fields.scope == USER_SCOPE:
+            cell = [ev, Cell.OP, None, 0]
+            if ev.extra_fields.scope == user_scope:
                 ranges.append((ev.start_time_ns, ev.end_time_ns, seq, ev.name, ev.start_tid))
                 seq += 1
         elif tag == ALLOC:
             ef = ev.extra_fields
             if _is_cpu(ef.device):
-                frames, starts = frames_for_path()
-                allocs.append([ev.start_time_ns, seq, ef.ptr, ef.alloc_size, frames,
-                               ev.start_tid, starts])
+                stack, starts = frames.of_path(path)
+                allocs.append(_Alloc(ev.start_time_ns, seq, ef.ptr, ef.alloc_size, stack,
+                                     ev.start_tid, starts, getattr(ef, "total_allocated", None)))
                 seq += 1
             continue
         else:  # Kineto, Backend, Vulkan, ...
-            cell = [ev, 3, False]
+            cell = not_a_frame
         children = ev.children
         if children:
             push(cell)
             work.append(_EXIT)
             extend(reversed(children))
-
-    allocs.sort(key=lambda a: (a[0], a[1]))
-    _add_range_frames(allocs, ranges, intern_frame, stack_cache)
-    main_tid = _main_thread(allocs)
-    comm_ends = sorted((r[0], r[1]) for r in ranges
-                       if r[4] != main_tid and r[3].startswith(_COMM_RANGE_PREFIXES))
-    events, inferred = _infer_lost_frees(allocs, comm_ends, intern_frame)
-    trace, live = _build_trace(events)
-    if max_entries is not None and max_entries >= 0 and len(trace) > max_entries:
-        trace = trace[len(trace) - max_entries:] if max_entries else []
-
-    # Ranges of the script's own thread only: a worker thread's ranges (gloo:all_gather, ...)
-    # overlap the main thread's and would break START/END nesting for a reader.
-    annotations = []
-    for start, end, rseq, name, tid in ranges:
-        if tid == main_tid or main_tid is None:
-            # at one instant: ENDs first (inner before outer), then STARTs (outer first)
-            annotations.append((start / 1000.0, 1, rseq, "START", name))
-            annotations.append((end / 1000.0, 0, -rseq, "END", name))
-    annotations.sort(key=lambda a: (a[0], a[1], a[2]))
-    external = [{"stage": st, "name": nm, "device": 0, "time_us": t}
-                for t, _, _, st, nm in annotations]
-
-    segments = []
-    for addr in sorted(live):
-        size, frames = live[addr]
-        segments.append({
-            "device": 0,
-            "address": addr,
-            "total_size": size,
-            "allocated_size": size,
-            "active_size": size,
-            "requested_size": size,
-            "stream": 0,
-            "segment_type": "cpu",
-            "segment_pool_id": (0, 0),
-            "is_expandable": False,
-            "frames": frames,
-            "blocks": [{
-                "address": addr,
-                "size": size,
-                "requested_size": size,
-                "state": "active_allocated",
-                "frames": frames,
-            }],
-        })
-    return {
-        "segments": segments,
-        "device_traces": [trace],
-        "external_annotations": external,
-        "snapforensics": {"cpu_inferred_frees": inferred},
-    }
+    return allocs, ranges
 
 
-def _add_range_frames(allocs: list, ranges: list, intern_frame, stack_cache: dict) -> None:
+def _add_range_frames(allocs: list[_Alloc], ranges: list, frames: _Frames) -> None:
     """Put the record_function ranges enclosing each allocation into its stack.
 
     The profiler's tree does not make a Python-opened ``record_function`` range (``FSDP::...``)
@@ -252,7 +252,7 @@ def _add_range_frames(allocs: list, ranges: list, intern_frame, stack_cache: dic
     pos = dict.fromkeys(by_tid, 0)
     open_: dict = {tid: [] for tid in by_tid}
     for a in allocs:
-        t, tid = a[0], a[5]
+        t, tid = a.time_ns, a.tid
         rs = by_tid.get(tid)
         if not rs:
             continue
@@ -268,105 +268,137 @@ def _add_range_frames(allocs: list, ranges: list, intern_frame, stack_cache: dic
         while stack and stack[-1][1] < t:
             stack.pop()
         enclosing = [r for r in stack if r[0] <= t <= r[1]]
-        if not enclosing:
-            continue
-        frames, starts = a[4], a[6]
-        present = {id(f) for f in frames}
-        extra = []
-        for r in enclosing:
-            f = intern_frame("<record_function>", 0, r[3])
-            if id(f) not in present:
-                extra.append((r[0], f))
-        if not extra:
-            continue
-        extra.sort(key=lambda x: -x[0])  # innermost (latest start) first
-        merged = []
-        j = 0
-        for f, st in zip(frames, starts):
-            while j < len(extra) and extra[j][0] > st:
-                merged.append(extra[j][1])
-                j += 1
-            merged.append(f)
-        merged.extend(f for _, f in extra[j:])
-        key = tuple(map(id, merged))
-        cached = stack_cache.get(key)
-        if cached is None:
-            cached = stack_cache[key] = merged
-        a[4] = cached
+        if enclosing:
+            a.frames = _merge_ranges(a.frames, a.starts, enclosing, frames)
 
 
-_COMM_RANGE_PREFIXES = ("gloo:", "nccl:", "mpi:", "ucc:")
-INFERRED_FREE_FRAME = ("<snapforensics>", 0, "free_on_untraced_thread")
+def _merge_ranges(stack: list, starts: list, enclosing: list, frames: _Frames) -> list:
+    """``stack`` with the enclosing ranges not already in it, each placed by its start time."""
+    present = {id(f) for f in stack}
+    extra = []
+    for r in enclosing:
+        f = frames.intern("<record_function>", 0, r[3])
+        if id(f) not in present:
+            extra.append((r[0], f))
+    if not extra:
+        return stack
+    extra.sort(key=lambda x: -x[0])  # innermost (latest start) first
+    merged = []
+    j = 0
+    for f, st in zip(stack, starts):
+        while j < len(extra) and extra[j][0] > st:
+            merged.append(extra[j][1])
+            j += 1
+        merged.append(f)
+    merged.extend(f for _, f in extra[j:])
+    return frames.stack(merged)
 
 
-def _main_thread(allocs: list):
+def _main_thread(allocs: list[_Alloc]):
     counts: dict = {}
     for a in allocs:
-        counts[a[5]] = counts.get(a[5], 0) + 1
+        counts[a.tid] = counts.get(a.tid, 0) + 1
     return max(counts, key=counts.get) if counts else None
 
 
-def _under_collective(frames: list) -> bool:
-    for f in frames:
-        if f["filename"] == "<op>" and f["name"].startswith("c10d::"):
-            return True
-    return False
-
-
-def _infer_lost_frees(allocs: list, comm_ends: list, intern_frame) -> tuple[list, int]:
-    """Add the frees the profiler could not see.
-
-    A tensor freed on a thread the profiler does not trace (a gloo worker dropping the last
-    reference to a collective's internal buffer, e.g. the input clone of
-    ``c10d::_reduce_scatter_base_``) leaves an allocation with no free: the address is then
-    handed out again while the block still looks live. The CPU allocator cannot give out a live
-    address, so the block was freed before the reuse. For buffers allocated inside a ``c10d::``
-    op the free is placed at the end of the first communication range (``gloo:*``) on another
-    thread that starts after the allocation (when the collective finished), else just before the
-    reuse. Buffers of collectives never reused are freed the same way. Returns the merged event
-    list ``(time_ns, order, ptr, size, frames)`` (size None = inferred free) and the count.
-    """
-    import bisect
-
-    starts = [r[0] for r in comm_ends]
-
-    def collective_end(t_alloc: int):
-        i = bisect.bisect_right(starts, t_alloc)
-        return comm_ends[i][1] if i < len(comm_ends) else None
-
-    frame = intern_frame(*INFERRED_FREE_FRAME)
-    frames_inferred = [frame]
-    live: dict[int, tuple] = {}
-    extra: list[tuple] = []
-    for t, order, ptr, size, frames, _tid, _starts in allocs:
-        if size >= 0:
-            old = live.get(ptr)
+def _lost_blocks(allocs: list[_Alloc]) -> list[tuple[int, int | None]]:
+    """Allocations with no recorded free: ``(index, deadline)``, where ``deadline`` is the index
+    of the allocation that hands the same address out again (the CPU allocator never gives out a
+    live address, so the block was freed before it), or None for a block that looks alive at the
+    end."""
+    live: dict[int, int] = {}
+    lost = []
+    for i, a in enumerate(allocs):
+        if a.size >= 0:
+            old = live.get(a.ptr)
             if old is not None:
-                ft = collective_end(old[0]) if _under_collective(old[3]) else None
-                if ft is None or ft >= t:
-                    extra.append((t, order - 0.5, ptr, None, frames_inferred, old[2]))
-                else:
-                    extra.append((ft, -1, ptr, None, frames_inferred, old[2]))
-            live[ptr] = (t, order, size, frames)
+                lost.append((old, i))
+            live[a.ptr] = i
         else:
-            live.pop(ptr, None)
-    for ptr, (t0, _order, size, frames) in live.items():
-        if _under_collective(frames):
-            ft = collective_end(t0)
-            if ft is not None:
-                extra.append((ft, -1, ptr, None, frames_inferred, size))
-    if not extra:
-        return [(a[0], a[1], a[2], a[3], a[4], None) for a in allocs], 0
-    merged = [(a[0], a[1], a[2], a[3], a[4], None) for a in allocs] + extra
-    merged.sort(key=lambda e: (e[0], e[1]))
-    return merged, len(extra)
+            live.pop(a.ptr, None)
+    lost.extend((i, None) for i in live.values())
+    return sorted(lost)
 
 
-def _sorted_roots(roots: list) -> list:
-    return sorted(roots, key=lambda e: e.start_time_ns)
+def _unseen_frees(allocs: list[_Alloc]) -> list[tuple[int, int]]:
+    """``(index, bytes)``: bytes the allocator freed, on threads the profiler does not trace,
+    between event ``index - 1`` and event ``index``.
+
+    Each event carries the allocator's running total over all threads (``total_allocated``;
+    the recorder turns on the CPU allocator's process-wide accounting, see ``backends``), so a
+    total lower than the previous one plus this event's size is a free nobody recorded. Two
+    events of different threads can reach the allocator in the opposite order of their time
+    stamps; such a pair is read in the order its totals agree with.
+    """
+    order = list(range(len(allocs)))
+    for k in range(1, len(order)):  # one pass of local swaps for races between threads
+        a, b = allocs[order[k - 1]], allocs[order[k]]
+        if (a.tid != b.tid and a.total is not None and b.total is not None
+                and b.total != a.total + b.size and a.total == b.total + a.size):
+            order[k - 1], order[k] = order[k], order[k - 1]
+    drops = []
+    prev = None
+    for i in order:
+        a = allocs[i]
+        if a.total is None:
+            prev = None
+            continue
+        if prev is not None:
+            unseen = a.total - a.size - prev
+            if unseen < 0:
+                drops.append((i, -unseen))
+        prev = a.total
+    return drops
+
+
+def _recover_lost_frees(allocs: list[_Alloc], frames: _Frames) -> tuple[list, int]:
+    """Add the frees the profiler could not see, from the allocator's own accounting.
+
+    Every unseen drop of the allocator's total is matched to blocks with no recorded free that
+    are alive at that moment (same byte count; the oldest first) and they are freed there. A
+    lost block left unmatched (accounting unavailable) is freed just before its address is
+    handed out again. Returns the merged event list ``(time_ns, order, ptr, size, frames,
+    inferred_size)`` (``size`` None = inferred free) and the number of inferred frees.
+    """
+    lost = _lost_blocks(allocs)
+    if not lost:
+        return [(a.time_ns, a.seq, a.ptr, a.size, a.frames, None) for a in allocs], 0
+    free_at: dict[int, int] = {}  # lost alloc index -> index of the event it is freed before
+    for at, nbytes in _unseen_frees(allocs):
+        for idx in _match(lost, free_at, at, nbytes, allocs):
+            free_at[idx] = at
+    for idx, deadline in lost:
+        if idx not in free_at and deadline is not None:
+            free_at[idx] = deadline
+    inferred_stack = frames.stack([frames.intern(*INFERRED_FREE_FRAME)])
+    events = [(a.time_ns, a.seq, a.ptr, a.size, a.frames, None) for a in allocs]
+    for idx, at in free_at.items():
+        a, b = allocs[idx], allocs[at]
+        events.append((b.time_ns, b.seq - 0.5, a.ptr, None, inferred_stack, a.size))
+    events.sort(key=lambda e: (e[0], e[1]))
+    return events, len(free_at)
+
+
+def _match(lost: list, taken: dict, at: int, nbytes: int, allocs: list[_Alloc]) -> list[int]:
+    """Lost blocks alive before event ``at`` whose sizes add up to ``nbytes``: one block of that
+    size (the oldest), else the oldest blocks that fit exactly; [] when none add up."""
+    alive = [idx for idx, deadline in lost if idx < at and idx not in taken
+             and (deadline is None or deadline >= at)]
+    for idx in alive:
+        if allocs[idx].size == nbytes:
+            return [idx]
+    picked, left = [], nbytes
+    for idx in alive:
+        if allocs[idx].size <= left:
+            picked.append(idx)
+            left -= allocs[idx].size
+            if left == 0:
+                return picked
+    return []
 
 
 def _build_trace(events: list) -> tuple[list, dict]:
+    """The snapshot trace entries, and the blocks alive at the end: ``{ptr: (size, frames)}``."""
     trace: list[dict] = []
     live: dict[int, tuple[int, list]] = {}
     append = trace.append
@@ -389,3 +421,56 @@ def _build_trace(events: list) -> tuple[list, dict]:
         append({"action": "free_completed", "addr": ptr, "size": n, "stream": 0,
                 "time_us": t_us, "frames": frames})
     return trace, live
+
+
+def _last(trace: list, max_entries: int | None) -> list:
+    """Ring-buffer semantics: only the last ``max_entries`` entries."""
+    if max_entries is not None and max_entries >= 0 and len(trace) > max_entries:
+        return trace[len(trace) - max_entries:] if max_entries else []
+    return trace
+
+
+def _annotations(ranges: list, main_tid) -> list[dict]:
+    """START/END entries of the script's own thread's ranges, sorted by time.
+
+    A worker thread's ranges (gloo:all_gather, ...) overlap the main thread's and would break
+    START/END nesting for a reader. At one instant: ENDs first (inner before outer), then STARTs
+    (outer first).
+    """
+    marks = []
+    for start, end, rseq, name, tid in ranges:
+        if tid == main_tid or main_tid is None:
+            marks.append((start / 1000.0, 1, rseq, "START", name))
+            marks.append((end / 1000.0, 0, -rseq, "END", name))
+    marks.sort(key=lambda a: (a[0], a[1], a[2]))
+    return [{"stage": st, "name": nm, "device": 0, "time_us": t} for t, _, _, st, nm in marks]
+
+
+def _unrecorded_bytes(allocs: list[_Alloc], live: dict) -> int:
+    """Bytes alive at the end that no recorded allocation explains: the allocator's own total
+    after the last event minus the blocks the trace leaves alive. These blocks were allocated
+    before recording started (``--steps``) or on a thread the profiler does not trace."""
+    last = next((a.total for a in reversed(allocs) if a.total is not None), None)
+    if last is None:
+        return 0
+    return max(0, last - sum(size for size, _ in live.values()))
+
+
+def _segments(live: dict, unrecorded: int, frames: _Frames) -> list[dict]:
+    """One pseudo segment per block alive at the end, holding that block; sorted by address.
+    ``unrecorded`` bytes become one more block at address 0 (no real block has it), with no
+    alloc in the trace: a reader counts it as alive since before the first entry."""
+    live = dict(live)
+    if unrecorded:
+        live[0] = (unrecorded, frames.stack([frames.intern(*UNRECORDED_FRAME)]))
+    segments = []
+    for addr in sorted(live):
+        size, stack = live[addr]
+        segments.append({
+            "device": 0, "address": addr, "total_size": size, "allocated_size": size,
+            "active_size": size, "requested_size": size, "stream": 0, "segment_type": "cpu",
+            "segment_pool_id": (0, 0), "is_expandable": False, "frames": stack,
+            "blocks": [{"address": addr, "size": size, "requested_size": size,
+                        "state": "active_allocated", "frames": stack}],
+        })
+    return segments

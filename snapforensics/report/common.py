@@ -6,7 +6,7 @@ passes them through its sink's function in report/sanitize.py.
 
 from __future__ import annotations
 
-from snapforensics.analysis.diagnosis import Diagnosis, Finding
+from snapforensics.analysis.diagnosis import Diagnosis, Finding, saving_rank
 from snapforensics.analysis.evidence import human
 from snapforensics.analysis.vocab import Verdict
 from snapforensics.report.sanitize import NAME, cap
@@ -34,13 +34,8 @@ HEADLINE_INFO_SHARE = 0.20
 RESERVED_SAVING_RULES = frozenset({"allocator.fragmentation"})
 
 
-def _rank(f: Finding) -> tuple[int, int]:
-    """Peak saving first (what fixing it buys), then bytes (how big it is)."""
-    return (f.saving_bytes or 0, f.bytes)
-
-
 def by_saving(findings: list[Finding]) -> list[Finding]:
-    return sorted(findings, key=_rank, reverse=True)
+    return sorted(findings, key=saving_rank, reverse=True)
 
 
 def verdict_order(findings: list[Finding]) -> list[Finding]:

@@ -1,4 +1,5 @@
-"""Rendering of a Comparison (analysis/compare.py): terminal and markdown (json: report/json).
+"""Rendering of a Comparison (analysis/compare.py) and of two runs compared rank by rank
+(analysis/gate.py): terminal, markdown, html (json: report/json).
 
 Labels, sources, categories and rule ids came from snapshots: each passes its sink's function
 of report/sanitize.py, exactly as in the diagnosis reports.
@@ -149,7 +150,7 @@ def category_rows(c: Comparison) -> list[tuple[str, list[str]]]:
 # ---------------------------------------------------------------------------------- formats
 
 def terminal(c: Comparison, screen: Screen = PLAIN) -> str:
-    console = screen.console()
+    console = screen.console(width=120)
     mode = "before/after" if c.mode == BEFORE_AFTER else "rank vs rank"
     console.print(t(f"snapforensics compare ({mode}, baseline {c.baseline['label']})", FRAME,
                     "bold"))
@@ -234,6 +235,8 @@ def terminal(c: Comparison, screen: Screen = PLAIN) -> str:
     line = imbalance_line(c)
     if line:
         console.print(t(line, TEXT, "bold red" if flagged else "green"))
+    for x in gate_lines(c):
+        console.print(t(x, TEXT, "bold red" if x.startswith("FAIL") else "green"))
     return console.file.getvalue()
 
 
@@ -290,8 +293,124 @@ def markdown(c: Comparison, screen: Screen = PLAIN) -> str:
         out += [f"| {'-' if r['rank'] is None else r['rank']} | {md(r['source'], FRAME)} | "
                 f"{human(r['peak_bytes'])} | {pct(r['deviation_pct'])} |"
                 for r in c.imbalance["ranks"]]
+    gate = gate_lines(c)
+    if gate:
+        out += ["", "## Gate", ""] + [f"- {md(x, TEXT)}" for x in gate]
     return "\n".join(out) + "\n"
 
 
 def _letter(n: int) -> str:
     return chr(ord("A") + n) if n < 26 else f"#{n + 1}"
+
+
+def gate_lines(doc) -> list[str]:
+    """The CI gate's verdict, when one was asked (`--fail-on`)."""
+    if doc.gate is None:
+        return []
+    return [f"FAIL: {x}" for x in doc.gate] or ["gate passed"]
+
+
+def html(c: Comparison, screen: Screen = PLAIN) -> str:
+    """The same sections as markdown, as one self-contained offline page."""
+    from snapforensics.report.pages import lines, page, table
+
+    n = len(c.inputs)
+    body = lines(gate_lines(c), "fail") + lines(c.warnings[:ROWS])
+    body.append("<h2>Inputs</h2>" + table(
+        ["", "source", "rank", "overall peak", "peak in", "anomalies"],
+        [[_letter(i), x["source"], "-" if x["rank"] is None else x["rank"],
+          human(x["peaks"]["overall_bytes"]), x["peak_phase"] or "-",
+          ", ".join(x["anomalies"]) or "none"] for i, x in enumerate(c.inputs)]))
+    body.append("<h2>Peaks</h2>" + table(
+        ["", _letter(0)] + [h for i in range(1, n) for h in (_letter(i), f"{_letter(i)} - A")],
+        [[name, human(c.baseline["peaks"][key])]
+         + [x for d in c.deltas for x in (human(d["peaks"][key]["after"]),
+                                          change(d["peaks"][key]))]
+         for key, name in PEAK_NAMES]))
+    rows = category_rows(c)
+    if rows:
+        body.append("<h2>Alive at the peak, by what made it</h2>" + table(
+            ["category", _letter(0)] + [f"{_letter(i)} (change)" for i in range(1, n)],
+            [[cat, *cells] for cat, cells in rows]))
+    rows = finding_rows(c)
+    body.append("<h2>Findings</h2>" + (table(
+        ["rule", "verdict", "status"] + [_letter(i) for i in range(n)],
+        [[rule, verdict, status, *cells] for rule, verdict, status, cells in rows],
+        [verdict for _, verdict, _, _ in rows]) if rows else "<p>No findings in any input.</p>"))
+    for d in c.deltas:
+        pl = prediction_lines(d)
+        if pl:
+            body += lines([f"Prediction check ({c.baseline['label']} -> {d['label']}):"] + pl,
+                          "")
+    line = imbalance_line(c)
+    if line:
+        body += lines([line], "")
+    mode = "before/after" if c.mode == BEFORE_AFTER else "rank vs rank"
+    return page(f"snapforensics compare ({mode})", headline(c), body, c.tool)
+
+
+# ------------------------------------------------------------------------- two runs, by rank
+
+RUN_HEAD = ["rank", "peak A", "peak B", "change", "new anomalies", "gone anomalies"]
+
+
+def runs_headline(r) -> str:
+    o = r.overall
+    g = o["largest_growth"]
+    words = [f"{o['ranks']} ranks compared: highest peak {human(o['peak_bytes']['before'])} -> "
+             f"{human(o['peak_bytes']['after'])} ({pct(o['peak_bytes']['delta_pct'])})",
+             f"largest change {g['label']} {change(g)}"]
+    if o["new_anomalies"]:
+        words.append("new: " + ", ".join(o["new_anomalies"]))
+    if o["gone_anomalies"]:
+        words.append("gone: " + ", ".join(o["gone_anomalies"]))
+    return "; ".join(words)
+
+
+def _run_rows(r) -> list[list[str]]:
+    from snapforensics.analysis.gate import new_anomalies
+
+    out = []
+    for c in r.pairs:
+        d = c.deltas[0]
+        p = d["peaks"]["overall_bytes"]
+        out.append([who(c.inputs[1]), human(p["before"]), human(p["after"]), change(p),
+                    ", ".join(x["rule"] for x in new_anomalies(d)) or "-",
+                    ", ".join(x["rule"] for x in d["findings"]["disappeared"]
+                              if x["verdict"] == "anomalous") or "-"])
+    return out
+
+
+def _run_notes(r) -> list[str]:
+    return gate_lines(r) + [f"no counterpart: {u}" for u in r.unpaired[:ROWS]]
+
+
+def runs_terminal(r, screen: Screen = PLAIN) -> str:
+    console = screen.console()
+    console.print(t(f"snapforensics compare {r.a} -> {r.b} (rank by rank)", FRAME, "bold"))
+    console.print(t(runs_headline(r), TEXT, "bold"))
+    tab = Table(show_edge=False)
+    for col in RUN_HEAD:
+        tab.add_column(col, overflow="fold")
+    for row in _run_rows(r):
+        tab.add_row(*(t(x, TEXT) for x in row))
+    console.print(tab)
+    for x in _run_notes(r):
+        console.print(t(x, TEXT, "bold red" if x.startswith("FAIL") else "yellow"))
+    return console.file.getvalue()
+
+
+def runs_markdown(r, screen: Screen = PLAIN) -> str:
+    from snapforensics.report.pages import md_table
+
+    return "\n".join([f"# snapforensics compare {md(r.a)} -> {md(r.b)} (rank by rank)", "",
+                      f"**{md(runs_headline(r), TEXT)}**", ""]
+                     + md_table(RUN_HEAD, _run_rows(r))
+                     + [f"- {md(x, TEXT)}" for x in _run_notes(r)]) + "\n"
+
+
+def runs_html(r, screen: Screen = PLAIN) -> str:
+    from snapforensics.report.pages import lines, page, table
+
+    return page(f"snapforensics compare {r.a} -> {r.b} (rank by rank)", runs_headline(r),
+                [table(RUN_HEAD, _run_rows(r))] + lines(_run_notes(r)), r.pairs[0].tool)

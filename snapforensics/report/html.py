@@ -9,10 +9,11 @@ embedded JSON has every `<` written as `\\u003c`, so it can never close its scri
 
 from __future__ import annotations
 
-import math
+import re
 from typing import Any
 
 from snapforensics.analysis.diagnosis import DeviceSummary, Diagnosis, Finding
+from snapforensics.report import plot
 from snapforensics.report.common import (
     command_line,
     finding_lines,
@@ -29,29 +30,6 @@ from snapforensics.report.registry import PLAIN, Screen
 from snapforensics.report.sanitize import FRAME, FRAMES, NAME, ROWS, TEXT
 from snapforensics.report.sanitize import html as escape
 
-PHASE_COLORS = {
-    "init": "#9aa3ad",
-    "forward": "#4c8bf5",
-    "backward": "#f29d38",
-    "recompute": "#a86fd8",
-    "optimizer": "#3fae6a",
-    "unknown": "#c9ccd1",
-}
-CATEGORY_COLORS = {
-    "parameter": "#4c8bf5",
-    "fsdp.sharded_param": "#2e86c1",
-    "fsdp.unsharded_param": "#8e44ad",
-    "fsdp.all_gather_buffer": "#b07cc6",
-    "gradient": "#e8a33d",
-    "fsdp.unsharded_grad": "#d35400",
-    "fsdp.sharded_grad": "#48c9b0",
-    "fsdp.reduce_scatter_buffer": "#16a085",
-    "activation": "#e4572e",
-    "recompute_activation": "#b5651d",
-    "optimizer_state": "#3fae6a",
-    "other": "#95a5a6",
-}
-_PALETTE = ("#5d6d7e", "#c0392b", "#1abc9c", "#f1c40f", "#7d3c98", "#2874a6", "#ca6f1e")
 VERDICT_LABEL = {"anomalous": "ANOMALOUS", "expected": "EXPECTED", "info": "INFO"}
 
 CSS = """
@@ -59,9 +37,12 @@ CSS = """
 --red:#c62828;--redbg:#fdecea;--green:#2e7d32;--greenbg:#e8f5e9;--blue:#1565c0;
 --bluebg:#e3f0fd;--amber:#8a5a00;--amberbg:#fff4d6}
 *{box-sizing:border-box}
-body{margin:0;background:var(--soft);color:var(--fg);
+.sf-report{background:var(--soft);color:var(--fg);
 font:15px/1.5 -apple-system,BlinkMacSystemFont,"Segoe UI",Roboto,"Helvetica Neue",Arial,sans-serif}
 main{max-width:1120px;margin:0 auto;padding:24px 20px 48px}
+.topfix{border:1px solid #f3c0bc;background:#fffafa;border-radius:8px;padding:10px 14px;
+margin:12px 0}
+.topfix h4{margin:0 0 4px}
 h1{font-size:20px;margin:0 0 2px}h2{font-size:18px;margin:0 0 10px}
 h3{font-size:16px;margin:0 0 6px}h4{font-size:14px;margin:14px 0 6px}
 code,pre{font:12.5px/1.45 ui-monospace,SFMono-Regular,Menlo,Consolas,"Liberation Mono",monospace}
@@ -134,125 +115,13 @@ def _num(v: Any) -> int:
         return 0
 
 
-def _color(name: str, table: dict[str, str]) -> str:
-    if name in table:
-        return table[name]
-    return _PALETTE[sum(map(ord, name)) % len(_PALETTE)]  # stable across runs, unlike hash()
-
-
-# ---------------------------------------------------------------------------------------------
-# Charts
-
-
-def _nice_scale(vmax: float) -> tuple[float, list[tuple[float, str]]]:
-    """Axis top and tick (value, label) pairs in binary units, about 4-6 ticks."""
-    vmax = max(float(vmax), 1.0)
-    unit, name = 1.0, "B"
-    for k, nm in enumerate(("KiB", "MiB", "GiB", "TiB"), start=1):
-        if vmax >= 1024 ** k:
-            unit, name = float(1024 ** k), nm
-    m = vmax / unit
-    raw = m / 5
-    mag = 10 ** math.floor(math.log10(raw)) if raw > 0 else 1
-    step = next(f * mag for f in (1, 2, 2.5, 5, 10) if f * mag >= raw)
-    n = max(1, math.ceil(m / step - 1e-9))
-    return n * step * unit, [(i * step * unit, f"{i * step:g} {name}") for i in range(n + 1)]
-
-
-def _timeline_svg(dev: DeviceSummary) -> str:
-    pts = [(_num(p[0]), _num(p[1]), str(p[2]) if len(p) > 2 else "unknown")
-           for p in dev.timeline if isinstance(p, (list, tuple)) and len(p) >= 2]
-    if not pts:
-        return ""
-    W, H, L, R, T, B = 1000, 300, 78, 16, 26, 34
-    pw, ph = W - L - R, H - T - B
-    peak = _num(dev.peaks.get("overall_bytes"))
-    r0 = min(0, pts[0][0])
-    r1 = max(pts[-1][0], _num(dev.history.get("rows")) - 1, _num(dev.peak_row), r0 + 1)
-    top, ticks = _nice_scale(max(peak, max(b for _, b, _ in pts)))
-
-    def x(r: float) -> float:
-        return L + (r - r0) / (r1 - r0) * pw
-
-    def y(b: float) -> float:
-        return T + ph - b / top * ph
-
-    out = [f'<svg class="chart" viewBox="0 0 {W} {H}" role="img" '
-           f'aria-label="live bytes over the trace, device {e(dev.device)}">']
-    # phase bands
-    runs: list[tuple[int, int, str]] = []
-    for i, (r, _, p) in enumerate(pts):
-        if not runs or runs[-1][2] != p:
-            runs.append((r0 if i == 0 else r, r, p))
-    for k, (start, _, p) in enumerate(runs):
-        end = runs[k + 1][0] if k + 1 < len(runs) else r1
-        x0, x1 = x(start), x(end)
-        out.append(f'<rect x="{x0:.1f}" y="{T}" width="{max(x1 - x0, 0.5):.1f}" height="{ph}" '
-                   f'fill="{_color(p, PHASE_COLORS)}" fill-opacity="0.18">'
-                   f'<title>{e(p)}: rows {start}-{end}</title></rect>')
-    # grid and y axis
-    for v, label in ticks:
-        yy = y(v)
-        out.append(f'<line x1="{L}" x2="{W - R}" y1="{yy:.1f}" y2="{yy:.1f}" stroke="#d5dae1" '
-                   f'stroke-width="1"/>')
-        out.append(f'<text x="{L - 6}" y="{yy + 4:.1f}" text-anchor="end" font-size="12" '
-                   f'fill="#5f6b7a">{e(label)}</text>')
-    # iteration starts
-    its = dev.iterations
-    for it in its:
-        s = _num(it.get("start_row"))
-        xx = x(s)
-        out.append(f'<line x1="{xx:.1f}" x2="{xx:.1f}" y1="{T}" y2="{T + ph}" stroke="#5f6b7a" '
-                   f'stroke-dasharray="3 3" stroke-width="1"/>')
-        if len(its) <= 16:
-            out.append(f'<text x="{xx + 3:.1f}" y="{T - 8}" font-size="11" fill="#5f6b7a">'
-                       f'iter {e(it.get("index"))}</text>')
-    # live bytes: area + line
-    # whole units: the chart is drawn ~1.1 px per unit, and the points are most of the bytes
-    line = " ".join(f"{x(r):.0f},{y(b):.0f}" for r, b, _ in pts)
-    base = T + ph
-    out.append(f'<polygon points="{x(pts[0][0]):.0f},{base} {line} {x(pts[-1][0]):.0f},{base}" '
-               f'fill="#1d2430" fill-opacity="0.07"/>')
-    out.append(f'<polyline points="{line}" fill="none" stroke="#1d2430" stroke-width="1.6" '
-               f'stroke-linejoin="round"/>')
-    # x axis
-    out.append(f'<line x1="{L}" x2="{W - R}" y1="{base}" y2="{base}" stroke="#8a94a3"/>')
-    for r in (r0, (r0 + r1) // 2, r1):
-        anchor = "start" if r == r0 else "end" if r == r1 else "middle"
-        out.append(f'<text x="{x(r):.1f}" y="{base + 16}" text-anchor="{anchor}" font-size="12" '
-                   f'fill="#5f6b7a">row {r}</text>')
-    out.append(f'<text x="{L + pw / 2:.1f}" y="{H - 3}" text-anchor="middle" font-size="12" '
-               f'fill="#5f6b7a">trace row (allocator events, in order)</text>')
-    # peak
-    px, py = x(_num(dev.peak_row)), y(peak)
-    right = px < L + pw * 0.7
-    out.append(f'<line x1="{px:.1f}" x2="{px:.1f}" y1="{py:.1f}" y2="{base}" stroke="#c62828" '
-               f'stroke-width="1" stroke-dasharray="2 2"/>')
-    out.append(f'<circle cx="{px:.1f}" cy="{py:.1f}" r="5" fill="#c62828" stroke="#fff" '
-               f'stroke-width="1.5"><title>peak {e(human(peak))} at row {e(dev.peak_row)} '
-               f'({e(dev.peak_phase)})</title></circle>')
-    out.append(f'<text x="{px + (8 if right else -8):.1f}" y="{max(py - 8, T + 12):.1f}" '
-               f'text-anchor="{"start" if right else "end"}" font-size="13" font-weight="700" '
-               f'fill="#c62828">peak {e(human(peak))} ({e(dev.peak_phase)})</text>')
-    out.append("</svg>")
-    seen = list(dict.fromkeys(p for _, _, p in pts))
-    legend = "".join(f'<span><span class="sw" style="background:{_color(p, PHASE_COLORS)};'
-                     f'opacity:.55"></span>{e(p)}</span>' for p in seen)
-    legend += ('<span><span class="sw" style="background:#1d2430;height:3px;vertical-align:3px">'
-               '</span>live bytes</span><span><span class="sw" style="background:#c62828;'
-               'border-radius:50%"></span>peak</span>')
-    if its:
-        legend += '<span>dashed lines: iteration starts</span>'
-    return "".join(out) + f'<div class="legend">{legend}</div>'
-
-
-def _bars(rows: list[tuple[str, int]], colors: dict[str, str]) -> str:
+def _bars(rows: list[tuple[str, int]]) -> str:
     total = sum(b for _, b in rows) or 1
     top = max((b for _, b in rows), default=0) or 1
     out = ['<div class="bars">']
     for name, b in rows:
         out.append(f'<div>{e(name)}</div><div class="track"><div class="bar" style="width:'
-                   f'{100 * b / top:.1f}%;background:{_color(name, colors)}"></div></div>'
+                   f'{100 * b / top:.1f}%;background:{plot.color(name)}"></div></div>'
                    f'<div class="n">{e(human(b))}</div>'
                    f'<div class="n muted">{100 * b / total:.0f}%</div>')
     out.append("</div>")
@@ -273,7 +142,7 @@ def _header(d: Diagnosis) -> str:
     p = d.peaks
     out = ['<header class="card">', '<h1>snapforensics diagnosis</h1>',
            f'<div class="src"><code>{e(d.source, FRAME)}</code></div>',
-           f'<div class="headline {cls}">{e(headline(d))}</div>',
+           f'<div class="headline {cls}">{e(headline(d))}</div>', _top_fix(d),
            '<div class="stats">',
            _stat("overall peak", human(p["overall_bytes"])),
            _stat("forward peak", human(p["forward_bytes"]) if p["forward_bytes"] else "n/a"),
@@ -324,7 +193,7 @@ def _stat(k: str, v: str) -> str:
     return f'<div class="stat"><div class="k">{e(k)}</div><div class="v">{e(v)}</div></div>'
 
 
-def _device(dev: DeviceSummary) -> str:
+def _device(dev: DeviceSummary, d: Diagnosis) -> str:
     seg = dev.segments
     row = f" (trace row {_num(dev.peak_row)})" if _num(dev.peak_row) >= 0 else ""
     out = [f'<section class="card" id="device-{e(dev.device)}">',
@@ -342,9 +211,10 @@ def _device(dev: DeviceSummary) -> str:
             note += (f'; history truncated: {human(_num(hist.get("baseline_bytes")))} was '
                      'already alive before the first entry')
         out.append(f'<p class="muted">{e(note)}</p>')
-    chart = _timeline_svg(dev)
+    chart = _plot(dev, d)
     if chart:
-        out += ["<h4>Live bytes over the trace</h4>", chart]
+        out += ["<h4>Live bytes over time, by what made them (hover for what is alive)</h4>",
+                chart]
     else:
         out.append('<p class="muted">No allocation history on this device: no timeline, '
                    'figures come from the segments alive at dump time.</p>')
@@ -372,7 +242,7 @@ def _device(dev: DeviceSummary) -> str:
     if dev.categories_at_peak:
         rows2 = sorted(((str(c), _num(b)) for c, b in dev.categories_at_peak.items()),
                        key=lambda x: -x[1])
-        out += ["<h4>Alive at the peak, by what made it</h4>", _bars(rows2, CATEGORY_COLORS)]
+        out += ["<h4>Alive at the peak, by what made it</h4>", _bars(rows2)]
     if dev.top_stacks_at_peak:
         out.append("<h4>Top allocating stacks alive at the peak</h4>")
         for k, s in enumerate(dev.top_stacks_at_peak):
@@ -439,20 +309,63 @@ def _extra_evidence(ev: dict[str, Any]) -> str:
     return f"<table>{''.join(rows)}</table>" if rows else ""
 
 
+def script_json(v: Any) -> str:
+    """The sink's neutralizer for data inside a <script type="application/json">: `<` only
+    occurs inside JSON strings, where \\u003c means the same character, so nothing in the
+    payload can close the script element or open an HTML comment."""
+    return dumps(v).replace("<", "\\u003c")
+
+
 def _json_block(d: Diagnosis) -> str:
-    data = dumps(d.to_dict())
-    # `<` only occurs inside JSON strings, where \u003c means the same character: nothing in
-    # the payload can close the script element or open an HTML comment.
-    data = data.replace("<", "\\u003c")
-    return f'<script type="application/json" id="diagnosis">{data}</script>'
+    return f'<script type="application/json" id="diagnosis">{script_json(d.to_dict())}</script>'
+
+
+def _plot(dev: DeviceSummary, d: Diagnosis) -> str:
+    if dev.plot is None:
+        return ""
+    top = next((f for f in d.findings if f.rule == dev.plot.predicted_rule
+                and f.device == dev.device), None)
+    return plot.svg(dev.plot, e, script_json, top.title if top else None)
+
+
+def _top_fix(d: Diagnosis) -> str:
+    """The fix of the anomaly to fix first, on the first screen."""
+    f = d.top
+    if f is None or not f.fix:
+        return ""
+    i = verdict_order(d.findings).index(f) + 1
+    after = (f" Predicted peak after it: {human(f.predicted_peak_bytes)}"
+             f" (now {human(d.peaks['overall_bytes'])})." if f.predicted_peak_bytes else "")
+    return (f'<div class="topfix"><h4>Fix first: <a href="#finding-{i}">{e(f.title, NAME)}</a>'
+            f'</h4><div class="muted">{e(after)}</div>'
+            f'<pre class="fix"><code>{e(f.fix, FRAME * FRAMES)}</code></pre></div>')
+
+
+def _scoped(css: str, scope: str = ".sf-report") -> str:
+    """Every rule of `css` limited to the report's element, so the styles never leak into a
+    page the report is embedded in (a notebook)."""
+    def one(m: re.Match) -> str:
+        sels = ",".join(scope if x.strip() in (":root", ".sf-report") else f"{scope} {x.strip()}"
+                        for x in m[1].split(","))
+        return f"{sels}{{{m[2]}}}"
+    return re.sub(r"([^{}]+)\{([^{}]*)\}", one, css)
+
+
+def fragment(d: Diagnosis) -> str:
+    """The summary and the plots, for a notebook cell (`Report._repr_html_`)."""
+    body = _header(d) + "".join(
+        f"<h4>Device {e(dev.device)}</h4>{_plot(dev, d)}" for dev in d.devices if dev.plot)
+    return (f'<div class="sf-report"><style>{_scoped(CSS + plot.CSS)}</style>{body}'
+            f'<script>{plot.JS}</script></div>')
 
 
 def render(d: Diagnosis, screen: Screen = PLAIN) -> str:
     parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
              '<meta name="viewport" content="width=device-width, initial-scale=1">',
              f"<title>snapforensics: {e(d.source, FRAME)}</title>",
-             f"<style>{CSS}</style></head><body><main>", _header(d)]
-    parts += [_device(dev) for dev in d.devices]
+             f"<style>body{{margin:0}}{_scoped(CSS + plot.CSS)}</style></head>"
+             '<body class="sf-report"><main>', _header(d)]
+    parts += [_device(dev, d) for dev in d.devices]
     parts.append('<h2 class="sec" id="findings">Findings</h2>')
     if not d.findings:
         parts.append('<section class="card"><p class="muted">No findings: no rule matched this '
@@ -462,5 +375,7 @@ def render(d: Diagnosis, screen: Screen = PLAIN) -> str:
                  'this file as JSON: <code>&lt;script type="application/json" id="diagnosis"'
                  '&gt;</code>.</footer>')
     parts.append(_json_block(d))
+    if any(dev.plot for dev in d.devices):
+        parts.append(f"<script>{plot.JS}</script>")
     parts.append("</main></body></html>\n")
     return "\n".join(parts)

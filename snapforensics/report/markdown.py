@@ -1,11 +1,16 @@
 """Markdown: a report to paste into a bug ticket.
 
 Every string from the snapshot goes through `sanitize.markdown` (text, headings, table cells)
-or `sanitize.markdown_code` (fenced blocks): it cannot close a fence, start a heading, shift a
-table cell, or carry raw HTML or a link.
+or `sanitize.markdown_code` (fenced blocks), or `sanitize.html` inside the `<summary>` of a
+collapsed stack: it cannot close a fence, start a heading, shift a table cell, or carry raw HTML
+or a link. `-o report.md` also writes the timeline plot as `report.png` beside it
+(`render_beside`).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
+from urllib.parse import quote
 
 from snapforensics.analysis.diagnosis import Diagnosis
 from snapforensics.report.common import (
@@ -19,16 +24,26 @@ from snapforensics.report.common import (
     verdict_order,
 )
 from snapforensics.report.registry import PLAIN, Screen
-from snapforensics.report.sanitize import FRAME, FRAMES, ROWS, TEXT, lines
+from snapforensics.report.sanitize import FRAME, FRAMES, ROWS, TEXT, html, lines
 from snapforensics.report.sanitize import markdown as md
 from snapforensics.report.sanitize import markdown_code as code
 from snapforensics.report.sanitize import markdown_span as span
 
 
-def render(d: Diagnosis, screen: Screen = PLAIN) -> str:
+def render(d: Diagnosis, screen: Screen = PLAIN, image: str | None = None) -> str:
+    """`image`: the timeline plot's PNG written beside the report (`render_beside`)."""
     out = [f"# snapforensics diagnosis: {md(d.source, FRAME)}", "",
-           f"**{md(headline(d), TEXT)}**", "", f"- {md(peak_line(d), TEXT)}",
-           f"- {md(provenance_line(d), TEXT)}"]
+           f"**{md(headline(d), TEXT)}**", ""]
+    top = d.top
+    if top is not None and top.fix:
+        after = (f", predicted peak after it {human(top.predicted_peak_bytes)}"
+                 if top.predicted_peak_bytes else "")
+        out += [f"Fix first ({span(top.rule)}{after}):", "",
+                *code(lines(top.fix, FRAMES), "python"), ""]
+    if image:
+        out += [f"![live bytes over time by category, and the predicted curve after the fix]"
+                f"({quote(image)})", ""]
+    out += [f"- {md(peak_line(d), TEXT)}", f"- {md(provenance_line(d), TEXT)}"]
     cmd = command_line(d)
     if cmd:
         out.append(f"- command: {md(cmd, FRAME)}")
@@ -53,17 +68,16 @@ def render(d: Diagnosis, screen: Screen = PLAIN) -> str:
                 out.append(f"| … {len(dev.iterations) - ROWS} more | | | | |")
             out.append("")
         if dev.categories_at_peak:
-            out += ["| alive at peak, by what made it | bytes |", "|---|---|"]
-            out += [f"| {md(c)} | {human(b)} |" for c, b in
+            total = sum(dev.categories_at_peak.values()) or 1
+            out += ["| alive at peak, by what made it | bytes | share |", "|---|--:|--:|"]
+            out += [f"| {md(c)} | {human(b)} | {100 * b / total:.0f}% |" for c, b in
                     sorted(dev.categories_at_peak.items(), key=lambda x: -x[1])[:ROWS]]
             out.append("")
         if dev.top_stacks_at_peak:
             out += ["Top allocating stacks alive at the peak:", ""]
             for s in dev.top_stacks_at_peak[:3]:
-                out.append(f"- {human(s['bytes'])} in {s['blocks']} blocks "
-                           f"({md(s.get('category', '?'))})")
-                out += [f"  {line}" for line in code(s["stack"][:8])]
-            out.append("")
+                out += _details(f"{human(s['bytes'])} in {s['blocks']} blocks "
+                                f"({s.get('category', '?')})", s["stack"][:8])
     out += ["## Findings", ""]
     if not d.findings:
         out += ["No findings.", ""]
@@ -77,8 +91,29 @@ def render(d: Diagnosis, screen: Screen = PLAIN) -> str:
             out += [f"| {md(m['module'])} | {human(m['bytes'])} | {m['blocks']} |"
                     for m in mods[:ROWS]]
             out.append("")
-        for s in (f.evidence.get("stacks") or [])[:1]:
-            out += ["Representative stack:", "", *code(s["stack"][:FRAMES]), ""]
         if f.fix:
-            out += ["Fix:", "", *code(lines(f.fix, FRAME, FRAMES), "python"), ""]
+            out += ["Fix:", "", *code(lines(f.fix, FRAMES), "python"), ""]
+        for s in (f.evidence.get("stacks") or [])[:1]:
+            out += _details("Representative stack", s["stack"][:FRAMES])
     return "\n".join(out)
+
+
+def _details(summary: str, stack: list[str]) -> list[str]:
+    """A collapsed stack: GitHub and GitCode render `<details>` with a fenced block inside
+    when blank lines separate them. The summary is HTML there: it takes the HTML sink's
+    neutralizer, the block the fence's."""
+    return [f"<details><summary>{html(summary, TEXT)}</summary>", "", *code(stack), "",
+            "</details>", ""]
+
+
+def render_beside(d: Diagnosis, path: Path) -> str:
+    """The report for `-o FILE`: the timeline plot is written beside it (FILE with .png) with
+    matplotlib, and linked by its name."""
+    from snapforensics.report import plot
+    from snapforensics.report.output import write_file
+
+    series = [dev.plot for dev in d.devices if dev.plot is not None]
+    image = Path(path).with_suffix(".png") if series else None
+    if image is not None:
+        write_file(image, plot.png(series))
+    return render(d, PLAIN, image.name if image else None)

@@ -23,7 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from snapforensics.errors import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, SnapError
-from snapforensics.report.registry import EXTENSIONS, PLAIN, Screen, formats, render
+from snapforensics.report.registry import (
+    EXTENSIONS,
+    PLAIN,
+    Screen,
+    formats,
+    render,
+    render_to_file,
+)
 
 STDOUT = "-"
 
@@ -55,7 +62,7 @@ def emit(kind: str, doc: Any, fmt: str | None = None, output: str | None = None)
         screen = Screen.detect(sys.stdout) if fmt == "terminal" else PLAIN
         write_stdout(render(kind, doc, fmt, screen))
     else:
-        write_file(output, render(kind, doc, fmt, PLAIN))
+        write_file(output, render_to_file(kind, doc, fmt, output))
 
 
 def write_stdout(text: str) -> None:
@@ -103,16 +110,17 @@ def check_target(path: str | os.PathLike) -> None:
                         "(or - for stdout)", EXIT_BAD_INPUT)
 
 
-def write_file(path: str | os.PathLike, text: str) -> None:
-    """Write `text` to `path` atomically (see the module docstring)."""
+def write_file(path: str | os.PathLike, text: str | bytes) -> None:
+    """Write `text` (or bytes: the Markdown report's PNG) to `path` atomically (see the module
+    docstring)."""
     check_target(path)
     target = Path(path)
     folder = target.parent
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(prefix=".snapforensics-", suffix=".tmp", dir=folder)
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(text.encode("utf-8") if isinstance(text, str) else text)
         os.chmod(tmp, _mode_for(target))
         os.replace(tmp, target)
         tmp = None

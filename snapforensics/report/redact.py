@@ -33,8 +33,9 @@ def _walk(v: Any) -> Any:
         return redact_text(v)
     if isinstance(v, list):
         return [_walk(x) for x in v]
-    if isinstance(v, tuple):
-        return tuple(_walk(x) for x in v)
+    if isinstance(v, tuple):  # a NamedTuple (a finding's Replay) stays one
+        items = [_walk(x) for x in v]
+        return type(v)(*items) if hasattr(v, "_fields") else tuple(items)
     if isinstance(v, dict):
         return {k: _walk(x) for k, x in v.items() if k not in _DROP}
     if dataclasses.is_dataclass(v) and not isinstance(v, type):

@@ -34,15 +34,42 @@ RENDERERS: dict[str, dict[str, str]] = {
         "terminal": "snapforensics.report.compare:terminal",
         "markdown": "snapforensics.report.compare:markdown",
         "json": "snapforensics.report.json:render",
+        "html": "snapforensics.report.compare:html",
     },
+    "compare_runs": {
+        "terminal": "snapforensics.report.compare:runs_terminal",
+        "markdown": "snapforensics.report.compare:runs_markdown",
+        "json": "snapforensics.report.json:render",
+        "html": "snapforensics.report.compare:runs_html",
+    },
+    "fleet": {
+        "terminal": "snapforensics.report.fleet:terminal",
+        "markdown": "snapforensics.report.fleet:markdown",
+        "json": "snapforensics.report.json:render",
+        "html": "snapforensics.report.fleet:html",
+    },
+    "forecast": {
+        "terminal": "snapforensics.report.forecast:terminal",
+        "markdown": "snapforensics.report.forecast:markdown",
+        "json": "snapforensics.report.json:render",
+        "html": "snapforensics.report.forecast:html",
+    },
+}
+
+
+# Reports that, written to FILE, also write files beside it (the Markdown report's PNG plot):
+# `render(doc, path) -> str`, used instead of the plain renderer for `-o FILE`.
+BESIDE: dict[tuple[str, str], str] = {
+    ("diagnosis", "markdown"): "snapforensics.report.markdown:render_beside",
 }
 
 
 @dataclass(frozen=True)
 class Screen:
-    """Where terminal text goes: its width and colours (None: plain text, no escape codes)."""
+    """Where terminal text goes: the terminal's width (None: no terminal, the renderer picks
+    the width its tables read best at) and colours (None: plain text, no escape codes)."""
 
-    width: int = 100
+    width: int | None = None
     color_system: str | None = None
 
     @classmethod
@@ -56,12 +83,14 @@ class Screen:
             return cls()
         return cls(width=c.width, color_system=c.color_system)
 
-    def console(self):
-        """A console that records into a buffer: no markup parsing, no emoji codes, no
-        highlighting of numbers in our own text (untrusted strings are never markup here)."""
+    def console(self, width: int = 100):
+        """A console that records into a buffer, `width` columns unless a real terminal says
+        otherwise: no markup parsing, no emoji codes, no highlighting of numbers in our own
+        text (untrusted strings are never markup here)."""
         from rich.console import Console
 
-        return Console(file=io.StringIO(), width=self.width, color_system=self.color_system,
+        return Console(file=io.StringIO(), width=self.width or width,
+                       color_system=self.color_system,
                        force_terminal=self.color_system is not None, markup=False, emoji=False,
                        highlight=False, no_color=self.color_system is None, soft_wrap=False)
 
@@ -86,3 +115,12 @@ def renderer(kind: str, fmt: str) -> Renderer:
 
 def render(kind: str, doc: Any, fmt: str, screen: Screen = PLAIN) -> str:
     return renderer(kind, fmt)(doc, screen)
+
+
+def render_to_file(kind: str, doc: Any, fmt: str, path) -> str:
+    """The text of `-o path`, after writing what goes beside it (see BESIDE)."""
+    target = BESIDE.get((kind, fmt))
+    if target is None:
+        return render(kind, doc, fmt, PLAIN)
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)(doc, path)

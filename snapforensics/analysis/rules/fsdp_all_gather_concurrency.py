@@ -28,7 +28,7 @@ import numpy as np
 
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding
-from snapforensics.analysis.evidence import by_module, human, peaks, top_stacks
+from snapforensics.analysis.evidence import by_module, counterfactual, human, top_stacks
 from snapforensics.analysis.fsdp_units import forward_end, unit_of_event
 from snapforensics.analysis.vocab import BACKWARD_PHASES, CAT_CODE, Category, Phase, Verdict
 
@@ -188,7 +188,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         unit_bytes[k] = unit_bytes.get(k, 0) + int(d.lt.size[b])
     excess = int(sum(sorted(unit_bytes.values(), reverse=True)[LIMIT:]))
     alloc = _rate_limited(d, blocks)
-    after = peaks(d, d.lt.replay(alloc_row=alloc))
+    after, replay = counterfactual(d, alloc_row=alloc)
     saving = max(d.peak_bytes - after["overall_bytes"], 0)
     verdict = Verdict.ANOMALOUS if saving >= _MIN_SAVING * d.peak_bytes else Verdict.INFO
     it = int(d.iteration[alive[0]]) if alive.size else -1
@@ -204,6 +204,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
             f" Rate-limiting them would lower the peak by only {human(saving)}: not what sets "
             "the peak here."))
     return [Finding(
+        replay=replay,
         rule=RULE, verdict=verdict,
         title=f"{n} all-gathers in flight at once (more than {LIMIT}): no rate limit",
         cause=cause, bytes=alive_bytes, blocks=int(len(alive)), device=d.device, fix=FIX,

@@ -23,7 +23,7 @@ import numpy as np
 
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding
-from snapforensics.analysis.evidence import by_module, by_path, human, peaks, top_stacks
+from snapforensics.analysis.evidence import by_module, by_path, counterfactual, human, top_stacks
 from snapforensics.analysis.fsdp_units import FsdpUnits, forward_end, unit_of_event
 from snapforensics.analysis.vocab import BACKWARD_PHASES, Verdict
 
@@ -144,7 +144,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
             keep_until = int(d.lt.free_row[second].max())
             free_row[first] = np.maximum(free_row[first], keep_until)
             free_row[second] = d.lt.alloc_row[second]
-    after = peaks(d, d.lt.replay(free_row=free_row))
+    after, replay = counterfactual(d, free_row)
     per_iter = {k: sum(int(d.lt.size[s].sum()) for _, s in p) for k, p in found.items()}
     worst = max(per_iter, key=per_iter.__getitem__)
     seconds = np.concatenate([s for _, s in found[worst]])
@@ -160,6 +160,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         "all-gather of its full parameters per step, and the reshard/re-gather churns the "
         "allocator. The memory peak barely moves; the communication is doubled.")
     return [Finding(
+        replay=replay,
         rule=RULE, verdict=Verdict.ANOMALOUS,
         title="Units all-gathered twice per backward (recompute reshards, backward re-gathers)",
         cause=cause, bytes=per_iter[worst], blocks=int(len(seconds)), device=d.device, fix=FIX,

@@ -16,9 +16,9 @@ from snapforensics.analysis.diagnosis import Finding
 from snapforensics.analysis.evidence import (
     by_module,
     by_path,
+    counterfactual,
     human,
     max_alive,
-    replay_peaks,
     top_stacks,
 )
 from snapforensics.analysis.vocab import Category, Verdict
@@ -85,7 +85,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     free_row = d.lt.free_row.copy()
     free_row[blocks] = _reshard_rows(d, blocks)
     before = {"overall_bytes": d.peak_bytes}
-    after = replay_peaks(d, free_row)
+    after, replay = counterfactual(d, free_row)
     paths = by_path(d, worst_blocks)
     n_mod = len({d.module_of(b) for b in worst_blocks.tolist()})
     via = ", ".join(f"{p} ({human(v)})" for p, v in sorted(paths.items(), key=lambda x: -x[1]))
@@ -98,6 +98,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         "pre-forward / pre-backward hooks), so parameter memory climbs layer by layer through "
         "backward instead of staying at one or two layers.")
     return [Finding(
+        replay=replay,
         rule=RULE, verdict=Verdict.ANOMALOUS,
         title="Parameters unsharded in backward/recompute are not resharded",
         cause=cause, bytes=per_iter[worst], blocks=int(len(worst_blocks)), device=d.device,

@@ -21,9 +21,9 @@ from snapforensics.analysis.diagnosis import Finding
 from snapforensics.analysis.evidence import (
     by_module,
     by_path,
+    counterfactual,
     human,
     max_alive,
-    peaks,
     per_iteration,
     top_stacks,
 )
@@ -58,7 +58,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     at_once = max_alive(d, blocks)
     free_row = d.lt.free_row.copy()
     free_row[stale] = d.lt.alloc_row[stale]  # never allocated
-    after = peaks(d, d.lt.replay(free_row=free_row))
+    after, replay = counterfactual(d, free_row)
     paths = by_path(d, blocks)
     via = ", ".join(f"{p} ({human(v)})" for p, v in sorted(paths.items(), key=lambda x: -x[1]))
     cause = (
@@ -70,6 +70,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         "targeted a unit that did not run next, so each such buffer sits until the end of "
         "backward and they pile up layer by layer.")
     return [Finding(
+        replay=replay,
         rule=RULE, verdict=Verdict.ANOMALOUS,
         title="Unused all-gather buffers from prefetch during backward, freed only at the end",
         cause=cause, bytes=per_iter[worst], blocks=int(len(blocks)), device=d.device, fix=FIX,

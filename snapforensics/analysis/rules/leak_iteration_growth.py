@@ -19,7 +19,7 @@ import numpy as np
 
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding
-from snapforensics.analysis.evidence import human, replay_peaks, top_stacks
+from snapforensics.analysis.evidence import counterfactual, human, top_stacks
 from snapforensics.analysis.stacks import user_frame
 from snapforensics.analysis.vocab import CATEGORIES, Category, Verdict
 
@@ -81,7 +81,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     one = leaked[d.iteration[leaked] == one_it]
     free_row = lt.free_row.copy()
     free_row[leaked] = nxt[outlived]
-    after = replay_peaks(d, free_row)
+    after, replay = counterfactual(d, free_row)
     where = []
     for sid in np.unique(lt.stack[one]).tolist():
         u = user_frame(d, sid)
@@ -105,6 +105,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         + ". " + ("They include forward outputs, so each kept tensor also pins its autograd "
                   "graph." if graph else "Something in the loop keeps a reference every step."))
     return [Finding(
+        replay=replay,
         rule=RULE, verdict=Verdict.ANOMALOUS,
         title="Memory grows iteration over iteration (leak in the training loop)",
         cause=cause, bytes=kept, blocks=int(retained.size), device=d.device,

@@ -1,0 +1,240 @@
+"""The Python API: load, diagnose, compare, and pandas DataFrames for notebooks.
+
+    import snapforensics as sf
+    d = sf.diagnose("runs/a/rank0.pickle", categories={"attention": r"attn|sdpa"})
+    d.blocks            # one row per block (DataFrame)
+    d.timeline          # one row per trace row
+    d.findings          # one row per finding
+    d.categories_at_peak
+    d.stack(stack_id)   # the frames of a stack, innermost first
+    d.diagnosis         # the plain Diagnosis every renderer reads; d.to_dict() is the JSON
+
+DataFrames are built from the interned model's numpy arrays (strings as categoricals built
+from codes), never from one Python object per row. pandas is imported on first use.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from snapforensics.analysis.context import DeviceAnalysis
+from snapforensics.analysis.diagnosis import Diagnosis
+from snapforensics.analysis.stacks import is_noise
+from snapforensics.snapshot.model import Frame, Snapshot
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from snapforensics.analysis.compare import Comparison
+
+__all__ = ["load", "diagnose", "compare", "Report"]
+
+# a frame in torch or any installed library is not the user's (recorded paths may be relative)
+_LIBRARY = re.compile(r"(^|[\\/])(torch|site-packages|dist-packages|lib[\\/]python[\d.]*)[\\/]")
+
+
+def load(path: str | Path) -> Snapshot:
+    """Read a snapshot file (.pickle/.pkl, gzip'd too) into the interned model."""
+    from snapforensics.snapshot import load as _load
+
+    return _load(path)
+
+
+def diagnose(source: str | Path | Snapshot,
+             categories: Mapping[str, str | re.Pattern] | None = None) -> Report:
+    """Diagnose a snapshot file or a loaded Snapshot. `categories`: user categories, name ->
+    regex matched on stack frames (`function file:line`) and record_function range names;
+    applied after the built-in classification (the rules see the built-in categories)."""
+    from snapforensics.analysis.classify import user_categories
+    from snapforensics.analysis.diagnose import diagnose_devices
+
+    snap = source if isinstance(source, Snapshot) else load(source)
+    diagnosis, analyses = diagnose_devices(snap, user_categories(categories))
+    return Report(diagnosis, analyses, snap)
+
+
+def compare(*inputs: str | Path | Snapshot | Report | Diagnosis, mode: str = "auto"
+            ) -> Comparison:
+    """Compare against the first input (before/after a fix, or the ranks of one run): paths
+    (a run folder or glob stands for its rank files), Snapshots, Reports or Diagnoses."""
+    paths = [x for x in inputs if isinstance(x, (str, Path))]
+    if len(paths) == len(inputs):
+        from snapforensics.commands.compare import compare_paths
+
+        return compare_paths(paths, mode=mode)
+    from snapforensics.analysis.compare import compare as _compare
+
+    diags = [x.diagnosis if isinstance(x, Report) else x if isinstance(x, Diagnosis)
+             else diagnose(x).diagnosis for x in inputs]
+    return _compare(diags, mode=mode)
+
+
+class Report:
+    """One diagnosed snapshot: the Diagnosis (what the reports render, the JSON) plus the
+    per-device analyses it was made from, as DataFrames."""
+
+    def __init__(self, diagnosis: Diagnosis, analyses: list[DeviceAnalysis], snapshot: Snapshot):
+        self.diagnosis = diagnosis
+        self.analyses = analyses
+        self.snapshot = snapshot
+
+    # -- plain data
+    @property
+    def peaks(self) -> dict[str, int]:
+        return self.diagnosis.peaks
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON contract (`snapforensics.diagnosis/1`)."""
+        return self.diagnosis.to_dict()
+
+    def render(self, fmt: str = "markdown") -> str:
+        """The report as text: terminal, markdown, json or html."""
+        from snapforensics.report import render_text
+
+        return render_text(self.diagnosis, fmt)
+
+    def stack(self, stack_id: int) -> list[Frame]:
+        """Frames of a stack (the `stack_id` column), innermost first; [] for -1 (none)."""
+        return self.snapshot.stack_frames(int(stack_id))
+
+    # -- DataFrames
+    @cached_property
+    def findings(self) -> pd.DataFrame:
+        import pandas as pd
+
+        cols = ("rule", "verdict", "title", "device", "bytes", "blocks",
+                "predicted_peak_bytes", "saving_bytes", "fix", "cause")
+        rows = [[getattr(f, c) for c in cols] for f in self.diagnosis.findings]
+        df = pd.DataFrame(rows, columns=list(cols))
+        for c in ("predicted_peak_bytes", "saving_bytes"):
+            df[c] = df[c].astype("Int64")
+        return df
+
+    @cached_property
+    def blocks(self) -> pd.DataFrame:
+        """One row per block: where, how big, when it was allocated and freed (row and
+        microseconds; alloc_row -1 = alive before the first row, free_row -1 = alive at dump),
+        phase and iteration of its allocation, what made it, its FSDP unit, its stack."""
+        import pandas as pd
+
+        from snapforensics.analysis.vocab import PHASE_LABELS
+
+        parts = []
+        for d in self.analyses:
+            lt, t = d.lt, d.trace.time_us
+            alive = lt.free_row >= lt.rows
+            units = [i.module for i in d.infos]
+            unit_names = sorted({u for u in units if u})
+            unit_code = np.array([unit_names.index(u) if u else -1 for u in units],
+                                 np.int32)[d.info] if len(d.info) else np.zeros(0, np.int32)
+            frame_names, frame_code = self._top_frames(lt.stack)
+            parts.append(pd.DataFrame({
+                "device": np.full(len(lt), d.device, np.int32),
+                "address": lt.addr,
+                "size": lt.size,
+                "alloc_row": lt.alloc_row,
+                "free_row": np.where(alive, -1, lt.free_row),
+                "alloc_time_us": _times(t, lt.alloc_row),
+                "free_time_us": _times(t, np.where(alive, -1, lt.free_row)),
+                "phase": pd.Categorical.from_codes(d.phase.astype(np.int64), PHASE_LABELS),
+                "iteration": d.iteration,
+                "category": pd.Categorical.from_codes(d.category.astype(np.int64),
+                                                      [str(c) for c in d.category_names]),
+                "fsdp_unit": pd.Categorical.from_codes(unit_code, unit_names),
+                "stack_id": lt.stack,
+                "top_frame": pd.Categorical.from_codes(frame_code, frame_names),
+            }))
+        return _concat(parts)
+
+    @cached_property
+    def timeline(self) -> pd.DataFrame:
+        """One row per trace row: live bytes right after it, reserved bytes (NaN without a
+        caching allocator or when the dump cannot anchor them), phase and iteration."""
+        import pandas as pd
+
+        from snapforensics.analysis.vocab import PHASE_LABELS
+        parts = []
+        for d in self.analyses:
+            res = d.allocator.reserved if self.snapshot.kind.caching_allocator else None
+            n = d.lt.rows
+            parts.append(pd.DataFrame({
+                "device": np.full(n, d.device, np.int32),
+                "row": np.arange(n, dtype=np.int64),
+                "time_us": d.trace.time_us,
+                "live_bytes": d.lt.live,
+                "reserved_bytes": res.astype(np.float64) if res is not None
+                else np.full(n, np.nan),
+                "phase": pd.Categorical.from_codes(d.tl.phase.astype(np.int64), PHASE_LABELS),
+                "iteration": d.tl.iteration,
+            }))
+        return _concat(parts)
+
+    @cached_property
+    def categories_at_peak(self) -> pd.DataFrame:
+        """Bytes alive at each device's peak by what made them, largest first."""
+        import pandas as pd
+
+        rows = [(dev.device, c, b, b / (sum(dev.categories_at_peak.values()) or 1))
+                for dev in self.diagnosis.devices for c, b in dev.categories_at_peak.items()]
+        df = pd.DataFrame(rows, columns=["device", "category", "bytes", "share"])
+        return df.sort_values(["device", "bytes"], ascending=[True, False], ignore_index=True)
+
+    def _top_frames(self, stacks: np.ndarray) -> tuple[list[str], np.ndarray]:
+        """The innermost user frame (not torch, not a library, not noise) of each block's stack,
+        computed once per distinct stack."""
+        uniq, inv = np.unique(stacks, return_inverse=True)
+        names: dict[str, int] = {}
+        codes = np.full(len(uniq), -1, np.int32)
+        for i, s in enumerate(uniq.tolist()):
+            frames = [f for f in self.snapshot.stack_frames(s) if not is_noise(f)]
+            user = next((f for f in frames if not f.filename.startswith("<")
+                         and not _LIBRARY.search(f.filename)), None)
+            f = user or (frames[0] if frames else None)
+            if f is not None:
+                codes[i] = names.setdefault(str(f), len(names))
+        return list(names), codes[inv] if len(stacks) else np.zeros(0, np.int32)
+
+    # -- display
+    def __repr__(self) -> str:
+        from snapforensics.report.common import headline, human
+
+        d = self.diagnosis
+        return (f"<snapforensics.Report {d.source!r}: peak {human(d.peaks['overall_bytes'])}, "
+                f"{len(d.findings)} findings; {headline(d)}>")
+
+    def _repr_html_(self) -> str:
+        from snapforensics.report import html
+
+        return html.fragment(self.diagnosis)
+
+
+def _times(t: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Microseconds of each row, NaN for -1 (no such row) or where the file has no time."""
+    out = np.full(len(rows), np.nan)
+    ok = rows >= 0
+    out[ok] = t[rows[ok]] if len(t) else np.nan
+    return out
+
+
+def _concat(parts: list) -> pd.DataFrame:
+    import pandas as pd
+
+    if len(parts) == 1:
+        return parts[0]
+    if not parts:
+        return pd.DataFrame()
+    # per-device categoricals may differ: union them so the dtype stays categorical
+    from pandas.api.types import union_categoricals
+
+    cat_cols = [c for c in parts[0].columns if isinstance(parts[0][c].dtype, pd.CategoricalDtype)]
+    merged = {c: union_categoricals([p[c] for p in parts]) for c in cat_cols}
+    df = pd.concat([p.drop(columns=cat_cols) for p in parts], ignore_index=True)
+    for c in cat_cols:
+        df[c] = merged[c]
+    return df[parts[0].columns]

@@ -1,0 +1,136 @@
+"""Renderers of a Forecast (registry kind "forecast"): terminal, markdown, html; JSON is
+`report.json:render` (Forecast.to_dict). One table, the same facts in every format; the source
+path and notes (which quote rule ids) pass through the sink's function of report/sanitize.py."""
+
+from __future__ import annotations
+
+from snapforensics.analysis.evidence import human
+from snapforensics.analysis.forecast import SCALING_TEXT, Forecast, Prediction
+from snapforensics.report.registry import PLAIN, Screen
+from snapforensics.report.sanitize import FRAME, ROWS, TEXT
+from snapforensics.report.sanitize import html as h
+from snapforensics.report.sanitize import markdown as md
+from snapforensics.report.terminal import t
+
+_MODEL = ("Each block scales by what made it: 1/W (sharded state, with FSDP's padding), unit "
+          "size (unsharded parameters, collective buffers), x micro-batch (activations), "
+          "constant (the rest); the trace is replayed with the new sizes (docs/forecast.md).")
+
+COLUMNS = ("W", "strategy", "ckpt", "micro-batch", "fix applied", "predicted peak",
+           "vs recorded", "phase (row)", "dominant", "fits")
+
+
+def _table(f: Forecast) -> tuple[list[str], list[list[str]]]:
+    """Columns and rows; the fix column only when some scenario applies a fix."""
+    rows = [_row(p, f.baseline["peak_bytes"]) for p in f.scenarios]
+    if any(p.scenario.fix for p in f.scenarios):
+        return list(COLUMNS), rows
+    k = COLUMNS.index("fix applied")
+    return [c for i, c in enumerate(COLUMNS) if i != k], [r[:k] + r[k + 1:] for r in rows]
+
+
+def _row(p: Prediction, recorded: int) -> list[str]:
+    sc = p.scenario
+    head = [str(sc.world_size), sc.strategy, sc.checkpointing, f"x{sc.micro_batch_scale:g}",
+            sc.fix or "-"]
+    if p.refused:
+        return head + ["refused", "", "", p.refused, ""]
+    pk = p.predicted_peak_bytes or 0
+    delta = f"{(pk - recorded) / recorded:+.0%}" if recorded else "n/a"
+    fits = "" if p.fits is None else ("yes" if p.fits else "NO")
+    dom = f"{p.dominant} ({SCALING_TEXT[p.scales[p.dominant]]})" if p.dominant else "-"
+    return head + [human(pk), delta, f"{p.phase} ({p.peak_row})", dom, fits]
+
+
+def _baseline_line(f: Forecast) -> str:
+    b = f.baseline
+    w = b["world_size"] or "unknown"
+    return (f"recorded: world size {w}, {b['strategy']}, checkpointing {b['checkpointing']}; "
+            f"peak {human(b['peak_bytes'])} in {b['phase']} (row {b['row']}), replayed "
+            f"{human(b['replayed_peak_bytes'] or 0)}")
+
+
+def _fit_lines(f: Forecast) -> list[str]:
+    if not f.fit:
+        return []
+    fit = f.fit
+    out = []
+    cap = human(fit["capacity_bytes"])
+    if fit.get("smallest_world_size"):
+        out.append(f"smallest world size that fits {cap}: {fit['smallest_world_size']} "
+                   f"(peak {human(fit['peak_bytes_there'])})")
+    else:
+        out.append(f"no world size fits {cap}: {fit.get('reason', '')}")
+    ch = fit.get("cheapest_change")
+    if ch:
+        what = ", ".join(f"{k}={v}" for k, v in ch["change"].items())
+        out.append(f"cheapest change that fits at the recorded world size: {what} "
+                   f"(peak {human(ch['peak_bytes'])})")
+    else:
+        out.append("no single change (strategy, checkpointing, half micro-batch) fits at the "
+                   "recorded world size")
+    return out
+
+
+def _scaling_lines(f: Forecast) -> list[str]:
+    """What is alive at the recorded peak, by category and by how it scales (the model)."""
+    b = f.baseline
+    rows = b.get("breakdown") or {}
+    scales = b.get("scales") or {}
+    out = ["alive at the recorded peak: " + ", ".join(
+        f"{c} {human(v)} ({SCALING_TEXT[scales[c]]})" if c in scales else f"{c} {human(v)}"
+        for c, v in sorted(rows.items(), key=lambda x: -x[1]))]
+    if b.get("by_scaling"):
+        out.append("by how it scales: " + "; ".join(
+            f"{SCALING_TEXT[k]} {human(v)}" for k, v in b["by_scaling"].items()))
+    return out
+
+
+def terminal(f: Forecast, screen: Screen = PLAIN) -> str:
+    from rich.table import Table
+
+    console = screen.console(width=140)
+    console.print(t(f"snapforensics forecast: {f.source}", FRAME, "bold"))
+    console.print(t(_baseline_line(f), TEXT))
+    for n in f.notes[:ROWS]:
+        console.print(t(f"note: {n}", TEXT, "yellow"))
+    tab = Table(show_edge=False)
+    cols, rows = _table(f)
+    for c in cols:
+        tab.add_column(c, justify="right" if c in ("predicted peak", "vs recorded") else "left",
+                       overflow="fold")
+    for r in rows:
+        tab.add_row(*[t(x, TEXT) for x in r])
+    console.print(tab)
+    for line in _scaling_lines(f) + _fit_lines(f):
+        console.print(t(line, TEXT))
+    return console.file.getvalue()
+
+
+def markdown(f: Forecast, screen: Screen = PLAIN) -> str:
+    out = [f"# snapforensics forecast: {md(f.source, FRAME)}", "",
+           f"- {md(_baseline_line(f), TEXT)}"]
+    out += [f"- note: {md(n, TEXT)}" for n in f.notes[:ROWS]]
+    cols, rows = _table(f)
+    out += ["", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    out += ["| " + " | ".join(md(x, TEXT) for x in r) + " |" for r in rows]
+    out += [""] + [f"- {md(x, TEXT)}" for x in _scaling_lines(f) + _fit_lines(f)]
+    out += ["", md(_MODEL, TEXT)]
+    return "\n".join(out) + "\n"
+
+
+def html(f: Forecast, screen: Screen = PLAIN) -> str:
+    cols, table = _table(f)
+    rows = "".join("<tr>" + "".join(f"<td>{h(x, TEXT)}</td>" for x in r) + "</tr>"
+                   for r in table)
+    items = "".join(f"<li>{h(x, TEXT)}</li>"
+                    for x in f.notes[:ROWS] + _scaling_lines(f) + _fit_lines(f))
+    head = "".join(f"<th>{h(c)}</th>" for c in cols)
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'>"
+        f"<title>snapforensics forecast: {h(f.source, FRAME)}</title><style>"
+        "body{font-family:system-ui,sans-serif;margin:2em}table{border-collapse:collapse}"
+        "td,th{border:1px solid #ccc;padding:4px 8px;text-align:left}</style></head><body>"
+        f"<h1>snapforensics forecast</h1><p><code>{h(f.source, FRAME)}</code></p>"
+        f"<p>{h(_baseline_line(f), TEXT)}</p><table><tr>{head}</tr>{rows}</table>"
+        f"<ul>{items}</ul><p>{h(_MODEL, TEXT)}</p></body></html>\n")

@@ -1,0 +1,81 @@
+"""The timeline plot in the reports: Markdown's PNG beside the file, HTML's inline SVG, and
+user-given or snapshot strings passing each sink's neutralizer."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+BUGGY = REPO / "fixtures" / "fsdp2_ckpt_buggy_rank0.pickle.gz"
+PAYLOAD = "<script>alert(1)</script>"
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "snapforensics", "diagnose", str(BUGGY), *args],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+
+
+def _pixels(png: bytes) -> np.ndarray:
+    from matplotlib.image import imread
+
+    return imread(io.BytesIO(png), format="png")
+
+
+def test_markdown_writes_the_png_beside_and_links_it(tmp_path):
+    out = tmp_path / "report.md"
+    r = run("--format", "markdown", "-o", str(out), "--category", "bad $x^$=rms_norm")
+    assert r.returncode == 0, r.stderr
+    png = tmp_path / "report.png"
+    img = _pixels(png.read_bytes())
+    assert img.shape[1] >= 1000 and len(np.unique(img.reshape(-1, img.shape[-1]), axis=0)) > 50
+    text = out.read_text()
+    assert "](report.png)" in text  # relative: the pair can be attached or committed together
+    # the fix comes before any stack, stacks are collapsed, the share column is there
+    assert text.index("```python") < text.index("<details>")
+    assert text.count("<details>") == text.count("</details>") >= 3
+    assert "| share |" in text
+    assert re.search(r"\| \d+% \|", text)
+
+
+def test_markdown_to_stdout_has_no_image():
+    r = run("--format", "markdown")
+    assert r.returncode == 0 and "![" not in r.stdout and ".png" not in r.stdout
+
+
+def test_html_plot_draws_every_category_the_peak_and_the_prediction():
+    from snapforensics.analysis import diagnose
+    from snapforensics.report import render_text
+    from snapforensics.report.common import human
+    from snapforensics.snapshot import load
+
+    d = diagnose(load(BUGGY))
+    doc = render_text(d, "html")
+    s = d.devices[0].plot
+    titles = re.findall(r"<polygon [^>]*><title>([^<]*)</title>", doc)
+    assert sorted(titles) == sorted(s.categories)
+    assert f">peak {human(int(s.live[s.peak]))}</text>" in doc
+    (data,) = re.findall(r'<script type="application/json" class="sf-data">(.*?)</script>',
+                         doc, re.S)
+    hover = json.loads(data)
+    assert hover["predicted"] == s.predicted.tolist() and hover["reserved"] is None
+    assert len(hover["x"]) == len(s.rows) and hover["cats"] == s.categories
+    # the fix of the top finding is in the first card, before any device section
+    assert doc.index('class="topfix"') < doc.index('id="device-')
+    assert "set_reshard_after_backward(True)" in doc[:doc.index('id="device-')]
+
+
+def test_user_category_names_are_neutralized(tmp_path):
+    out = tmp_path / "r.html"
+    r = run("--format", "html", "-o", str(out), "--category", f"{PAYLOAD}=rms_norm")
+    assert r.returncode == 0, r.stderr
+    doc = out.read_text()
+    assert PAYLOAD not in doc and "<script>alert" not in doc
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in doc  # SVG title and legend
+    assert "\\u003cscript>alert(1)\\u003c/script>" in doc  # the hover's JSON
