@@ -43,7 +43,7 @@ def is_url(s: str) -> bool:
     return "://" in s and not s.startswith("file://")
 
 
-def _local(s: str) -> str:
+def local_path(s: str) -> str:
     return s[len("file://"):] if s.startswith("file://") else s
 
 
@@ -71,7 +71,7 @@ def expand(args: Iterable[str | os.PathLike]) -> list[str]:
         if is_url(a):
             out += _expand_url(a)
             continue
-        a = _local(a)
+        a = local_path(a)
         p = Path(a)
         if p.is_dir():
             files = _pick_snapshots([str(q) for q in p.iterdir() if q.is_file()])
@@ -127,7 +127,7 @@ def diagnose_one(src: str, cache: bool = True, variant: str = "",
     with _ONE_AT_A_TIME:
         try:
             if not is_url(src):
-                return snapcache.diagnose(_local(src), cache=cache, variant=variant,
+                return snapcache.diagnose(local_path(src), cache=cache, variant=variant,
                                           categories=categories).to_dict()
             with tempfile.TemporaryDirectory(prefix="snapforensics-") as tmp:
                 local = os.path.join(tmp, src.rstrip("/").rsplit("/", 1)[-1] or "snapshot")
@@ -137,7 +137,7 @@ def diagnose_one(src: str, cache: bool = True, variant: str = "",
             doc["source"] = src
             return doc
         except SnapError as e:
-            return {"source": src, "error": str(e).replace(_local(src) + ": ", "", 1)}
+            return {"source": src, "error": str(e).replace(local_path(src) + ": ", "", 1)}
 
 
 def _fetch(url: str, local: str) -> None:
@@ -162,7 +162,7 @@ def size_of(src: str) -> int:
             import fsspec
             fs, path = fsspec.core.url_to_fs(src)
             return int(fs.size(path) or 0)
-        return os.path.getsize(_local(src))
+        return os.path.getsize(local_path(src))
     except Exception:  # noqa: BLE001 - unknown size only weakens the estimate
         return 0
 
@@ -172,7 +172,7 @@ def unpickled_size(src: str, size: int) -> int:
     if is_url(src) or size < 18:
         return size
     try:
-        with open(_local(src), "rb") as f:
+        with open(local_path(src), "rb") as f:
             if f.read(2) != b"\x1f\x8b":
                 return size
             f.seek(-4, os.SEEK_END)
@@ -205,9 +205,11 @@ def workers_for(srcs: list[str], sizes: list[int], jobs: int) -> int:
 
 def run(args: Iterable[str | os.PathLike], jobs: int | None = None, cache: bool = True,
         scheduler: str | None = None, progress: bool = True,
-        variant: str = "", categories: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    """Diagnose every input; documents (or {"source", "error"}) in input order."""
-    srcs = expand(args)
+        variant: str = "", expanded: bool = False,
+        categories: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """Diagnose every input; documents (or {"source", "error"}) in input order. `expanded`:
+    the inputs are files already (`expand`'s result), not folders or globs."""
+    srcs = [str(a) for a in args] if expanded else expand(args)
     if not srcs:
         raise SnapError("no input given")
     sizes = [size_of(s) for s in srcs]
@@ -282,7 +284,7 @@ class _Progress:
         self.ranks, self.total = len(srcs), sum(sizes)
         self.done = self.bytes = 0
         self.after = float(os.environ.get("SNAPFORENSICS_PROGRESS_AFTER", PROGRESS_AFTER_S))
-        self.paths = {os.path.realpath(_local(s)) for s in srcs if not is_url(s)}
+        self.paths = {os.path.realpath(local_path(s)) for s in srcs if not is_url(s)}
         self.pids = pids
         self.stop = threading.Event()
         self.drawer = threading.Thread(target=self._draw, daemon=True)

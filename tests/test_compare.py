@@ -128,7 +128,7 @@ def test_terminal_report_of_the_fix(fix_cmp):
     assert "before/after" in text and "disappears" in text and RESHARD in text
     assert "prediction check" in text and "error" in text
     md = render_text(fix_cmp, "markdown")
-    assert "## Prediction check" in md and f"`{RESHARD}`" in md
+    assert "## Prediction check" in md and f"| {RESHARD} | anomalous | disappears |" in md
 
 
 # -------------------------------------------------------------------- corpus (no torch)

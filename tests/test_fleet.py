@@ -147,7 +147,7 @@ def test_corpus_files_as_one_fleet(tmp_path):
 def cluster():
     distributed = pytest.importorskip("distributed")
     with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
-                                  dashboard_address=None) as c:
+                                  dashboard_address=":0") as c:
         yield c
 
 
@@ -220,3 +220,10 @@ def test_progress_bar_on_a_terminal_only(run_dir):
     assert "ranks" not in _on_a_terminal("diagnose", str(run_dir), "--format", "json", "-q")
     piped = cli("diagnose", str(run_dir), "--format", "json", "--no-cache")
     assert piped.returncode == 0 and piped.stderr == ""
+
+
+def test_url_of_a_folder_is_a_fleet_and_of_a_file_a_diagnosis(run_dir):
+    f = json.loads(cli("diagnose", f"file://{run_dir}", "--format", "json", "-q").stdout)
+    assert f["schema"] == "snapforensics.fleet/1" and len(f["ranks"]) == 2
+    one = cli("diagnose", f"file://{run_dir / 'rank1.pickle.gz'}", "--format", "json", "-q")
+    assert json.loads(one.stdout) == single(run_dir / "rank1.pickle.gz")

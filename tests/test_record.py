@@ -209,7 +209,7 @@ def test_inside_torchrun_records_in_process(scripts, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "snapforensics", "record", "-q", "--device",
                              "cpu", "--out", str(out), str(scripts / "exit7.py")],
                             cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=300)
     assert proc.returncode == 7, err
     _only_snapshots(out)
     prov = load_strict(out / "rank0.pickle")["snapforensics"]
@@ -705,7 +705,7 @@ def test_sigterm_to_the_recorder_stops_the_whole_group_which_still_dumps(behave,
                             stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     marker = tmp_path / "started"
     try:
-        deadline = time.time() + 120
+        deadline = time.time() + 300
         while not marker.exists() and time.time() < deadline and proc.poll() is None:
             time.sleep(0.1)
         assert marker.exists(), "the script never started"
@@ -713,7 +713,7 @@ def test_sigterm_to_the_recorder_stops_the_whole_group_which_still_dumps(behave,
                                               capture_output=True, text=True).stdout.split()[0]))
         assert group != os.getpgid(proc.pid)  # its own group, away from the terminal's
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=120)
+        _, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -25,9 +25,11 @@ from mdtext import rendered_text, tokens
 
 from snapforensics.analysis import Finding, diagnose
 from snapforensics.analysis.compare import compare
+from snapforensics.analysis.fleet import fleet
 from snapforensics.analysis.forecast import forecast
+from snapforensics.analysis.gate import compare_runs
 from snapforensics.report import render
-from snapforensics.report.registry import Screen, formats
+from snapforensics.report.registry import RENDERERS, Screen, formats
 from snapforensics.snapshot import load, normalize, read_raw
 
 REPO = Path(__file__).resolve().parents[1]
@@ -109,17 +111,31 @@ CONTROL = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 SGR = re.compile(r"\x1b\[[0-9;]*m")  # colours and bold: the only escapes we emit
 
 
+KINDS = ["diagnosis", "compare", "compare_runs", "fleet", "forecast"]
+
+
 @cache
 def document(kind: str):
+    """Each document kind of the registry, made from the planted recording."""
     if kind == "forecast":
         f = forecast(hostile_snapshot(), world_sizes=[4, 8])
         f.notes.append(HOSTILE)
         return f
-    d = hostile()
-    return d if kind == "diagnosis" else compare([d, diagnose(load(FIXED))])
+    d, fixed = hostile(), diagnose(load(FIXED))
+    if kind == "compare":
+        return compare([d, fixed])
+    if kind == "compare_runs":
+        return compare_runs(f"/a/{HTML}{ESCAPES}", f"/b/{MARKUP}", [d], [fixed])
+    if kind == "fleet":
+        return fleet([d.to_dict(), dataclasses.replace(fixed, rank=1).to_dict()])
+    return d
 
 
-@pytest.fixture(params=["diagnosis", "compare", "forecast"])
+def test_the_registry_has_no_kind_this_file_does_not_plant():
+    assert set(RENDERERS) == set(KINDS)
+
+
+@pytest.fixture(params=KINDS)
 def kind_doc(request):
     return request.param, document(request.param)
 
@@ -170,7 +186,8 @@ def test_terminal_numbers_are_not_half_highlighted():
 
 # ------------------------------------------------------------------------------- markdown
 
-OUR_HEADINGS = re.compile(r"^(snapforensics (diagnosis|compare|forecast)|Device \d+|Findings|Peaks|"
+OUR_HEADINGS = re.compile(r"^(snapforensics (diagnosis|compare|forecast|fleet)|Ranks, worst first|"
+                          r"Findings by rank|Device \d+|Findings|Peaks|"
                           r"Alive at the peak|Prediction check|Imbalance|\[(ANOMALOUS|EXPECTED|"
                           r"INFO)\] )")
 
@@ -224,13 +241,17 @@ class Tags(HTMLParser):
         self.attrs += [k for k, _ in attrs]
 
 
-def test_html_escapes_every_planted_string():
-    doc = render("diagnosis", hostile(), "html")
+def test_html_escapes_every_planted_string(kind_doc):
+    kind, doc = kind_doc
+    if "html" not in formats(kind):
+        pytest.skip(f"{kind} has no html report")
+    page = render(kind, doc, "html")
     p = Tags()
-    p.feed(doc)
-    assert p.tags.count("script") == 1 and "img" not in p.tags
+    p.feed(page)
+    # the diagnosis page embeds its JSON in one script element; no other script, no image
+    assert p.tags.count("script") == (kind == "diagnosis") and "img" not in p.tags
     assert not [a for a in p.attrs if a.startswith("on")]
-    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in doc
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
 
 
 # ----------------------------------------------------------------------------------- json
@@ -354,8 +375,11 @@ def test_explicit_format_wins_and_unknown_extension_is_refused(cli, tmp_path):
     r = cli("diagnose", str(FIXTURE), "--format", "json", "-o", str(tmp_path / "r.md"))
     assert r.returncode == 0 and json.loads((tmp_path / "r.md").read_text())
     one_line_exit_2(cli("diagnose", str(FIXTURE), "-o", str(tmp_path / "r.pdf")))
-    one_line_exit_2(cli("compare", str(FIXTURE), str(FIXED), "-o", str(tmp_path / "c.html")))
-    assert not (tmp_path / "r.pdf").exists()
+    one_line_exit_2(cli("compare", str(FIXTURE), str(FIXED), "-o", str(tmp_path / "c.pdf")))
+    assert not (tmp_path / "r.pdf").exists() and not (tmp_path / "c.pdf").exists()
+    r = cli("compare", str(FIXTURE), str(FIXED), "-o", str(tmp_path / "c.html"))  # issue 9
+    assert r.returncode == 0 and (tmp_path / "c.html").read_text().lower().startswith(
+        "<!doctype html>")
 
 
 def test_dash_is_stdout(cli):
@@ -395,7 +419,7 @@ def test_hostile_file_name_in_an_error_stays_one_line(cli, tmp_path):
 
 
 def test_every_registered_format_renders_every_document():
-    for kind in ("diagnosis", "compare", "forecast"):
+    for kind in KINDS:
         doc = document(kind)
         for fmt in formats(kind):
             assert render(kind, doc, fmt).strip()

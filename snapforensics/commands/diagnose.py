@@ -35,20 +35,20 @@ def diagnose_command(snapshots: tuple[str, ...], fmt: str | None, output: str | 
     by rank, the worst rank first."""
     from snapforensics.analysis.classify import user_categories
     from snapforensics.analysis.diagnosis import Diagnosis
-    from snapforensics.parallel import is_url, run
+    from snapforensics.parallel import expand, is_url, local_path, run
     from snapforensics.report.output import choose_format, emit
 
-    one = snapshots[0]
-    single = len(snapshots) == 1 and (is_url(one) or os.path.isfile(one) or (
-        not os.path.exists(one) and not any(c in one for c in "*?[")))
+    srcs = expand(snapshots)
+    # one file (a path or URL), not a folder or a glob
+    single = len(snapshots) == 1 and srcs in ([snapshots[0]], [local_path(snapshots[0])])
     kind = "diagnosis" if single else "fleet"
     fmt = choose_format(kind, fmt, output)  # a bad -o fails before the analysis
     user_categories(categories)  # and so does a bad --category
-    if single and fmt in PLOTTED and not is_url(one):
-        d = _with_plots(one, categories, cache=not no_cache)
+    if single and fmt in PLOTTED and not is_url(srcs[0]):
+        d = _with_plots(srcs[0], categories, cache=not no_cache)
     else:
-        docs = run(snapshots, jobs=jobs, cache=not no_cache, scheduler=scheduler,
-                   progress=not quiet, categories=categories)
+        docs = run(srcs, jobs=jobs, cache=not no_cache, scheduler=scheduler,
+                   progress=not quiet, categories=categories, expanded=True)
         if single:
             if "error" in docs[0]:
                 raise SnapError(f"{docs[0]['source']}: {docs[0]['error']}")

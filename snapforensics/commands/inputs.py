@@ -28,7 +28,8 @@ def diagnose_paths(paths: Sequence[str | Path], jobs: int | None = None, cache: 
     if missing:
         raise SnapError(f"{missing[0]}: no such file")
     unique = list(dict.fromkeys(srcs))
-    docs = dict(zip(unique, run(unique, jobs=jobs, cache=cache, progress=progress)))
+    docs = dict(zip(unique, run(unique, jobs=jobs, cache=cache, progress=progress,
+                                expanded=True)))
     bad = next((d for d in docs.values() if "error" in d), None)
     if bad is not None:
         raise SnapError(f"{bad['source']}: {bad['error']}")

@@ -39,7 +39,7 @@ def render(d: Diagnosis, screen: Screen = PLAIN, image: str | None = None) -> st
         after = (f", predicted peak after it {human(top.predicted_peak_bytes)}"
                  if top.predicted_peak_bytes else "")
         out += [f"Fix first ({span(top.rule)}{after}):", "",
-                *code(lines(top.fix, FRAME, FRAMES), "python"), ""]
+                *code(lines(top.fix, FRAMES), "python"), ""]
     if image:
         out += [f"![live bytes over time by category, and the predicted curve after the fix]"
                 f"({quote(image)})", ""]
@@ -92,7 +92,7 @@ def render(d: Diagnosis, screen: Screen = PLAIN, image: str | None = None) -> st
                     for m in mods[:ROWS]]
             out.append("")
         if f.fix:
-            out += ["Fix:", "", *code(lines(f.fix, FRAME, FRAMES), "python"), ""]
+            out += ["Fix:", "", *code(lines(f.fix, FRAMES), "python"), ""]
         for s in (f.evidence.get("stacks") or [])[:1]:
             out += _details("Representative stack", s["stack"][:FRAMES])
     return "\n".join(out)

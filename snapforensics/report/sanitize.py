@@ -46,9 +46,12 @@ _MD_INLINE = re.compile(r"[\\`*\[\]|~$#<>&]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])"
 # At the start of a line: a list, quote, heading, setext underline or ordered-list marker.
 _MD_START = re.compile(r"^(?:[-+=]|\d+(?=[.)]))")
 _ENTITY = {"&": "&amp;", "<": "&lt;", ">": "&gt;"}
+_TICKS = re.compile("`+")
 
 
 def cap(s: object, limit: int) -> str:
+    if isinstance(s, int) and s.bit_length() > 4 * limit:  # str() of a 10**5000 raises
+        return f"(an integer of {s.bit_length():,} bits)"
     s = s if isinstance(s, str) else str(s)
     return s if len(s) <= limit else f"{s[:limit]}… ({len(s):,} chars)"
 
@@ -70,12 +73,9 @@ def markdown_span(s: object, limit: int = NAME) -> str:
     return f"{ticks}{pad}{body}{pad}{ticks}"
 
 
-def _longest_run(text: str, ch: str = "`") -> int:
-    run = longest = 0
-    for c in text:
-        run = run + 1 if c == ch else 0
-        longest = max(longest, run)
-    return longest
+def _longest_run(text: str) -> int:
+    """The longest run of backticks in `text`."""
+    return max(map(len, _TICKS.findall(text)), default=0)
 
 
 def markdown_code(lines: Iterable[object], lang: str = "", limit: int = FRAME) -> list[str]:
@@ -90,7 +90,7 @@ def html(s: object, limit: int = NAME) -> str:
     return _html.escape(cap(s, limit), quote=True)
 
 
-def lines(text: str | None, limit: int = FRAME, max_lines: int = 200) -> list[str]:
+def lines(text: str | None, max_lines: int = 200) -> list[str]:
     """A multi-line string (a fix, a stack) as at most `max_lines` lines; each line is still
     raw: pass it to the sink's function."""
     out = (text or "").splitlines()

@@ -123,7 +123,7 @@ def _finding(console: Console, d: Diagnosis, f: Finding) -> None:
 
 def _code(console: Console, code: str) -> None:
     """Code as plain lines: no border, no wrap, no crop; highlighted only with colours on."""
-    body = "\n".join(terminal(x, FRAME) for x in lines(code, FRAME, max_lines=FRAMES))
+    body = "\n".join(terminal(x, FRAME) for x in lines(code, FRAMES))
     text = Syntax(body, "python", theme="ansi_dark", background_color="default").highlight(body) \
         if console.color_system else Text(body)
     for line in text.split("\n"):
