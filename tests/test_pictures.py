@@ -101,3 +101,19 @@ def test_markdown_renders_as_github_does(tmp_path):
     assert [i.attrs["src"] for i in images] == ["my%20report.png"]
     assert (tmp_path / "my report.png").stat().st_size > 10_000
     assert any(t.type == "th_open" for t in toks)
+
+
+def test_redact_paths_reaches_the_hover(tmp_path):
+    from corpus import corpus_file
+
+    src = str(corpus_file("MAGMA27_memory_snapshot.pickle"))  # Windows D:\ paths in stacks
+    docs = {}
+    for name, extra in (("plain", ()), ("red", ("--redact-paths",))):
+        out = tmp_path / f"{name}.html"
+        r = subprocess.run([sys.executable, "-m", "snapforensics", "diagnose", src, "--format",
+                            "html", "-o", str(out), *extra], capture_output=True, text=True,
+                           cwd=REPO, timeout=120)
+        assert r.returncode == 0, r.stderr
+        docs[name] = re.findall(r'class="sf-data">(.*?)</script>', out.read_text(), re.S)
+    assert any("D:\\\\" in x for x in docs["plain"])
+    assert docs["red"] and not any("D:\\\\" in x for x in docs["red"])
