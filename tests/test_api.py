@@ -176,6 +176,11 @@ def test_display(buggy):
     html = buggy._repr_html_()
     assert "<svg" in html and "Parameters unsharded" in html
     assert "<html" not in html  # a fragment for the notebook's page
+    # its styles never leak into the notebook: every rule is scoped to the fragment's element
+    css = re.search(r"<style>(.*?)</style>", html, re.S).group(1)
+    selectors = [x.strip() for rule in re.findall(r"([^{}]+)\{[^{}]*\}", css)
+                 for x in rule.split(",")]
+    assert selectors and all(x.startswith(".sf-report") for x in selectors)
 
 
 def test_multi_device_file(sf):

@@ -70,14 +70,14 @@ def test_report_opens_offline_and_hover_shows_what_is_alive(page, tmp_path):
     assert "live" in text and "MiB" in text
     assert "optimizer_state" in text  # alive from the first step on: in every later point
     assert "allocated by:" in text  # its top stacks
-    page.mouse.move(box["x"] - 40, box["y"] - 40)
-    assert not tip.is_visible()
 
-    shot = page.screenshot(full_page=False)
+    shot = page.screenshot(full_page=False)  # the plot with its tooltip
     keep = os.environ.get("SNAPFORENSICS_SCREENSHOTS")
     if keep:
         Path(keep, "report-html.png").write_bytes(shot)
     _assert_not_blank(shot)
+    page.mouse.move(box["x"] - 40, box["y"] - 40)
+    assert not tip.is_visible()
     assert errors == []
 
 

@@ -79,3 +79,41 @@ def test_user_category_names_are_neutralized(tmp_path):
     assert PAYLOAD not in doc and "<script>alert" not in doc
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in doc  # SVG title and legend
     assert "\\u003cscript>alert(1)\\u003c/script>" in doc  # the hover's JSON
+
+
+def test_markdown_renders_as_github_does(tmp_path):
+    """Parsed by CommonMark + GFM tables: each collapsed stack is an HTML block, its frames a
+    fenced code block (not raw HTML), the image a real image, the share column a table."""
+    from mdtext import tokens
+
+    out = tmp_path / "my report.md"
+    r = run("-o", str(out), "--category", f"{PAYLOAD}=rms_norm")
+    assert r.returncode == 0, r.stderr
+    toks = tokens(out.read_text())
+    html_blocks = [t.content for t in toks if t.type == "html_block"]
+    assert sum(b.startswith("<details><summary>") for b in html_blocks) >= 3
+    assert all("<script" not in b for b in html_blocks)
+    fences = [t for t in toks if t.type == "fence"]
+    assert fences[0].info == "python" and "set_reshard_after_backward(True)" in fences[0].content
+    assert any("torch/optim/adam.py" in t.content for t in fences[1:])  # a stack
+    images = [c for t in toks if t.type == "inline" for c in t.children or []
+              if c.type == "image"]
+    assert [i.attrs["src"] for i in images] == ["my%20report.png"]
+    assert (tmp_path / "my report.png").stat().st_size > 10_000
+    assert any(t.type == "th_open" for t in toks)
+
+
+def test_redact_paths_reaches_the_hover(tmp_path):
+    from corpus import corpus_file
+
+    src = str(corpus_file("MAGMA27_memory_snapshot.pickle"))  # Windows D:\ paths in stacks
+    docs = {}
+    for name, extra in (("plain", ()), ("red", ("--redact-paths",))):
+        out = tmp_path / f"{name}.html"
+        r = subprocess.run([sys.executable, "-m", "snapforensics", "diagnose", src, "--format",
+                            "html", "-o", str(out), *extra], capture_output=True, text=True,
+                           cwd=REPO, timeout=120)
+        assert r.returncode == 0, r.stderr
+        docs[name] = re.findall(r'class="sf-data">(.*?)</script>', out.read_text(), re.S)
+    assert any("D:\\\\" in x for x in docs["plain"])
+    assert docs["red"] and not any("D:\\\\" in x for x in docs["red"])
