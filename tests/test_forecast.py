@@ -25,12 +25,12 @@ from snapforensics.analysis.forecast import (
     forecast_frame,
     parse_size,
 )
+from snapforensics.analysis.rules.fsdp_reshard import RULE as RESHARD
 from snapforensics.snapshot import load
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 BUGGY = FIXTURES / "fsdp2_ckpt_buggy_rank0.pickle.gz"
 FIXED = FIXTURES / "fsdp2_ckpt_fixed_rank0.pickle.gz"
-RESHARD = "fsdp.unsharded_params_not_resharded"
 slow = pytest.mark.slow
 
 # Model shapes (the example's flags); () is the default 6 blocks of dim 512.

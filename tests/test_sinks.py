@@ -28,6 +28,7 @@ from snapforensics.analysis.compare import compare
 from snapforensics.analysis.fleet import fleet
 from snapforensics.analysis.forecast import forecast
 from snapforensics.analysis.gate import compare_runs
+from snapforensics.analysis.rules import fsdp_reshard
 from snapforensics.report import render
 from snapforensics.report.registry import RENDERERS, Screen, formats
 from snapforensics.snapshot import load, normalize, read_raw
@@ -99,7 +100,7 @@ def test_the_strings_reached_the_diagnosis():
     """Else the rest proves nothing: the edited recording still diagnoses the same bug, and
     the planted module name is in its evidence, the planted frame in its stacks."""
     d = hostile()
-    (f,) = [f for f in d.anomalies if f.rule == "fsdp.unsharded_params_not_resharded"]
+    (f,) = [f for f in d.anomalies if f.rule == fsdp_reshard.RULE]
     assert MODULE in {m["module"] for m in f.evidence["modules"]}
     assert HOSTILE in d.devices[0].top_stacks_at_peak[0]["stack"][0]
     assert any(SITE in line for s in d.devices[0].top_stacks_at_peak for line in s["stack"])
