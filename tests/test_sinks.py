@@ -29,7 +29,7 @@ from snapforensics.analysis.fleet import fleet
 from snapforensics.analysis.forecast import forecast
 from snapforensics.analysis.gate import compare_runs
 from snapforensics.analysis.rules import fsdp_reshard
-from snapforensics.report import render
+from snapforensics.report import plot, render
 from snapforensics.report.registry import RENDERERS, Screen, formats
 from snapforensics.snapshot import load, normalize, read_raw
 
@@ -197,8 +197,15 @@ def test_markdown_structure_comes_only_from_us(kind_doc):
     kind, doc = kind_doc
     md = render(kind, doc, "markdown")
     toks = tokens(md)
-    kinds = {t.type for t in toks} | {c.type for t in toks for c in t.children or []}
-    assert not kinds & {"html_block", "html_inline", "link_open", "image"}, kinds
+    every = [*toks, *(c for t in toks for c in t.children or [])]
+    assert not [t for t in every if t.type == "link_open"]
+    # our own HTML: a collapsed stack's <details><summary> (summary text HTML-escaped)
+    ours = re.compile(r"\s*(<details><summary>[^<>]*</summary>|</details>)\s*")
+    html_tokens = [t.content for t in every if t.type in ("html_block", "html_inline")]
+    assert all(ours.fullmatch(x) for x in html_tokens), html_tokens
+    # our own image: the plot written beside the report
+    images = [t.attrGet("src") for t in every if t.type == "image"]
+    assert all(re.fullmatch(r"[\w.-]+\.png", x or "") for x in images), images
     for i, t in enumerate(toks):
         if t.type == "heading_open":
             title = toks[i + 1].content
@@ -236,10 +243,23 @@ class Tags(HTMLParser):
         super().__init__()
         self.tags: list[str] = []
         self.attrs: list[str] = []
+        self.scripts: list[tuple[str | None, str]] = []  # (type, code)
+        self.in_script = False
 
     def handle_starttag(self, tag, attrs):
         self.tags.append(tag)
         self.attrs += [k for k, _ in attrs]
+        if tag == "script":
+            self.scripts.append((dict(attrs).get("type"), ""))
+            self.in_script = True
+
+    def handle_endtag(self, tag):
+        self.in_script = self.in_script and tag != "script"
+
+    def handle_data(self, data):
+        if self.in_script:
+            kind, code = self.scripts[-1]
+            self.scripts[-1] = (kind, code + data)
 
 
 def test_html_escapes_every_planted_string(kind_doc):
@@ -249,8 +269,10 @@ def test_html_escapes_every_planted_string(kind_doc):
     page = render(kind, doc, "html")
     p = Tags()
     p.feed(page)
-    # the diagnosis page embeds its JSON in one script element; no other script, no image
-    assert p.tags.count("script") == (kind == "diagnosis") and "img" not in p.tags
+    # scripts: JSON data, or the plot's own hover code; never a planted one; no image
+    for kind_, code in p.scripts:
+        assert kind_ == "application/json" or code == plot.JS, code[:200]
+    assert "img" not in p.tags
     assert not [a for a in p.attrs if a.startswith("on")]
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
 
