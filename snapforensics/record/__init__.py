@@ -413,8 +413,6 @@ def _result(statuses: list[dict], out_dir: Path, *, expected: list[int], codes: 
     else:
         _say(quiet, written)
     if snapshots:
-        _say(quiet, f"next: snapforensics diagnose {snapshots[0]}"
-                    + (f"  (ranks side by side: snapforensics compare {out_dir})"
-                       if len(snapshots) > 1 else ""))
+        _say(quiet, f"next: snapforensics diagnose {out_dir}")
     return RecordResult(exit_code=int(exit_code), out_dir=out_dir, snapshots=snapshots,
                         oom_snapshots=ooms)
