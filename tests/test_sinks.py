@@ -28,7 +28,7 @@ from snapforensics.analysis.compare import compare
 from snapforensics.analysis.fleet import fleet
 from snapforensics.analysis.forecast import forecast
 from snapforensics.analysis.gate import compare_runs
-from snapforensics.report import render
+from snapforensics.report import plot, render
 from snapforensics.report.registry import RENDERERS, Screen, formats
 from snapforensics.snapshot import load, normalize, read_raw
 
@@ -192,12 +192,19 @@ OUR_HEADINGS = re.compile(r"^(snapforensics (diagnosis|compare|forecast|fleet)|R
                           r"INFO)\] )")
 
 
+OUR_HTML = re.compile(r"<details><summary>[^<>]*</summary>|</details>")
+
+
 def test_markdown_structure_comes_only_from_us(kind_doc):
     kind, doc = kind_doc
     md = render(kind, doc, "markdown")
     toks = tokens(md)
     kinds = {t.type for t in toks} | {c.type for t in toks for c in t.children or []}
-    assert not kinds & {"html_block", "html_inline", "link_open", "image"}, kinds
+    assert not kinds & {"html_inline", "link_open", "image"}, kinds
+    # raw HTML only as our collapsed stacks: `<details><summary>TEXT</summary>` (TEXT escaped:
+    # no tag inside) and `</details>`
+    blocks = [t.content.strip() for t in toks if t.type == "html_block"]
+    assert all(OUR_HTML.fullmatch(b) for b in blocks), blocks
     for i, t in enumerate(toks):
         if t.type == "heading_open":
             title = toks[i + 1].content
@@ -248,8 +255,14 @@ def test_html_escapes_every_planted_string(kind_doc):
     page = render(kind, doc, "html")
     p = Tags()
     p.feed(page)
-    # the diagnosis page embeds its JSON in one script element; no other script, no image
-    assert p.tags.count("script") == (kind == "diagnosis") and "img" not in p.tags
+    # the diagnosis page embeds its JSON in one script element, and each timeline plot its
+    # data in one more plus the plot's code (a constant: no planted string is ever code)
+    plots = page.count('<script type="application/json" class="sf-data">')
+    assert page.count('<script type="application/json" id="diagnosis">') == (kind == "diagnosis")
+    assert plots == (len([d for d in doc.devices if d.plot]) if kind == "diagnosis" else 0)
+    assert page.count(f"<script>{plot.JS}</script>") == (plots > 0)
+    assert p.tags.count("script") == (kind == "diagnosis") + plots + (plots > 0)
+    assert "img" not in p.tags
     assert not [a for a in p.attrs if a.startswith("on")]
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
 
