@@ -6,7 +6,8 @@ For each file, each step runs in its own subprocess (so each peak RSS is that st
 read from os.wait4's rusage), interleaved, best wall time of --repeat runs:
   floor   `gc.disable(); pickle.load(f)`            (the unpickling floor, issue 10)
   pickle  plain `pickle.load(f)` (GC on, as a user runs it)
-  ours    `python -m snapforensics diagnose FILE --format json -o TMP`
+  ours    `python -m snapforensics diagnose FILE --format json -o TMP --no-cache -q` (a first
+          run: the model cache is bypassed)
 Times are whole-process wall times (interpreter start-up and imports included for every step).
 Prints ours / floor for time and for peak RSS. Targets: <= 2x time, <= 1.2x RSS.
 """
@@ -54,7 +55,7 @@ def bench(path: Path, repeat: int) -> dict:
     best: dict[str, tuple[float, int]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         steps["ours"] = [py, "-m", "snapforensics", "diagnose", str(path), "--format", "json",
-                         "-o", str(Path(tmp) / "out.json")]
+                         "-o", str(Path(tmp) / "out.json"), "--no-cache", "-q"]
         for _ in range(repeat):
             for name, cmd in steps.items():
                 wall, rss, _ = run(cmd)

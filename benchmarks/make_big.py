@@ -82,7 +82,7 @@ def main() -> None:
     n = make(src, args.entries, args.shared, args.out)
     print(f"{args.out}: {n} entries repeating {src.name}, "
           f"{args.out.stat().st_size / 1e6:.0f} MB, frames lists "
-          f"{'shared' if args.shared else 'one per entry'}")
+          f"{'shared between entries' if args.shared else 'new in every copy'}")
 
 
 if __name__ == "__main__":

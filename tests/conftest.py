@@ -7,6 +7,8 @@ Helpers that are plain functions live in modules next to this file (`corpus`, `r
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -66,3 +68,29 @@ def diagnosed(recording):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def matrix(tmp_path_factory) -> Path:
+    """The scenario matrix (snapforensics.examples.scenarios, 2 then 4 ranks), recorded once per
+    session: the folder holding <layout>/rank{R}.pickle and truth.rank{R}.json for every layout.
+    SNAPFORENSICS_MATRIX=DIR reuses a matrix recorded earlier into DIR."""
+    pytest.importorskip("torch")
+    from recordings import REPO, _env
+
+    from snapforensics.examples.scenarios import LAYOUTS
+
+    reuse = os.environ.get("SNAPFORENSICS_MATRIX")
+    if reuse:
+        out = Path(reuse)
+    else:
+        out = tmp_path_factory.mktemp("matrix")
+        for world in (2, 4):
+            proc = subprocess.run(
+                [sys.executable, "-m", "snapforensics.examples.scenarios", "--out", str(out),
+                 "--world", str(world)], cwd=REPO, env=_env(), capture_output=True, text=True,
+                timeout=1800)
+            assert proc.returncode == 0, proc.stderr[-4000:]
+    missing = [n for n in LAYOUTS if not (out / n / "truth.rank0.json").is_file()]
+    assert not missing, f"layouts not recorded: {missing}"
+    return out

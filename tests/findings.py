@@ -55,3 +55,16 @@ def fired(d: Diagnosis, verdict: str | None = None) -> set[str]:
 
 def near(a: int, b: int, tol: float = 0.10) -> bool:
     return abs(a - b) / b < tol
+
+
+def verdict_by_effect(f: Finding, path, twin) -> str | None:
+    """A finding's verdict from its effect, measured: `anomalous` when the recording's peak (an
+    independent replay of its trace) is >3% above its twin's (the same run without the cause),
+    `info` within 1%; asserts it and returns the verdict required (None in between)."""
+    from recordings import load_strict, replay_peak
+
+    ratio = replay_peak(load_strict(path)) / replay_peak(load_strict(twin))
+    want = "anomalous" if ratio > 1.03 else "info" if ratio <= 1.01 else None
+    if want:
+        assert f.verdict == want, (f.rule, ratio)
+    return want

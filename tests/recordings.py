@@ -18,7 +18,7 @@ so the cached files live as long as the session. The ``recorded(variant, tmp_pat
 shorthand makes the folder for you.
 
 Also here: ``load_strict(path)`` (a pickle load that refuses every global, as the real loader
-does) and ``replay_peak(snapshot)`` (max of cumulative alloc - free_completed over the trace).
+does), and ``replay_peak(snapshot)`` (max of cumulative alloc - free_completed over the trace).
 """
 
 from __future__ import annotations

@@ -17,12 +17,12 @@ from corpus import corpus_files
 
 from snapforensics import parallel
 from snapforensics.analysis.fleet import fleet
+from snapforensics.analysis.rules.fsdp_reshard import RULE as RESHARD
 from snapforensics.report import fleet as report
 
 REPO = Path(__file__).resolve().parents[1]
 BUGGY = REPO / "fixtures" / "fsdp2_ckpt_buggy_rank0.pickle.gz"
 FIXED = REPO / "fixtures" / "fsdp2_ckpt_fixed_rank0.pickle.gz"
-RESHARD = "fsdp.unsharded_params_not_resharded"
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

@@ -25,12 +25,12 @@ from snapforensics.analysis.forecast import (
     forecast_frame,
     parse_size,
 )
+from snapforensics.analysis.rules.fsdp_reshard import RULE as RESHARD
 from snapforensics.snapshot import load
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 BUGGY = FIXTURES / "fsdp2_ckpt_buggy_rank0.pickle.gz"
 FIXED = FIXTURES / "fsdp2_ckpt_fixed_rank0.pickle.gz"
-RESHARD = "fsdp.unsharded_params_not_resharded"
 slow = pytest.mark.slow
 
 # Model shapes (the example's flags); () is the default 6 blocks of dim 512.
@@ -128,6 +128,30 @@ def test_strategies_move_unshards_and_no_shard_keeps_whole_state():
     assert fx.predict(Scenario(4, "hsdp:2", b.checkpointing)).predicted_peak_bytes == \
         fs.predicted_peak_bytes
     assert "divid" in fx.predict(Scenario(4, "hsdp:3", b.checkpointing)).refused
+
+
+def test_cuda_shaped_recording_without_ranges_or_provenance():
+    """The fixture edited to look like a CUDA recording (edits.cuda_shaped: stacks cut at the
+    autograd engine, no profiler frames, no provenance), with and without FSDP's ranges."""
+    from edits import cuda_shaped
+
+    from snapforensics.snapshot import normalize, read_raw
+
+    ref = _fx(FIXED)
+    b = ref.baseline()
+    for ranges in (True, False):
+        s = normalize(cuda_shaped(read_raw(FIXED)[0], annotations=ranges), source=str(FIXED))
+        fx = Forecaster(analyse(s, s.active_traces[0]))
+        assert fx.d.fsdp.world.estimated and fx.w0 == 2  # from reduce-scatter sizes
+        assert (fx.strategy, fx.checkpointing) == (b.strategy, b.checkpointing)
+        for sc in (Scenario(4, b.strategy, b.checkpointing),
+                   Scenario(2, "shard_grad_op", b.checkpointing),
+                   Scenario(2, b.strategy, "none", 4.0)):
+            want = ref.predict(sc).predicted_peak_bytes
+            got = fx.predict(sc).predicted_peak_bytes
+            # units named by FSDP's ranges: the same forecast; unnamed (events matched by
+            # size): backward all-gather buffers stay with shard_grad_op (docs/forecast.md)
+            assert abs(got - want) <= (0 if ranges else 0.15) * want, (ranges, sc, got, want)
 
 
 def test_anomalous_run_is_forecast_as_recorded_and_with_the_fix():

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from snapforensics.analysis.rules.fsdp_reshard import RULE as RESHARD
+
 REPO = Path(__file__).resolve().parents[1]
 BUGGY = REPO / "fixtures" / "fsdp2_ckpt_buggy_rank0.pickle.gz"
 FIXED = REPO / "fixtures" / "fsdp2_ckpt_fixed_rank0.pickle.gz"
-RESHARD = "fsdp.unsharded_params_not_resharded"
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

@@ -801,3 +801,41 @@ def test_a_failed_rank_stops_the_others_and_its_code_is_the_recorders(tmp_path):
     ranks = [load_strict(out / f"rank{r}.pickle")["snapforensics"] for r in (0, 1)]
     assert [p["world_size"] for p in ranks] == [2, 2] and ranks[1]["script_exit_code"] == 5
     assert ranks[0]["script_exit_code"] != 0
+
+
+def test_ranks_stop_when_the_recorder_is_killed(behave, tmp_path):
+    """SIGKILL cannot be forwarded: each rank asked the kernel for SIGTERM when its launcher
+    dies, so no training process is orphaned (it still writes its snapshot)."""
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "snapforensics", "record", "-q", "--device",
+                             "cpu", "--out", str(out), str(behave), "loop", str(out)],
+                            cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    marker = tmp_path / "started"
+    deadline = time.time() + 300
+    while not marker.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    assert marker.exists(), "the script never started"
+    rank = int(subprocess.run(["pgrep", "-P", str(proc.pid)], check=False, capture_output=True,
+                              text=True).stdout.split()[0])
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 300
+    while time.time() < deadline and _running(rank):
+        time.sleep(0.1)
+    alive = _running(rank)
+    if alive:
+        os.kill(rank, signal.SIGKILL)
+    assert not alive, "the rank kept running after its recorder was killed"
+    assert (out / "rank0.pickle").is_file()
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -18,6 +18,7 @@ import pytest
 from mdtext import rendered_text
 
 from snapforensics.analysis import Finding, diagnose
+from snapforensics.analysis.rules import allocator_fragmentation
 from snapforensics.report import FORMATS, render_text
 from snapforensics.report.common import headline, human, peak_line
 from snapforensics.snapshot import load, normalize, read_raw
@@ -384,7 +385,7 @@ def test_reserved_savings_are_labelled_reserved():
     """Fragmentation saves reserved memory: its share is of the reserved peak, and says so."""
     res = 400 << 20
     frag = made("anomalous", "fragmentation", 100 << 20, saving=100 << 20,
-                rule="allocator.fragmentation", evidence={"reserved_peak_bytes": res})
+                rule=allocator_fragmentation.RULE, evidence={"reserved_peak_bytes": res})
     d = with_findings(frag)
     assert headline(d).endswith("fixing it saves ~100.0 MiB (25% of the reserved peak)")
     assert "25% of the reserved peak" in render_text(d, "terminal")

@@ -28,6 +28,7 @@ from snapforensics.analysis.compare import compare
 from snapforensics.analysis.fleet import fleet
 from snapforensics.analysis.forecast import forecast
 from snapforensics.analysis.gate import compare_runs
+from snapforensics.analysis.rules import fsdp_reshard
 from snapforensics.report import plot, render
 from snapforensics.report.registry import RENDERERS, Screen, formats
 from snapforensics.snapshot import load, normalize, read_raw
@@ -99,7 +100,7 @@ def test_the_strings_reached_the_diagnosis():
     """Else the rest proves nothing: the edited recording still diagnoses the same bug, and
     the planted module name is in its evidence, the planted frame in its stacks."""
     d = hostile()
-    (f,) = [f for f in d.anomalies if f.rule == "fsdp.unsharded_params_not_resharded"]
+    (f,) = [f for f in d.anomalies if f.rule == fsdp_reshard.RULE]
     assert MODULE in {m["module"] for m in f.evidence["modules"]}
     assert HOSTILE in d.devices[0].top_stacks_at_peak[0]["stack"][0]
     assert any(SITE in line for s in d.devices[0].top_stacks_at_peak for line in s["stack"])
@@ -192,19 +193,19 @@ OUR_HEADINGS = re.compile(r"^(snapforensics (diagnosis|compare|forecast|fleet)|R
                           r"INFO)\] )")
 
 
-OUR_HTML = re.compile(r"<details><summary>[^<>]*</summary>|</details>")
-
-
 def test_markdown_structure_comes_only_from_us(kind_doc):
     kind, doc = kind_doc
     md = render(kind, doc, "markdown")
     toks = tokens(md)
-    kinds = {t.type for t in toks} | {c.type for t in toks for c in t.children or []}
-    assert not kinds & {"html_inline", "link_open", "image"}, kinds
-    # raw HTML only as our collapsed stacks: `<details><summary>TEXT</summary>` (TEXT escaped:
-    # no tag inside) and `</details>`
-    blocks = [t.content.strip() for t in toks if t.type == "html_block"]
-    assert all(OUR_HTML.fullmatch(b) for b in blocks), blocks
+    every = [*toks, *(c for t in toks for c in t.children or [])]
+    assert not [t for t in every if t.type == "link_open"]
+    # our own HTML: a collapsed stack's <details><summary> (summary text HTML-escaped)
+    ours = re.compile(r"\s*(<details><summary>[^<>]*</summary>|</details>)\s*")
+    html_tokens = [t.content for t in every if t.type in ("html_block", "html_inline")]
+    assert all(ours.fullmatch(x) for x in html_tokens), html_tokens
+    # our own image: the plot written beside the report
+    images = [t.attrGet("src") for t in every if t.type == "image"]
+    assert all(re.fullmatch(r"[\w.-]+\.png", x or "") for x in images), images
     for i, t in enumerate(toks):
         if t.type == "heading_open":
             title = toks[i + 1].content
@@ -242,10 +243,23 @@ class Tags(HTMLParser):
         super().__init__()
         self.tags: list[str] = []
         self.attrs: list[str] = []
+        self.scripts: list[tuple[str | None, str]] = []  # (type, code)
+        self.in_script = False
 
     def handle_starttag(self, tag, attrs):
         self.tags.append(tag)
         self.attrs += [k for k, _ in attrs]
+        if tag == "script":
+            self.scripts.append((dict(attrs).get("type"), ""))
+            self.in_script = True
+
+    def handle_endtag(self, tag):
+        self.in_script = self.in_script and tag != "script"
+
+    def handle_data(self, data):
+        if self.in_script:
+            kind, code = self.scripts[-1]
+            self.scripts[-1] = (kind, code + data)
 
 
 def test_html_escapes_every_planted_string(kind_doc):
@@ -255,13 +269,9 @@ def test_html_escapes_every_planted_string(kind_doc):
     page = render(kind, doc, "html")
     p = Tags()
     p.feed(page)
-    # the diagnosis page embeds its JSON in one script element, and each timeline plot its
-    # data in one more plus the plot's code (a constant: no planted string is ever code)
-    plots = page.count('<script type="application/json" class="sf-data">')
-    assert page.count('<script type="application/json" id="diagnosis">') == (kind == "diagnosis")
-    assert plots == (len([d for d in doc.devices if d.plot]) if kind == "diagnosis" else 0)
-    assert page.count(f"<script>{plot.JS}</script>") == (plots > 0)
-    assert p.tags.count("script") == (kind == "diagnosis") + plots + (plots > 0)
+    # scripts: JSON data, or the plot's own hover code; never a planted one; no image
+    for kind_, code in p.scripts:
+        assert kind_ == "application/json" or code == plot.JS, code[:200]
     assert "img" not in p.tags
     assert not [a for a in p.attrs if a.startswith("on")]
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page

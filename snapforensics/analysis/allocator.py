@@ -105,14 +105,16 @@ class Allocator:
 
     @cached_property
     def expandable_fix(self) -> str:
-        """The shell line that turns expandable segments on, keeping the settings already there."""
+        """Python that turns expandable segments on, keeping the settings already there (the
+        shell form in a comment)."""
         var, cur = self.conf
         kept = [p for p in (x.strip() for x in cur.split(",")) if p and
                 not p.lower().startswith("expandable_segments")]
         value = ",".join(kept + ["expandable_segments:True"])
-        return (f"export {var}={value}   # before the process starts (torchrun inherits it)\n"
-                f"# or first thing in the script, before torch touches the device:\n"
-                f"#   os.environ[\"{var}\"] = \"{value}\"")
+        return ("import os\n\n"
+                "# first thing in the script, before torch touches the device\n"
+                f"# (or in the shell before launching: export {var}={value})\n"
+                f"os.environ[\"{var}\"] = \"{value}\"")
 
     def next_alloc_size(self, rows: np.ndarray) -> np.ndarray:
         """Size of the first alloc at or after each row (0 when none): what a segment grew for."""

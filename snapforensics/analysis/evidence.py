@@ -76,6 +76,18 @@ def peaks(d: DeviceAnalysis, live: np.ndarray) -> dict[str, int]:
             "backward_bytes": int(live[bw].max()) if bw.any() else 0}
 
 
+# A finding is `anomalous` only if removing it lowers this run's peak: by at least this share.
+# Smaller differences are within what re-recording the same run moves the peak by (allocation
+# order around collectives on CPU, block rounding on a caching allocator), so no fix could be
+# seen to lower it.
+MIN_PEAK_SAVING = 0.02
+
+
+def lowers_peak(d: DeviceAnalysis, saving: int | None) -> bool:
+    """Does a counterfactual that saves `saving` bytes of this device's peak lower the peak?"""
+    return saving is not None and saving >= MIN_PEAK_SAVING * d.peak_bytes
+
+
 def counterfactual(d: DeviceAnalysis, free_row: np.ndarray | None = None,
                    alloc_row: np.ndarray | None = None, extra: tuple = ()
                    ) -> tuple[dict[str, int], Replay]:

@@ -344,6 +344,13 @@ def units(d: DeviceAnalysis, it) -> tuple[list[Unit], object]:
         fa = mine[d.phase[mine] == Phase.FORWARD] if mine.size else mine
         ba = mine[np.isin(d.phase[mine], BACKWARD_PHASES)] if mine.size else mine
         out.append(Unit(k, f0, f1, b0, b1, v, b, fa, ba))
+    # a unit never gathered in backward (kept from forward) starts its backward when the unit
+    # before it in backward order finished its own (its post-backward)
+    ends = sorted(u.b1 for u in out if u.b1 >= 0)
+    for u in out:
+        if u.b0 < 0 <= u.b1:
+            before = [e for e in ends if e < u.b1]
+            u.b0 = before[-1] if before else it.backward_start
     return out, root
 
 

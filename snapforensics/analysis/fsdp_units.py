@@ -1,4 +1,5 @@
-"""What FSDP did on one device: unshard events and units, the world size, stale and leaked unshards.
+"""What FSDP did on one device: unshard events and units, the world size, stale, leaked and
+deferred unshards, where a reshard would have freed them.
 
 The `fsdp_*` rules share these facts through `DeviceAnalysis.fsdp`: each is computed from the
 per-block arrays of one DeviceAnalysis on first use and kept, so each rule stays one numpy pass.
@@ -12,6 +13,7 @@ all-gather output itself). A *unit* is named by its FQN when the trace carries F
 
 from __future__ import annotations
 
+import re
 from functools import cached_property
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -39,6 +41,7 @@ _C10D_FILES = ("distributed/distributed_c10d.py", "distributed/c10d_logger.py",
 # unit's gradient reduction may happen meanwhile (the next unit is prefetched while the current
 # one finishes); living through more of them means nobody resharded it.
 MAX_FOREIGN_REDUCTIONS = 2
+_POST_BACKWARD = re.compile(r"^FSDP::post_backward_(?:accumulate|reshard|reduce) \((.*)\)$")
 
 
 class StackFlags(NamedTuple):
@@ -125,13 +128,13 @@ class FsdpUnits:
 
     @cached_property
     def world(self) -> WorldSize:
-        """The recorder's world size, else the reduce-scatter input/output ratio of one unit: an
-        estimate (pairs found within a window of rows)."""
+        """The number of ranks parameters are sharded over: the reduce-scatter input/output ratio
+        of one unit (HSDP shards over one dimension of its mesh, fewer than the recorder's world
+        size), else the recorder's world size; `estimated` when the recorder did not say."""
         d = self._d
         prov = d.snapshot.provenance
         w = prov.get("world_size") if isinstance(prov, dict) else None
-        if isinstance(w, int) and w >= 1:
-            return WorldSize(w, False)
+        recorded = w if isinstance(w, int) and w >= 1 else None
         rs = np.flatnonzero(d.mask(Category.REDUCE_SCATTER))
         sg = np.flatnonzero(d.mask(Category.SHARDED_GRAD))
         ratios = []
@@ -145,8 +148,11 @@ class FsdpUnits:
                     ratios.append(int(d.lt.size[nearest]) / n)
         if ratios:
             r = float(np.median(ratios))
-            if r >= 1.5 and abs(r - round(r)) < 0.1:
-                return WorldSize(int(round(r)), True)
+            fits = recorded is None or round(r) <= recorded
+            if r >= 1.5 and abs(r - round(r)) < 0.1 and fits:
+                return WorldSize(int(round(r)), recorded is None)
+        if recorded is not None:
+            return WorldSize(recorded, False)
         return WorldSize(None, False)
 
     @cached_property
@@ -206,6 +212,29 @@ class FsdpUnits:
 
     @cached_property
     def leaked(self) -> np.ndarray:
+        """Blocks of `outlived` that nothing deliberate explains: never resharded within their
+        optimizer step (the seed bug), or released only by the final callback."""
+        return np.setdiff1d(self.outlived, self.deferred)
+
+    @cached_property
+    def deferred(self) -> np.ndarray:
+        """Blocks of `outlived` kept on purpose for gradient accumulation: made in a non-final
+        micro-batch and freed by the end of its step's final micro-batch's backward, which is
+        what `set_reshard_after_backward(is_last_microbatch)` does (the recipe its docstring
+        gives: parameters stay unsharded between micro-batches and are resharded on the last)."""
+        d = self._d
+        out = []
+        for b in self.outlived.tolist():
+            it = d.tl.iterations[int(d.iteration[b])]
+            if it.last_micro_batch:
+                continue
+            last = d.tl.last_of_step(it)
+            if 0 <= last.backward_end and int(d.lt.free_row[b]) <= last.backward_end:
+                out.append(b)
+        return np.array(out, np.int64)
+
+    @cached_property
+    def outlived(self) -> np.ndarray:
         """Unsharded-param blocks made in backward that outlive their unit's backward.
 
         Either still alive when the iteration's backward ends (never resharded), or alive across
@@ -239,6 +268,45 @@ class FsdpUnits:
                 n = len(mods) if None not in mods else len(set(g_event[lo[k]:hi[k]].tolist()))
                 foreign[k] = n > MAX_FOREIGN_REDUCTIONS
         return idx[past_end | foreign]
+
+
+def reshard_rows(d: DeviceAnalysis, blocks: np.ndarray, *, per_micro_batch: bool = False
+                 ) -> np.ndarray:
+    """Where a reshard would have freed each block: its unit's post-backward, in the final
+    micro-batch of the block's optimizer step (what `set_reshard_after_backward(is_last)` does),
+    or with `per_micro_batch` in the block's own micro-batch (resharding every micro-batch).
+
+    Prefer the unit's own `FSDP::post_backward_* (fqn)` range; else the first reduce-scatter
+    allocated for that unit; else the first reduce-scatter after the block; else backward end.
+    """
+    post: dict[str, list[int]] = {}
+    for row, name in d.annotation_rows(_POST_BACKWARD):
+        hit = _POST_BACKWARD.match(name)
+        if hit:
+            post.setdefault(hit.group(1), []).append(row)
+    rs = np.flatnonzero(d.mask(Category.REDUCE_SCATTER, Category.SHARDED_GRAD))
+    rs_rows = np.sort(d.lt.alloc_row[rs])
+    rs_by_mod: dict[str, list[int]] = {}
+    for b in rs.tolist():
+        m = d.module_of(b)
+        if m:
+            rs_by_mod.setdefault(m, []).append(int(d.lt.alloc_row[b]))
+    out = d.lt.free_row[blocks].copy()
+    for k, b in enumerate(blocks.tolist()):
+        a = int(d.lt.alloc_row[b])
+        it = d.tl.iteration_of(a)
+        if it is not None and not per_micro_batch:
+            it = d.tl.last_of_step(it)
+        end = it.backward_end if it else d.lt.rows - 1
+        after = max(a, it.backward_start) if it is not None else a
+        unit = d.module_of(b) or ""
+        cands = post.get(unit, []) or sorted(rs_by_mod.get(unit, []))
+        nxt = [r for r in cands if r > after]
+        if not nxt and not cands:
+            nxt = rs_rows[rs_rows > after][:1].tolist()
+        target = nxt[0] if nxt and nxt[0] <= end else end + 1
+        out[k] = min(int(out[k]), target)
+    return out
 
 
 def _stack_names(d: DeviceAnalysis, stack_id: int) -> frozenset[str]:

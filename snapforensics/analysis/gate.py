@@ -21,6 +21,7 @@ from typing import Any
 
 from snapforensics.analysis.compare import BEFORE_AFTER, Comparison, _change, compare
 from snapforensics.analysis.diagnosis import Diagnosis
+from snapforensics.analysis.vocab import Verdict
 from snapforensics.errors import SnapError
 
 SCHEMA = "snapforensics.compare_runs/1"
@@ -71,14 +72,14 @@ def compare_runs(a: str, b: str, diags_a: Sequence[Diagnosis],
         "new_anomalies": sorted({f["rule"] for p in pairs for f in new_anomalies(p.deltas[0])}),
         "gone_anomalies": sorted({f["rule"] for p in pairs
                                   for f in p.deltas[0]["findings"]["disappeared"]
-                                  if f["verdict"] == "anomalous"})})
+                                  if f["verdict"] == Verdict.ANOMALOUS})})
 
 
 def new_anomalies(delta: dict[str, Any]) -> list[dict[str, Any]]:
     f = delta["findings"]
-    return [x for x in f["appeared"] if x["verdict"] == "anomalous"] + \
-        [x for x in f["persisted"] if x["verdict_after"] == "anomalous"
-         and x["verdict_before"] != "anomalous"]
+    return [x for x in f["appeared"] if x["verdict"] == Verdict.ANOMALOUS] + \
+        [x for x in f["persisted"] if x["verdict_after"] == Verdict.ANOMALOUS
+         and x["verdict_before"] != Verdict.ANOMALOUS]
 
 
 def parse(conditions: Sequence[str]) -> list[tuple[str, float]]:

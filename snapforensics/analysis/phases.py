@@ -5,6 +5,11 @@ CUDA the autograd thread runs backward ops with no Python frames) take the phase
 before them; a frameless row right after recompute rows is backward, since recompute itself
 always runs Python (the checkpoint unpack hook). An iteration starts where forward follows
 backward or the optimizer.
+
+An iteration is one forward + backward: with gradient accumulation, one micro-batch. The
+iterations up to and including one that runs the optimizer form one optimizer step (`step`,
+`micro_batch` within it, `last_micro_batch`). A trace whose optimizer allocates nothing shows
+no step boundary: each iteration is then its own step.
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ class Iteration:
     backward_peak: int
     forward_peak_row: int
     backward_peak_row: int
+    step: int = 0  # the optimizer step this micro-batch belongs to
+    micro_batch: int = 0  # its index within that step
+    last_micro_batch: bool = True  # the step's optimizer runs in it (or the trace ends)
 
 
 @dataclass
@@ -37,6 +45,13 @@ class Timeline:
     ctx: np.ndarray  # int32 per row: id into `contexts` of the ranges open at that row
     contexts: list[tuple[str, ...]]
     iterations: list[Iteration]
+
+    def last_of_step(self, it: Iteration) -> Iteration:
+        """The micro-batch that ends `it`'s optimizer step (the one that reshards and syncs)."""
+        k = it.index
+        while not self.iterations[k].last_micro_batch:
+            k += 1
+        return self.iterations[k]
 
     def iteration_of(self, row: int) -> Iteration | None:
         if row < 0 or row >= len(self.iteration):
@@ -120,7 +135,27 @@ def assign(trace: Trace, hints: np.ndarray, live: np.ndarray,
             forward_peak_row=start + fpk if fpk >= 0 else -1,
             backward_peak_row=start + bpk if bpk >= 0 else -1,
         ))
+    _steps(iterations, phase)
     return Timeline(phase, iteration, ctx, contexts, iterations)
+
+
+def _steps(iterations: list[Iteration], phase: np.ndarray) -> None:
+    """Group micro-batches into optimizer steps: a step ends with the iteration that runs the
+    optimizer (after its backward). No optimizer rows at all: one step per iteration."""
+    opt = [it.backward_end >= 0 and bool((phase[it.backward_end:it.end + 1] ==
+                                          Phase.OPTIMIZER).any()) for it in iterations]
+    if not any(opt):
+        for it in iterations:
+            it.step, it.micro_batch, it.last_micro_batch = it.index, 0, True
+        return
+    step = micro = 0
+    for it, ends in zip(iterations, opt):
+        it.step, it.micro_batch = step, micro
+        it.last_micro_batch = ends or it is iterations[-1]
+        if ends:
+            step, micro = step + 1, 0
+        else:
+            micro += 1
 
 
 __all__ = ["Iteration", "Timeline", "range_context", "assign"]

@@ -86,3 +86,9 @@ def repeated_module(d: DeviceAnalysis, stacks: np.ndarray, repeats: int) -> str 
     name = max(cands, key=lambda c: depth[c])
     # FSDP2 swaps the class of a sharded module for a dynamic `FSDP<Class>`
     return name[4:] if name.startswith("FSDP") and len(name) > 4 else name
+
+
+def hugging_face(d: DeviceAnalysis) -> bool:
+    """The run's frames come from the `transformers` package: its model has HF's own switches
+    (`gradient_checkpointing_enable`), which a fix may then lead with."""
+    return any("transformers/" in f.filename.replace("\\", "/") for f in d.snapshot.frames)

@@ -371,6 +371,22 @@ def run_recorded(opts: dict, target: str, args: list[str]) -> dict:
     return finish()
 
 
+def _stop_with_launcher() -> None:
+    """Linux: SIGTERM this rank when the launching ``record`` dies (even by SIGKILL). The rank
+    runs in its own process group, so nothing else would stop it; SIGTERM still dumps."""
+    if not sys.platform.startswith("linux"):
+        return
+    launcher = os.getppid()
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != launcher:  # it died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) < 2:
@@ -378,6 +394,7 @@ def main(argv: list[str] | None = None) -> None:
               file=sys.stderr)
         sys.exit(EXIT_RECORD_FAILED)
     opts = json.loads(argv[0])
+    _stop_with_launcher()
     status = run_recorded(opts, argv[1], list(argv[2:]))
     sys.stdout.flush()
     sys.stderr.flush()

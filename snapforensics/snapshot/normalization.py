@@ -51,6 +51,7 @@ from snapforensics.snapshot.unpickle import gc_paused, read_raw_info
 BLOCK_STATES = {"active_allocated", "active_pending_free", "active_awaiting_free", "inactive"}
 _STATE_OK = {"active_allocated", "active_pending_free", "inactive"}
 OTHER = A["other"]
+DEVICE_UNITS = 1024  # each device is analysed on its own: a fixed cost of about 1,000 rows
 
 
 def load(path: str | os.PathLike) -> Snapshot:
@@ -70,7 +71,6 @@ def _trace(entries: Any, device: int, it: Interner, inline_ann: list[Annotation]
     if type(entries) not in LISTS:
         raise SnapError(f"{where_dev} must be a list, got {tname(entries)}")
     n = len(entries)
-    it.budget.add(n, "trace entries")
     if n == 0:
         return Trace.empty(device)
     if set(map(type, entries)) != {dict}:
@@ -157,6 +157,7 @@ def _segments(raw: Any, it: Interner, fmt: dict) -> list[Segment]:
     if type(raw) not in LISTS:
         raise SnapError(f"segments must be a list, got {tname(raw)}")
     it.budget.add(len(raw), "segments")
+    it.budget.add(sum(len(b) for b in map(_blocks_of, raw) if type(b) in LISTS), "segment blocks")
     out = []
     stack = it.stack
     legacy = 0
@@ -170,7 +171,6 @@ def _segments(raw: Any, it: Interner, fmt: dict) -> list[Segment]:
             blocks_raw = []
         if type(blocks_raw) not in LISTS:
             raise SnapError(f"{where}: blocks must be a list, got {tname(blocks_raw)}")
-        it.budget.add(len(blocks_raw), "segment blocks")
         blocks = []
         offset = seg_addr
         bwhere = f"{where}.blocks"
@@ -255,6 +255,10 @@ def _segments(raw: Any, it: Interner, fmt: dict) -> list[Segment]:
     if legacy:
         fmt["legacy_block_history"] = True
     return out
+
+
+def _blocks_of(s: Any) -> Any:
+    return s.get("blocks") if type(s) is dict else None
 
 
 def _dflt(d: dict, key: str, default: Any) -> Any:
@@ -359,6 +363,8 @@ def normalize(raw: Any, source: str = "<memory>", warnings: list[str] | None = N
         raise SnapError(f"not a memory snapshot: no 'segments' or 'device_traces' key "
                         f"(keys: {shown or 'none'})")
     segments = _segments(raw.get("segments") or [], it, fmt)
+    seg_devices = {s.device for s in segments}
+    it.budget.add(DEVICE_UNITS * len(seg_devices), "units of per-device analysis")
     dt = raw.get("device_traces")
     if dt is None:
         dt = []
@@ -366,7 +372,8 @@ def normalize(raw: Any, source: str = "<memory>", warnings: list[str] | None = N
         raise SnapError(f"device_traces must be a list, got {tname(dt)}")
     if len(dt) > MAX_DEVICE:
         raise SnapError(f"device_traces has {len(dt)} lists, more than any machine has devices")
-    it.budget.add(len(dt), "devices")
+    it.budget.add(len(dt), "device traces")
+    it.budget.add(sum(len(e) for e in dt if type(e) in LISTS), "trace entries")
     inline: list[Annotation] = []
     keys: set = set()
     traces = [_trace(entries, d, it, inline, keys) for d, entries in enumerate(dt)]
@@ -379,6 +386,8 @@ def normalize(raw: Any, source: str = "<memory>", warnings: list[str] | None = N
     annotations = sorted(_place_annotations(raw.get("external_annotations"), traces, it) + inline,
                          key=lambda a: (a.device, a.row))
     it.check_strings(sum(len(a.name) for a in annotations))
+    trace_devices = {t.device for t in traces if len(t)} - seg_devices
+    it.budget.add(DEVICE_UNITS * len(trace_devices), "units of per-device analysis")
     provenance = _metadata(raw, "snapforensics", warnings)
     settings = _metadata(raw, "allocator_settings", warnings)
     detect_format(raw, traces, segments, it, provenance, keys, fmt)

@@ -16,6 +16,7 @@ import os
 import pickle
 import re
 import stat
+import sys
 import threading
 import zlib
 from collections.abc import Iterator
@@ -221,16 +222,22 @@ def _load(stream: Any, bound: int, budget: int) -> Any:
             result.append(None)
 
     old = threading.stack_size()
+    hook = sys.excepthook
+    # A failed BYTEARRAY8 makes CPython print "deallocated bytearray object has exported
+    # buffers" through sys.excepthook: the load's own error is the one line the user gets.
+    sys.excepthook = lambda *a: None
     try:
         threading.stack_size(need)
         t = threading.Thread(target=run, name="unpickle", daemon=True)
         t.start()
+        threading.stack_size(old)
+        t.join()
     except (RuntimeError, ValueError, MemoryError):
         raise SnapError(f"cannot reserve {need >> 20} MiB of stack to unpickle this file safely "
                         "(the pickle may nest tuples that deep)") from None
     finally:
         threading.stack_size(old)
-    t.join()
+        sys.excepthook = hook
     if len(result) == 2:
         raise result[0]
     return result[0]

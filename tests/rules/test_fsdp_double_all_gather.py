@@ -5,7 +5,7 @@ re-gathers each named FSDP2 unit (what torch did before pytorch PR 164009)."""
 from __future__ import annotations
 
 import pytest
-from findings import finding, fired
+from findings import finding, fired, verdict_by_effect
 
 from snapforensics.analysis import diagnose
 from snapforensics.analysis.context import analyse
@@ -23,11 +23,13 @@ slow = pytest.mark.slow
 
 
 @slow
-def test_fsdp1_reentrant_checkpoint_gathers_every_layer_twice(diagnosed):
+def test_fsdp1_reentrant_checkpoint_gathers_every_layer_twice(diagnosed, recording):
     """A real recording on torch 2.13: FSDP1 + HF-style reentrant checkpointing (#105635)."""
     d = diagnosed("fsdp1_reentrant")
     f = finding(d, RULE)
-    assert f.verdict == "anomalous"
+    # anomalous only if gathering once lowers the peak: measured against `fsdp1` (the same
+    # FSDP1 units, non-reentrant checkpointing inside them: one gather per layer)
+    verdict_by_effect(f, recording("fsdp1_reentrant"), recording("fsdp1"))
     assert f.evidence["units_gathered_twice"] == 6
     assert f.bytes >= 6 * 12 * 2**20
     paths = " ".join(f.evidence["by_path"])

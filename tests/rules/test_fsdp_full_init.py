@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from corpus import corpus_file
-from findings import FSDP_CONFIGURATION, finding, fired, near
+from findings import FSDP_CONFIGURATION, finding, fired, near, verdict_by_effect
 
 from snapforensics.analysis import diagnose
 from snapforensics.analysis.context import analyse
@@ -20,7 +20,10 @@ slow = pytest.mark.slow
 def test_full_model_built_on_the_device_before_sharding(recording, diagnosed):
     d = diagnosed("full_init")
     f = finding(d, RULE)
-    assert f.verdict == "anomalous"
+    # anomalous only if the start-up peak is the run's peak (measured peak above `fixed`'s, the
+    # same run with meta-device init); below it, info naming where it would take over
+    if verdict_by_effect(f, recording("full_init"), recording("fixed")) == "info":
+        assert "ranks" in f.cause or "any world size" in f.cause
     ev = f.evidence
     assert ev["init_peak_bytes"] > 1.5 * ev["sharded_param_bytes"]
     assert f.bytes >= 0.9 * ev["full_model_bytes"]  # the whole model, at once

@@ -10,6 +10,7 @@ from snapforensics.analysis.rules import (
     allocator_fragmentation,
     allocator_record_stream,
     fsdp_all_gather_concurrency,
+    fsdp_deferred_reshard,
     fsdp_double_all_gather,
     fsdp_full_init,
     fsdp_grad_sync_off,
@@ -24,6 +25,7 @@ from snapforensics.analysis.rules import (
 
 RULES = [
     fsdp_reshard,
+    fsdp_deferred_reshard,
     fsdp_reduce_scatter,
     allocator_fragmentation,
     allocator_record_stream,

@@ -31,7 +31,7 @@ import numpy as np
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding
 from snapforensics.analysis.evidence import human, top_stacks
-from snapforensics.analysis.stacks import generic_keys, repeated_module
+from snapforensics.analysis.stacks import generic_keys, hugging_face, repeated_module
 from snapforensics.analysis.vocab import CAT_CODE, CATEGORIES, Category, Phase, Verdict
 
 RULE = "activations.no_checkpointing"
@@ -43,14 +43,20 @@ from functools import partial
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
 
-# wrap every repeated layer BEFORE fully_shard / FSDP(...) wraps the model:
+# wrap every repeated layer ({layer}) BEFORE fully_shard / FSDP(...) wraps the model:
 apply_activation_checkpointing(
     model,
     checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
     check_fn=lambda m: isinstance(m, {layer}),
-)
-# Hugging Face models: model.gradient_checkpointing_enable(
-#     gradient_checkpointing_kwargs={{"use_reentrant": False}})"""
+)"""
+_HF_FIX = """\
+# a Hugging Face model: its own switch (non-reentrant checkpointing of every decoder layer)
+model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})"""
+
+
+def fix_for(d: DeviceAnalysis, layer: str | None) -> str:
+    """HF's switch on a Hugging Face model, else checkpoint_wrapper on the repeated class."""
+    return _HF_FIX if hugging_face(d) else FIX.format(layer=layer or "TransformerBlock")
 
 
 class Layers(NamedTuple):
@@ -144,7 +150,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         rule=RULE, verdict=Verdict.INFO,
         title="Activations dominate the peak and nothing is checkpointed",
         cause=cause, bytes=act, blocks=int(act_blocks.size), device=d.device,
-        fix=FIX.format(layer=name or "TransformerBlock  # your layer class"),
+        fix=fix_for(d, name),
         predicted_peak_bytes=predicted, saving_bytes=save_peak,
         evidence={
             "iteration": it.index,

@@ -146,7 +146,10 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         rule=RULE, verdict=Verdict.ANOMALOUS,
         title="Allocator fragmentation: reserved far above allocated",
         cause=cause + " Expandable segments let the allocator grow one mapping per stream "
-                      "instead of stranding fixed-size segments, so reserved tracks allocated.",
+                      "instead of stranding fixed-size segments, so reserved tracks allocated: "
+                      f"up to {human(waste)} less reserved memory (reserved peak "
+                      f"{human(res_peak)} toward {human(peak)}); the allocated peak "
+                      f"({human(peak)}) does not change.",
         bytes=waste, blocks=dump["inactive_split_blocks"], device=d.device,
         fix=fix_for(d),
         saving_bytes=waste,

@@ -28,11 +28,15 @@ MIN_HELD = 0.05  # of the peak: delayed memory held at some row
 MIN_PEAK = 0.05  # of the peak: the delays raise the peak this much -> anomalous
 
 NCCL = """\
+import os
+
 # c10d (NCCL) collectives: stash the tensors and free them after the work's wait() instead of
-# record_stream (set before init_process_group):
-export TORCH_NCCL_AVOID_RECORD_STREAMS=1
+# record_stream (set before init_process_group; shell: export TORCH_NCCL_AVOID_RECORD_STREAMS=1)
+os.environ["TORCH_NCCL_AVOID_RECORD_STREAMS"] = "1"
 """
 OWN = """\
+import torch
+
 # your own side streams: keep the tensor alive until the consumer waited, then drop it,
 # instead of tensor.record_stream(side_stream):
 done = torch.{dev}.Event(); done.record(side_stream)
@@ -120,6 +124,6 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         "Frees delayed by record_stream (off the peak)",
         cause=cause if anomalous else cause + " The delays do not coincide with the peak.",
         bytes=held_max, blocks=int(idx.size), device=d.device,
-        fix=fix_for(d), saving_bytes=cost if anomalous else None,
+        fix=fix_for(d), saving_bytes=max(cost, 0),
         evidence=evidence,
     )]

@@ -10,37 +10,57 @@ reduce-scatter input/output ratio): a full model on every rank. Only on traces w
 and a known world size above one: the world size is never assumed. Materializing one unit at a
 time (FSDP1 with meta-device modules, a per-layer `param_init_fn`) stays far below.
 
-Verdict `anomalous`: meta-device init + `to_empty` + `reset_parameters` removes it. The full
-model scales with the world size while the training peak does not, so at small world sizes it may
-not be the overall peak yet; the predicted init peak is in the evidence either way.
+Verdict `anomalous` when the start-up peak is the run's peak (meta-device init + `to_empty` +
+`reset_parameters` then lowers it), else `info`. The full model is the same at every world size
+while the sharded part of the training peak (sharded parameters, gradients, optimizer state)
+falls as 1/world_size: the finding gives the world size at which the start-up peak would take
+over, `T = U + S * W / W'` solved for `W'` with `U` the training peak's unsharded part and `S`
+its sharded part at world size `W`.
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding
-from snapforensics.analysis.evidence import human, peaks, top_stacks
+from snapforensics.analysis.evidence import human, lowers_peak, peaks, top_stacks
 from snapforensics.analysis.vocab import CAT_CODE, FSDP_CATEGORIES, Category, Verdict
 
 RULE = "fsdp.full_model_materialized_at_init"
 _SHARE_OF_FULL_MODEL = 0.5
 
-FIX = """\
+def fix_for(d: DeviceAnalysis) -> str:
+    """Meta-device init for this run's device and (when units are named) its block container."""
+    container = _container(d)
+    return f"""\
+import torch
+from torch.distributed.fsdp import fully_shard
+
 # Build on the meta device, shard, then allocate only the local shards:
 with torch.device("meta"):
-    model = Transformer(...)
-for block in model.layers:
+    model = build_model()  # your model's constructor
+for block in model.{container}:
     fully_shard(block)
 fully_shard(model)
-model.to_empty(device="cuda")
+model.to_empty(device="{d.snapshot.kind.device_name}")
 for m in model.modules():
     if hasattr(m, "reset_parameters"):
         m.reset_parameters()
 # FSDP1: construct under torch.device("meta") and pass
 #   FullyShardedDataParallel(model, device_id=..., param_init_fn=...)  (materialized per unit)
-# Loading a checkpoint: torch.distributed.checkpoint / set_model_state_dict on the sharded model."""
+# Loading a checkpoint: torch.distributed.checkpoint / set_model_state_dict on the sharded model"""
+
+
+def _container(d: DeviceAnalysis) -> str:
+    """The attribute holding the repeated blocks, from unit names like "layers.3" ("layers")."""
+    units = {i.module for i in d.infos if i.module}
+    names = {m.rsplit(".", 1)[0] for m in units if re.fullmatch(r".+\.\d+", m)}
+    names = {n for n in names if re.fullmatch(r"[A-Za-z_][\w.]*", n)}
+    return min(names, key=lambda n: (n.count("."), n)) if names else "layers"
+
 
 
 def check(d: DeviceAnalysis) -> list[Finding]:
@@ -82,20 +102,33 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     new_init = int(new_live[:start].max())
     blocks = np.flatnonzero(transient_mask)
     training_peak = int(live[start:].max()) if start < lt.rows else 0
+    takeover = _takeover_world(d, start, init_peak, world)
+    starts_at_peak = init_peak >= training_peak and \
+        lowers_peak(d, d.peak_bytes - after["overall_bytes"])
+    if starts_at_peak:
+        effect = (f"It is this run's peak ({human(init_peak)}, training peaks at "
+                  f"{human(training_peak)}).")
+    else:
+        effect = (f"Here it is {init_peak / max(training_peak, 1):.0%} of the training peak "
+                  f"({human(training_peak)}), so it does not set the run's peak yet; "
+                  + (f"with the same per-rank batch it would from about {takeover[0]} ranks."
+                     if takeover[0] else
+                     f"the training peak's part that does not shrink with more ranks "
+                     f"({human(takeover[1])}: activations, gathered units, communication "
+                     "buffers) stays above it at any world size."))
     cause = (
         f"Before the first forward, memory peaked at {human(init_peak)} while the run carries "
         f"only {human(sharded)} of sharded parameters into training: {human(transient)} in "
         f"{len(blocks)} blocks alive at that moment was freed before training began, "
         f"{transient / full_model:.0%} of the full model ({human(full_model)} = "
         f"{world} x the shards). The full model was built on the device and only then "
-        "sharded. It grows with the world size while the training peak does not: here the init "
-        f"peak is {init_peak / max(training_peak, 1):.0%} of the training peak "
-        f"({human(training_peak)}). With meta-device init the init peak is predicted at "
-        f"{human(new_init)}.")
+        "sharded. Its size does not shrink with more ranks while the sharded part of the "
+        f"training peak falls as 1/world size. {effect} With meta-device init the start-up "
+        f"peak is predicted at {human(new_init)}.")
     return [Finding(
-        rule=RULE, verdict=Verdict.ANOMALOUS,
+        rule=RULE, verdict=Verdict.ANOMALOUS if starts_at_peak else Verdict.INFO,
         title="Full model materialized on the device before sharding",
-        cause=cause, bytes=transient, blocks=int(len(blocks)), device=d.device, fix=FIX,
+        cause=cause, bytes=transient, blocks=int(len(blocks)), device=d.device, fix=fix_for(d),
         predicted_peak_bytes=after["overall_bytes"],
         saving_bytes=max(d.peak_bytes - after["overall_bytes"], 0),
         evidence={
@@ -108,7 +141,26 @@ def check(d: DeviceAnalysis) -> list[Finding]:
             "world_size": world,
             "world_size_estimated": d.fsdp.world.estimated,
             "training_peak_bytes": training_peak,
+            "becomes_peak_at_world_size": takeover[0],
             "stacks": top_stacks(d, blocks, 1),
             "predicted_peaks": after,
         },
     )]
+
+
+_SHARDED_STATE = (Category.SHARDED_PARAM, Category.SHARDED_GRAD, Category.OPTIMIZER_STATE)
+
+
+def _takeover_world(d: DeviceAnalysis, start: int, init_peak: int, world: int
+                    ) -> tuple[int | None, int]:
+    """The smallest world size at which the start-up peak would reach the training peak, if
+    only the training peak's sharded part shrinks (as 1/world size), None if it never would;
+    and the training peak's unsharded part."""
+    row = start + int(np.argmax(d.lt.live[start:]))
+    alive = d.lt.alive_at(row)
+    training = int(d.lt.live[row])
+    sharded = int(d.lt.size[alive & d.mask(*_SHARDED_STATE)].sum())
+    rest = training - sharded
+    if init_peak <= rest or sharded <= 0:
+        return None, rest
+    return max(int(np.ceil(sharded * world / (init_peak - rest))), world), rest

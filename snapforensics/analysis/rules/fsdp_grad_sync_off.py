@@ -29,11 +29,10 @@ _MIN_SHARE_OF_PARAMS = 0.25
 
 FIX = """\
 # Reduce-scatter every micro-batch (only 1/world_size sharded grads accumulate):
-for mb, batch in enumerate(micro_batches):
-    model.set_requires_gradient_sync(True)   # FSDP2 (FSDP1: do not wrap in model.no_sync())
-    loss = model(batch).loss / len(micro_batches)
-    loss.backward()
-# or keep sync off on non-final micro-batches and accept holding unsharded grads."""
+for batch in micro_batches:
+    model.set_requires_gradient_sync(True)  # FSDP2; FSDP1: do not enter model.no_sync()
+    loss_fn(model(batch)).backward()
+# or keep sync off on non-final micro-batches and accept holding unsharded grads"""
 
 
 def check(d: DeviceAnalysis) -> list[Finding]:
@@ -92,16 +91,18 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     worst = max(found, key=lambda i: found[i][1])
     held, nbytes, gathered = found[worst]
     it = d.tl.iterations[worst]
-    nxt = d.tl.iterations[worst + 1]
+    # the micro-batch that synced: the first later one with a reduce-scatter
+    nxt = next((x for x in d.tl.iterations[worst + 1:] if x.index in rs_iters),
+               d.tl.iterations[worst + 1])
     cause = (
-        f"Iteration {worst} (a micro-batch) ran backward with no reduce-scatter at all and kept "
+        f"{_name(d, it)} ran backward with no reduce-scatter at all and kept "
         f"{human(nbytes)} of unsharded gradients in {len(held)} blocks alive into the next "
         f"micro-batch ({nbytes / gathered:.0%} of the model's {human(gathered)} of unsharded "
-        f"parameters), released only in iteration {nxt.index}'s synced backward. Gradient "
+        f"parameters), released only in the synced backward of {_name(d, nxt).lower()}. Gradient "
         "sync was off (FSDP2 set_requires_gradient_sync(False), FSDP1 no_sync()): every rank "
-        "holds full-size gradients instead of 1/world_size shards while accumulating. Syncing "
-        f"every micro-batch would put the peak at {human(after['overall_bytes'])} instead of "
-        f"{human(d.peak_bytes)}, at the price of one reduce-scatter per micro-batch.")
+        "holds full-size gradients instead of 1/world_size shards while accumulating, and "
+        "saves one reduce-scatter per unit per non-final micro-batch. "
+        + _effect(d, after["overall_bytes"], "Syncing every micro-batch"))
     return [Finding(
         rule=RULE, verdict=Verdict.EXPECTED,
         title="Gradient sync off across micro-batches: unsharded gradients held",
@@ -120,3 +121,18 @@ def check(d: DeviceAnalysis) -> list[Finding]:
             "predicted_peaks": after,
         },
     )]
+
+
+def _name(d: DeviceAnalysis, it) -> str:
+    """"Micro-batch 0 of optimizer step 1 (iteration 2)", or "Iteration 2" when the trace shows
+    no optimizer step with several micro-batches."""
+    if not any(x.micro_batch for x in d.tl.iterations):
+        return f"Iteration {it.index}"
+    return f"Micro-batch {it.micro_batch} of optimizer step {it.step} (iteration {it.index})"
+
+
+def _effect(d: DeviceAnalysis, predicted: int, change: str) -> str:
+    if predicted < d.peak_bytes:
+        return f"{change} would put the peak at {human(predicted)} instead of " \
+               f"{human(d.peak_bytes)}."
+    return f"{change} would not lower the peak ({human(d.peak_bytes)}): it is set elsewhere."

@@ -32,6 +32,9 @@ _RATIO = 1.5  # reduce-scatter input at least this many times the all-gather out
 _MIN_SHARE = 0.01  # extras alive at once, as a share of the peak
 
 FIX = """\
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
 # Reduce in the parameter dtype (halves the reduce-scatter buffers; less accurate sums):
 mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
 fully_shard(block, mp_policy=mp)

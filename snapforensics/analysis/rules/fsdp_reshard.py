@@ -3,11 +3,15 @@
 With `reshard_after_backward=False` (or a recompute path that unshards with no matching
 reshard), every unit's parameters gathered during backward stay allocated after its backward
 ends, so live bytes climb one layer at a time and backward peaks far above forward.
+
+Parameters kept between the micro-batches of one optimizer step and resharded by the last one
+(`set_reshard_after_backward(is_last_microbatch)`) are not this bug: see
+`fsdp.reshard_deferred_to_last_micro_batch`. Verdict `anomalous` when resharding at each unit's
+post-backward (in the step's final micro-batch) lowers the peak (`evidence.lowers_peak`), else
+`info`: the parameters outlive their backward but not where the peak is.
 """
 
 from __future__ import annotations
-
-import re
 
 import numpy as np
 
@@ -18,54 +22,24 @@ from snapforensics.analysis.evidence import (
     by_path,
     counterfactual,
     human,
+    lowers_peak,
     max_alive,
     top_stacks,
 )
-from snapforensics.analysis.vocab import Category, Verdict
+from snapforensics.analysis.fsdp_units import reshard_rows
+from snapforensics.analysis.vocab import Verdict
 
 RULE = "fsdp.unsharded_params_not_resharded"
-_POST_BACKWARD = re.compile(r"^FSDP::post_backward_(?:accumulate|reshard|reduce) \((.*)\)$")
 
 FIX = """\
+from torch.distributed.fsdp import FSDPModule
+
 # after fully_shard(...) on each block (and on the root):
 for module in model.modules():
     if isinstance(module, FSDPModule):
         module.set_reshard_after_backward(True)
-# with gradient accumulation, only keep False on non-final micro-batches:
+# with gradient accumulation, keep False only on non-final micro-batches:
 #   model.set_reshard_after_backward(is_last_microbatch)"""
-
-
-def _reshard_rows(d: DeviceAnalysis, blocks: np.ndarray) -> np.ndarray:
-    """Where a reshard would have freed each block: its unit's post-backward.
-
-    Prefer the unit's own `FSDP::post_backward_* (fqn)` range; else the first reduce-scatter
-    allocated for that unit; else the first reduce-scatter after the block; else backward end.
-    """
-    post: dict[str, list[int]] = {}
-    for row, name in d.annotation_rows(_POST_BACKWARD):
-        hit = _POST_BACKWARD.match(name)
-        if hit:
-            post.setdefault(hit.group(1), []).append(row)
-    rs = np.flatnonzero(d.mask(Category.REDUCE_SCATTER, Category.SHARDED_GRAD))
-    rs_rows = np.sort(d.lt.alloc_row[rs])
-    rs_by_mod: dict[str, list[int]] = {}
-    for b in rs.tolist():
-        m = d.module_of(b)
-        if m:
-            rs_by_mod.setdefault(m, []).append(int(d.lt.alloc_row[b]))
-    out = d.lt.free_row[blocks].copy()
-    for k, b in enumerate(blocks.tolist()):
-        a = int(d.lt.alloc_row[b])
-        it = d.tl.iteration_of(a)
-        end = it.backward_end if it else d.lt.rows - 1
-        unit = d.module_of(b) or ""
-        cands = post.get(unit, []) or sorted(rs_by_mod.get(unit, []))
-        nxt = [r for r in cands if r > a]
-        if not nxt and not cands:
-            nxt = rs_rows[rs_rows > a][:1].tolist()
-        target = nxt[0] if nxt and nxt[0] <= end else end + 1
-        out[k] = min(int(out[k]), target)
-    return out
 
 
 MIN_SHARE = 0.01  # of the peak: below it the leftover is noise, not a finding
@@ -83,29 +57,39 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         return []
     worst_blocks = blocks[d.iteration[blocks] == worst]
     free_row = d.lt.free_row.copy()
-    free_row[blocks] = _reshard_rows(d, blocks)
-    before = {"overall_bytes": d.peak_bytes}
+    free_row[blocks] = reshard_rows(d, blocks)
     after, replay = counterfactual(d, free_row)
+    saving = d.peak_bytes - after["overall_bytes"]
+    at_peak = lowers_peak(d, saving)
     paths = by_path(d, worst_blocks)
     n_mod = len({d.module_of(b) for b in worst_blocks.tolist()})
+    it = d.tl.iterations[worst]
+    where = f"iteration {worst}" if it.step == worst else \
+        f"iteration {worst}: micro-batch {it.micro_batch} of optimizer step {it.step}"
     via = ", ".join(f"{p} ({human(v)})" for p, v in sorted(paths.items(), key=lambda x: -x[1]))
+    effect = (f"Resharding each unit at its post-backward puts the peak at "
+              f"{human(after['overall_bytes'])} instead of {human(d.peak_bytes)}."
+              if at_peak else
+              f"They are not what sets the peak ({human(d.peak_bytes)}): resharding them would "
+              f"leave it at {human(after['overall_bytes'])}.")
     cause = (
         f"FSDP parameters all-gathered during backward were never resharded: "
         f"up to {human(per_iter[worst])} from {len(worst_blocks)} blocks across {n_mod} unit(s) "
-        f"stayed unsharded past their unit's backward (iteration {worst}), unsharded via {via}. "
+        f"stayed unsharded past their unit's backward ({where}), unsharded via {via}. "
         "Each unit's post-backward skipped its reshard (reshard_after_backward=False, or a "
         "fully_shard unit nested in a checkpointed region re-unsharded by the recompute's "
         "pre-forward / pre-backward hooks), so parameter memory climbs layer by layer through "
-        "backward instead of staying at one or two layers.")
+        "backward instead of staying at one or two layers. " + effect)
     return [Finding(
         replay=replay,
-        rule=RULE, verdict=Verdict.ANOMALOUS,
+        rule=RULE, verdict=Verdict.ANOMALOUS if at_peak else Verdict.INFO,
         title="Parameters unsharded in backward/recompute are not resharded",
         cause=cause, bytes=per_iter[worst], blocks=int(len(worst_blocks)), device=d.device,
-        fix=FIX, predicted_peak_bytes=after["overall_bytes"],
-        saving_bytes=before["overall_bytes"] - after["overall_bytes"],
+        fix=FIX, predicted_peak_bytes=after["overall_bytes"], saving_bytes=max(saving, 0),
         evidence={
             "iteration": worst,
+            "optimizer_step": it.step,
+            "micro_batch": it.micro_batch,
             "per_iteration_bytes": {str(k): v for k, v in sorted(per_iter.items())},
             "by_path": paths,
             "modules": by_module(d, worst_blocks),

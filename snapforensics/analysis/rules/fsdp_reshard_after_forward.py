@@ -36,6 +36,8 @@ RULE = "fsdp.reshard_after_forward_disabled"
 _MIN_SHARE = 0.02
 
 FIX = """\
+from torch.distributed.fsdp import fully_shard
+
 # FSDP2: reshard every non-root unit after forward (the root stays unsharded by design)
 for block in model.layers:
     fully_shard(block, reshard_after_forward=True)

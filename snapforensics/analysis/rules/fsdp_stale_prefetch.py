@@ -9,7 +9,8 @@ that stays alive until FSDP finalizes backward (`finalize_backward` / FSDP1
 its `set_modules_to_forward_prefetch` list all-gathers units whose backward already ran (or will
 be gathered again by their own pre-backward), one buffer per layer accumulating through backward.
 
-Verdict `anomalous`: the buffers are pure waste. Predicted peak: the trace replayed without them.
+Verdict `anomalous` when dropping them lowers the peak (`evidence.lowers_peak`), else `info`
+(each is still one wasted all-gather). Predicted peak: the trace replayed without them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from snapforensics.analysis.evidence import (
     by_path,
     counterfactual,
     human,
+    lowers_peak,
     max_alive,
     per_iteration,
     top_stacks,
@@ -60,6 +62,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     free_row[stale] = d.lt.alloc_row[stale]  # never allocated
     after, replay = counterfactual(d, free_row)
     paths = by_path(d, blocks)
+    at_peak = lowers_peak(d, d.peak_bytes - after["overall_bytes"])
     via = ", ".join(f"{p} ({human(v)})" for p, v in sorted(paths.items(), key=lambda x: -x[1]))
     cause = (
         f"{len(blocks)} all-gather(s) issued during backward (iteration {worst}) were never "
@@ -68,10 +71,14 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         f"{via}. A unit's forward prefetch fired inside the recompute (a fully_shard unit nested "
         "in a checkpointed region runs its whole pre-forward again there) or a backward prefetch "
         "targeted a unit that did not run next, so each such buffer sits until the end of "
-        "backward and they pile up layer by layer.")
+        "backward and they pile up layer by layer. "
+        + (f"Without them the peak is {human(after['overall_bytes'])} instead of "
+           f"{human(d.peak_bytes)}." if at_peak else
+           f"They are not what sets the peak ({human(d.peak_bytes)}): without them it would be "
+           f"{human(after['overall_bytes'])}; they still cost one wasted all-gather each."))
     return [Finding(
         replay=replay,
-        rule=RULE, verdict=Verdict.ANOMALOUS,
+        rule=RULE, verdict=Verdict.ANOMALOUS if at_peak else Verdict.INFO,
         title="Unused all-gather buffers from prefetch during backward, freed only at the end",
         cause=cause, bytes=per_iter[worst], blocks=int(len(blocks)), device=d.device, fix=FIX,
         predicted_peak_bytes=after["overall_bytes"],

@@ -27,6 +27,8 @@ RULE = "leak.iteration_growth"
 MIN_RATE = 0.001  # growth per iteration, of the peak
 
 FIX = """\
+import torch
+
 # something keeps a tensor (and the autograd graph behind it) from every step.
 # Keep Python numbers or detached copies across steps:
 losses.append(loss.item())                 # not: losses.append(loss)

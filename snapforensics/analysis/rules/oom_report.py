@@ -15,7 +15,7 @@ import numpy as np
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding
 from snapforensics.analysis.evidence import human, top_stacks
-from snapforensics.analysis.stacks import user_frame
+from snapforensics.analysis.stacks import hugging_face, user_frame
 from snapforensics.analysis.vocab import CATEGORIES, Category, Verdict
 from snapforensics.snapshot.model import OOM
 
@@ -23,10 +23,11 @@ RULE = "oom.report"
 
 _FIXES = {
     Category.ACTIVATION:
-        "# activations filled the device: checkpoint the repeated layers, or a smaller "
-        "micro-batch\n# with gradient accumulation\n"
-        "model.gradient_checkpointing_enable()            # Hugging Face\n"
-        "# apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))",
+        "# activations filled the device: checkpoint the repeated layers (or a smaller\n"
+        "# micro-batch with gradient accumulation); Block: your layer class\n"
+        "from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (\n"
+        "    apply_activation_checkpointing)\n\n"
+        "apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))",
     Category.OPTIMIZER_STATE:
         "# optimizer state filled the device: shard it (FSDP / ZeRO), or a lighter "
         "optimizer\n# e.g. bitsandbytes.optim.AdamW8bit(model.parameters(), lr=...)",
@@ -43,6 +44,9 @@ _FIXES = {
         "# gathered FSDP parameters filled the device: reshard after "
         "forward/backward,\n# prefetch one unit ahead at most",
 }
+_HF_ACTIVATIONS = (
+    "# activations filled the device: checkpoint every decoder layer (or a smaller micro-batch)\n"
+    'model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})')
 _REDUCE = "# reduce what the largest stacks in the evidence keep alive, or the batch size"
 
 
@@ -51,6 +55,8 @@ def fix_for(d: DeviceAnalysis, top: Category | None, fragmented: bool) -> str:
     the category that filled the device (`top`)."""
     if fragmented and not d.allocator.expandable:
         return d.allocator.expandable_fix
+    if top == Category.ACTIVATION and hugging_face(d):
+        return _HF_ACTIVATIONS
     return _FIXES.get(top, _REDUCE) if top else _REDUCE
 
 
