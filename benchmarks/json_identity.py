@@ -33,7 +33,8 @@ def inputs(corpus: Path, fixtures: Path) -> list[Path]:
 
 
 def diagnose_json(path: Path, out: Path) -> tuple[int, dict | None, str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    # never a cached diagnosis (made by whichever tree wrote the cache): this tree's analysis
+    env = dict(os.environ, PYTHONPATH=str(ROOT), SNAPFORENSICS_NO_CACHE="1")
     r = subprocess.run([sys.executable, "-m", "snapforensics", "diagnose", str(path),
                         "--format", "json", "-o", str(out)], env=env, cwd=ROOT,
                        capture_output=True, text=True, timeout=600)
