@@ -28,7 +28,7 @@ STRING_FLOOR = 64 << 20
 ENV = "SNAPFORENSICS_EXPANSION"
 
 
-def _factor() -> float:
+def factor() -> float:
     try:
         return max(0.0, float(os.environ.get(ENV, "1")))
     except ValueError:
@@ -39,7 +39,7 @@ class Budget:
     """Counts what the file describes; `None` file size (an in-memory object) means no limit."""
 
     def __init__(self, file_bytes: int | None) -> None:
-        f = _factor()
+        f = factor()
         self.file_bytes = file_bytes
         self.limited = file_bytes is not None and f > 0
         size = file_bytes or 0

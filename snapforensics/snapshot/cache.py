@@ -43,6 +43,7 @@ import numpy as np
 import orjson
 
 from snapforensics import __version__
+from snapforensics.snapshot import budget
 from snapforensics.snapshot import normalization as loader
 from snapforensics.snapshot.columns import MAX_BYTES, MAX_DEVICE, MAX_TOTAL
 from snapforensics.snapshot.format import rank_from_name
@@ -121,7 +122,9 @@ def key(path: str | os.PathLike) -> str | None:
     try:
         st = os.stat(path)
         h = hashlib.blake2b(digest_size=16)
-        h.update(f"{tag('snapshot')} {st.st_size} {st.st_mtime_ns}".encode())
+        # the expansion budget is part of the key: a file accepted under a larger factor must
+        # still be refused under a smaller one
+        h.update(f"{tag('snapshot')} {st.st_size} {st.st_mtime_ns} {budget.factor()}".encode())
         with open(path, "rb") as f:
             if st.st_size <= FULL_HASH_MAX:
                 h.update(f.read())
