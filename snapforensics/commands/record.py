@@ -13,9 +13,7 @@ from pathlib import Path
 import click
 
 from snapforensics.errors import EXIT_BAD_INPUT, EXIT_RECORD_FAILED, SnapError
-
-_DEVICES = ["auto", "cuda", "npu", "cpu"]
-_STACKS = ["python", "all"]
+from snapforensics.record.backends import DEVICES, STACKS
 
 
 @click.command("record", context_settings={"ignore_unknown_options": True,
@@ -24,9 +22,9 @@ _STACKS = ["python", "all"]
               help="Folder for rank{R}.pickle (default: a new snapforensics-out/record-TIME).")
 @click.option("--nproc-per-node", type=int, default=1, show_default=True,
               help="Ranks to launch on this machine (each with torchrun's environment).")
-@click.option("--device", metavar="|".join(_DEVICES), default="auto", show_default=True,
+@click.option("--device", metavar="|".join(DEVICES), default="auto", show_default=True,
               help="auto: cuda if available, else npu (torch_npu), else the CPU allocator.")
-@click.option("--stacks", metavar="|".join(_STACKS), default="python", show_default=True,
+@click.option("--stacks", metavar="|".join(STACKS), default="python", show_default=True,
               help="python: Python frames only (fast); all: C++ frames too (slow to dump).")
 @click.option("--max-entries", type=int, default=1_000_000, show_default=True,
               help="Trace ring buffer size: only the last N alloc/free entries are kept.")

@@ -41,11 +41,10 @@ from pathlib import Path
 
 from snapforensics.errors import EXIT_BAD_INPUT, EXIT_RECORD_FAILED, SnapError
 from snapforensics.record._write import TMP_PREFIX
+from snapforensics.record.backends import DEVICES, STACKS
 
 __all__ = ["DEVICES", "STACKS", "RecordResult", "in_torchrun", "record"]
 
-DEVICES = ("auto", "cuda", "npu", "cpu")
-STACKS = ("python", "all")
 
 
 @dataclass
