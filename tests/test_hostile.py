@@ -28,17 +28,31 @@ def run(*args: str) -> tuple[int, str, bytes, float, int]:
     """(exit code, stderr, stdout, seconds, peak RSS bytes) of the CLI under the caps."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("SNAPFORENSICS_EXPANSION", None)
+    # RUSAGE_CHILDREN is the max over every child this process ever waited for (recordings
+    # included): a fresh wrapper process reports the peak RSS of this one CLI run alone, on the
+    # pipe whose fd it is given first.
+    wrapper = ("import os, resource, subprocess, sys\n"
+               "rc = subprocess.run(sys.argv[2:]).returncode\n"
+               "os.write(int(sys.argv[1]),\n"
+               "         str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss).encode())\n"
+               "sys.exit(rc)")
+    r, w = os.pipe()
     t = time.monotonic()
-    p = subprocess.Popen([sys.executable, "-m", "snapforensics", *args], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_cap)
+    p = subprocess.Popen([sys.executable, "-c", wrapper, str(w), sys.executable, "-m",
+                          "snapforensics", *args], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, preexec_fn=_cap, pass_fds=(w,))
+    os.close(w)
     try:
         out, err = p.communicate(timeout=SECONDS)
     except subprocess.TimeoutExpired:
         p.kill()
         p.communicate()
         pytest.fail(f"{args}: still running after {SECONDS} s")
+    finally:
+        with os.fdopen(r, "rb") as f:
+            reported = f.read()
     seconds = time.monotonic() - t
-    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    rss = int(reported or 0) * 1024
     return p.returncode, err.decode("utf-8", "replace"), out, seconds, rss
 
 
