@@ -91,13 +91,19 @@ def load_strict(path: Path):
         return _NoGlobals(f).load()
 
 
+def unrecorded_bytes(snapshot: dict, device: int = 0) -> int:
+    """Bytes the recorder found alive before its first entry (one `allocated_before_recording`
+    block)."""
+    return sum(b["size"] for s in snapshot.get("segments", []) if s["device"] == device
+               for b in s["blocks"]
+               if any(f["name"] == "allocated_before_recording" for f in b["frames"]))
+
+
 def replay_peak(snapshot: dict, device: int = 0) -> int:
     """Max over the trace of cumulative (alloc - free_completed) bytes, on top of the bytes the
     recorder found alive before its first entry (the allocator's own total, written as one
     `allocated_before_recording` block): they are alive during the whole trace."""
-    cur = peak = sum(b["size"] for s in snapshot.get("segments", []) if s["device"] == device
-                     for b in s["blocks"]
-                     if any(f["name"] == "allocated_before_recording" for f in b["frames"]))
+    cur = peak = unrecorded_bytes(snapshot, device)
     for e in snapshot["device_traces"][device]:
         a = e["action"]
         if a == "alloc":
