@@ -73,11 +73,7 @@ class Interner:
         if not -(1 << 31) <= line < (1 << 31):
             raise SnapError(f"{where}: frame line {short(line)} is out of range")
         frame = Frame(clean_str(filename), line, clean_str(name))
-        fid = self.frame_ids.get(frame)
-        if fid is None:
-            fid = len(self.frames)
-            self.frames.append(frame)
-            self.frame_ids[frame] = fid
+        fid = _index(self.frames, self.frame_ids, frame)
         self.by_obj[id(f)] = fid
         self.keep_alive.append(f)
         return fid
@@ -143,11 +139,7 @@ class Interner:
                 fid = self.frame(f, at(where, row))
             fids.append(fid)
         key = tuple(fids)
-        sid = self.stack_ids.get(key)
-        if sid is None:
-            sid = len(self.stacks)
-            self.stacks.append(key)
-            self.stack_ids[key] = sid
+        sid = _index(self.stacks, self.stack_ids, key)
         return sid
 
     def stack_column(self, col: list, where_dev: str) -> np.ndarray:
@@ -245,11 +237,7 @@ class Interner:
             raise SnapError(f"{where}: stream must be an int, got {tname(s)}")
         if not -(1 << 63) <= s < (1 << 64):
             raise SnapError(f"{where}: stream {short(s)} is out of range")
-        sid = self.stream_ids.get(s)
-        if sid is None:
-            sid = len(self.streams)
-            self.streams.append(s)
-            self.stream_ids[s] = sid
+        sid = _index(self.streams, self.stream_ids, s)
         return sid
 
     def stream_column(self, col: list, where_dev: str) -> np.ndarray:
@@ -277,11 +265,14 @@ class Interner:
             raise SnapError(f"{where}: pool id is out of range")
         if not any(key):
             return -1  # (0, 0): the default pool
-        pid = self.pool_ids.get(key)
-        if pid is None:
-            pid = len(self.pools)
-            self.pools.append(key)
-            self.pool_ids[key] = pid
+        pid = _index(self.pools, self.pool_ids, key)
         return pid
 
 
+def _index(table: list, ids: dict, key: Any) -> int:
+    """`key`'s index in `table`, appended the first time it is seen."""
+    i = ids.get(key)
+    if i is None:
+        i = ids[key] = len(table)
+        table.append(key)
+    return i
