@@ -72,6 +72,8 @@ def compare_command(snapshots: tuple[str, ...], fmt: str | None, output: str | N
     if fail_on:
         doc.gate = gate.failures(pairs, fail_on)
     emit(kind, doc, fmt, output)
+    from snapforensics.cli import _error
+
     for x in doc.gate or []:
-        click.echo(f"snapforensics: gate failed: {x}", err=True)
+        _error(x, "gate failed")  # labels are file names: neutralized for the terminal
     return EXIT_ANOMALY if doc.gate else 0
