@@ -19,6 +19,7 @@ from snapforensics.errors import (
     EXIT_INTERNAL,
     EXIT_INTERRUPTED,
     SnapError,
+    echo_error,
 )
 
 
@@ -45,40 +46,32 @@ def _register() -> None:
 _register()
 
 
-def _error(message: object, label: str = "error") -> None:
-    """One stderr line; a file name in the message cannot break the line or drive the
-    terminal (report/sanitize.py)."""
-    from snapforensics.report.sanitize import TEXT, terminal
-
-    click.echo(f"snapforensics: {label}: {terminal(message, TEXT)}", err=True)
-
-
 def main(argv: list[str] | None = None) -> None:
     try:
         rc = cli.main(args=argv, prog_name="snapforensics", standalone_mode=False)
     except SnapError as e:
-        _error(e)
+        echo_error(e)
         sys.exit(e.exit_code)
     except (click.exceptions.Abort, KeyboardInterrupt):
         sys.exit(EXIT_INTERRUPTED)
     except click.UsageError as e:  # one line, like every other user error
         cmd = e.ctx.command_path if e.ctx else "snapforensics"
-        _error(f"{e.format_message()} (see {cmd} --help)")
+        echo_error(f"{e.format_message()} (see {cmd} --help)")
         sys.exit(EXIT_BAD_INPUT)
     except click.ClickException as e:
-        _error(e.format_message())
+        echo_error(e.format_message())
         sys.exit(EXIT_BAD_INPUT)
     except BrokenPipeError:  # stdout's reader left (`| head`): quiet, like any Unix tool
         from snapforensics.report.output import quiet_broken_pipe
         quiet_broken_pipe()
     except OSError as e:  # the OS refused something (a full disk, a permission): not a bug
         name = f": {e.filename}" if e.filename else ""
-        _error(f"{e.strerror or e}{name}")
+        echo_error(f"{e.strerror or e}{name}")
         sys.exit(EXIT_BAD_INPUT)
     except Exception as e:  # a bug of ours: still one line unless asked
         if os.environ.get("SNAPFORENSICS_DEBUG"):
             raise
-        _error(f"{type(e).__name__}: {e} (rerun with SNAPFORENSICS_DEBUG=1 for the "
+        echo_error(f"{type(e).__name__}: {e} (rerun with SNAPFORENSICS_DEBUG=1 for the "
                "traceback)", "internal error")
         sys.exit(EXIT_INTERNAL)
     sys.exit(rc if isinstance(rc, int) else 0)

@@ -15,3 +15,13 @@ class SnapError(Exception):
     def __init__(self, message: str, exit_code: int = EXIT_BAD_INPUT):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+def echo_error(message: object, label: str = "error") -> None:
+    """One stderr line; a file name in the message cannot break the line or drive the
+    terminal (report/sanitize.py)."""
+    import click
+
+    from snapforensics.report.sanitize import TEXT, terminal
+
+    click.echo(f"snapforensics: {label}: {terminal(message, TEXT)}", err=True)

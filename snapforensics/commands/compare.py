@@ -72,8 +72,8 @@ def compare_command(snapshots: tuple[str, ...], fmt: str | None, output: str | N
     if fail_on:
         doc.gate = gate.failures(pairs, fail_on)
     emit(kind, doc, fmt, output)
-    from snapforensics.cli import _error
+    from snapforensics.errors import echo_error
 
     for x in doc.gate or []:
-        _error(x, "gate failed")  # labels are file names: neutralized for the terminal
+        echo_error(x, "gate failed")  # labels are file names: neutralized for the terminal
     return EXIT_ANOMALY if doc.gate else 0

@@ -90,7 +90,7 @@ class Screen:
         from rich.console import Console
 
         return Console(file=io.StringIO(), width=self.width or width,
-                       color_system=self.color_system,
+                       color_system=self.color_system,  # type: ignore[arg-type]  # rich detected it
                        force_terminal=self.color_system is not None, markup=False, emoji=False,
                        highlight=False, no_color=self.color_system is None, soft_wrap=False)
 
