@@ -43,6 +43,7 @@ in the returned ``snapshot["snapforensics"]["cpu_inferred_frees"]``.
 from __future__ import annotations
 
 import re
+from bisect import bisect_left
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
@@ -114,7 +115,7 @@ def events_to_snapshot(roots: list, max_entries: int, EventType: Any, RecordScop
     allocs.sort(key=lambda a: (a.time_ns, a.seq))
     _add_range_frames(allocs, ranges, frames)
     main_tid = _main_thread(allocs)
-    events, inferred = _recover_lost_frees(allocs, frames)
+    events, inferred = _recover_lost_frees(allocs, frames, _worker_range_ends(ranges, main_tid))
     trace, live = _build_trace(events)
     return {
         "segments": _segments(live, _unrecorded_bytes(allocs, live), frames),
@@ -351,14 +352,31 @@ def _unseen_frees(allocs: list[_Alloc]) -> list[tuple[int, int]]:
     return drops
 
 
-def _recover_lost_frees(allocs: list[_Alloc], frames: _Frames) -> tuple[list, int]:
+def _worker_range_ends(ranges: list, main_tid) -> list[int]:
+    """End times (ns, sorted) of the ranges other threads ran: collectives executed by a process
+    group's worker threads (``gloo:all_reduce``, ``gloo:all_gather``, ...)."""
+    return sorted(end for _, end, _, _, tid in ranges if tid != main_tid)
+
+
+def _recover_lost_frees(allocs: list[_Alloc], frames: _Frames,
+                        worker_ends: list[int] | None = None) -> tuple[list, int]:
     """Add the frees the profiler could not see, from the allocator's own accounting.
 
     Every unseen drop of the allocator's total is matched to blocks with no recorded free that
-    are alive at that moment (same byte count; the oldest first) and they are freed there. A
-    lost block left unmatched (accounting unavailable) is freed just before its address is
-    handed out again. Returns the merged event list ``(time_ns, order, ptr, size, frames,
-    inferred_size)`` (``size`` None = inferred free) and the number of inferred frees.
+    are alive at that moment (same byte count; the oldest first). A lost block left unmatched
+    (accounting unavailable) is freed just before its address is handed out again.
+
+    Where: such a block's last reference was held by a collective's worker thread, which drops
+    it when it gets the CPU back after finishing its collective, some microseconds to ~10 ms
+    later depending on scheduling, while the program (which waited for the collective) has
+    already let go. So the free is placed at the end of the last collective a worker thread
+    finished (``worker_ends``) after the block was allocated and before the drop was seen;
+    recording the scheduler's delay instead would make the same run's peak differ from one
+    recording to the next (gloo's reduce-scatter clones its input and frees the clone this way).
+    With no such range, the free goes where the drop was seen.
+
+    Returns the merged event list ``(time_ns, order, ptr, size, frames, inferred_size)``
+    (``size`` None = inferred free) and the number of inferred frees.
     """
     lost = _lost_blocks(allocs)
     if not lost:
@@ -371,10 +389,15 @@ def _recover_lost_frees(allocs: list[_Alloc], frames: _Frames) -> tuple[list, in
         if idx not in free_at and deadline is not None:
             free_at[idx] = deadline
     inferred_stack = frames.stack([frames.intern(*INFERRED_FREE_FRAME)])
+    ends = worker_ends or []
     events = [(a.time_ns, a.seq, a.ptr, a.size, a.frames, None) for a in allocs]
     for idx, at in free_at.items():
         a, b = allocs[idx], allocs[at]
-        events.append((b.time_ns, b.seq - 0.5, a.ptr, None, inferred_stack, a.size))
+        when, order = b.time_ns, b.seq - 0.5
+        k = bisect_left(ends, b.time_ns)  # the last collective ended before the drop
+        if k and ends[k - 1] > a.time_ns:
+            when, order = ends[k - 1], -1  # before anything stamped at that instant
+        events.append((when, order, a.ptr, None, inferred_stack, a.size))
     events.sort(key=lambda e: (e[0], e[1]))
     return events, len(free_at)
 
