@@ -7,8 +7,9 @@ the identity and contents of their frames list; streams and pools by value.
 
 from __future__ import annotations
 
+import ctypes
 import operator
-from itertools import chain, repeat
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -27,10 +28,33 @@ from snapforensics.snapshot.model import NO_STACK, Frame
 
 _BUCKET = 16
 _FRAMES_TYPES = {list, tuple, type(None)}
-# Frames sampled per round, in eighths of the length (-1: last). Lists still unresolved after the
-# last round go one by one (linear, only slower).
-_SAMPLES = (0, 4, -1, 2, 6, 1, 3, 5, 7, 0, 4, -1, 2, 6, 1, 3, 5, 7)
-_MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0xD6E8FEB86659FD93)
+_CHUNK_FRAMES = 1 << 20  # frames hashed per numpy pass: 8 MiB per temporary array
+_K = tuple(np.uint64(k) for k in (0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0x9E3779B97F4A7C15))
+
+
+def _hash_lists(lists: list, lens: np.ndarray) -> np.ndarray:
+    """A 64-bit hash per non-empty list of its length and of the identity of each element, in
+    order (splitmix64-style mixing of each element's address with its position, summed per list).
+
+    The addresses are read from a numpy object array's pointers (CPython: `id()` is the address)
+    instead of calling `id()` per element, which allocates an int each time (~4x slower)."""
+    total = int(lens.sum())
+    objs = np.fromiter(chain.from_iterable(lists), object, total)
+    v = np.ctypeslib.as_array(ctypes.cast(objs.ctypes.data, ctypes.POINTER(ctypes.c_uint64)),
+                              shape=(total,)).copy()
+    del objs
+    starts = np.zeros(len(lens), np.int64)
+    np.cumsum(lens[:-1], out=starts[1:])
+    pos = np.arange(total, dtype=np.uint64)
+    pos -= np.repeat(starts, lens).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        v += pos * _K[2]
+        v ^= v >> np.uint64(30)
+        v *= _K[0]
+        v ^= v >> np.uint64(27)
+        v *= _K[1]
+        v ^= v >> np.uint64(31)
+        return np.add.reduceat(v, starts) ^ (lens.astype(np.uint64) * _K[2])
 
 
 class Interner:
@@ -147,9 +171,8 @@ class Interner:
 
         1. Distinct lists by identity (`np.unique` of `id()`): torch shares one list between an
            alloc and its free, and files may share lists between many entries.
-        2. Distinct contents: lists with the same length, innermost and middle frame objects
-           are compared with `==` to the first such list (C pointer compares: frames are
-           memoized objects); those that differ go to another round.
+        2. Distinct contents: a hash of each list's frame identities (`_distinct_stacks`), the
+           lists of a hash compared with `==` to the first one.
         3. Only the first list of each content, and the rare lists that differ from it, go
            through `stack()`, in order of first appearance: ids are those a row-by-row walk
            would give.
@@ -172,7 +195,15 @@ class Interner:
         return self._distinct_stacks(lists, first, where_dev)[rank[inv.reshape(-1)]]
 
     def _distinct_stacks(self, lists: list, rows: np.ndarray, where_dev: str) -> np.ndarray:
-        """Stack ids of distinct list objects (in order of first appearance, at `rows`)."""
+        """Stack ids of distinct list objects (in order of first appearance, at `rows`).
+
+        Lists are grouped by a hash of their length and the identities of their frames, computed
+        with numpy over the flattened frame ids (a chunk of lists at a time, so the temporary
+        arrays stay small next to the unpickled file); the first list of each group is its
+        representative, and the others are compared to it with `==` (C pointer compares:
+        frames are memoized objects). A list unequal to its representative (a hash collision)
+        is interned on its own, exactly.
+        """
         m = len(lists)
         out = np.full(m, NO_STACK, np.int32)
         lens = np.fromiter(map(len, lists), np.int64, m)
@@ -180,37 +211,27 @@ class Interner:
         if not len(idx):
             return out
         e = list(map(lists.__getitem__, idx.tolist()))
+        key = np.empty(len(e), np.uint64)
         ln = lens[idx]
-
-        def sample(frac: int, sub: np.ndarray) -> np.ndarray:
-            """id() of the frame at `frac`/8 of each list's length (-1: the last frame)."""
-            pos = repeat(-1) if frac < 0 else ((ln[sub] * frac) >> 3).tolist()
-            lists = map(e.__getitem__, sub.tolist())
-            return np.fromiter(map(id, map(operator.getitem, lists, pos)), np.uint64, len(sub))
-
-        # Each round: lists are keyed by length and some sampled frame objects; the first list
-        # of each key is a representative, the lists equal to it take its stack, the others
-        # (another content with the same key) go to the next round with one more sample.
-        todo = np.arange(len(e))
-        rep = todo.copy()
-        key = ln.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-        for r, frac in enumerate(_SAMPLES):
-            key[todo] ^= sample(frac, todo) * np.uint64(_MIX[r % len(_MIX)])
-            if r == 0:
-                continue  # the first round keys on two samples
-            _, g_first, g_inv = np.unique(key[todo], return_index=True, return_inverse=True)
-            first = todo[g_first[g_inv.reshape(-1)]]
+        ends = np.cumsum(ln)
+        lo = 0
+        while lo < len(e):  # chunks of about _CHUNK_FRAMES frames
+            hi = int(np.searchsorted(ends, ends[lo] - ln[lo] + _CHUNK_FRAMES, "right"))
+            hi = max(hi, lo + 1)
+            key[lo:hi] = _hash_lists(e[lo:hi], ln[lo:hi])
+            lo = hi
+        _, g_first, g_inv = np.unique(key, return_index=True, return_inverse=True)
+        rep = g_first[g_inv.reshape(-1)]
+        other = np.flatnonzero(rep != np.arange(len(e)))
+        if len(other):
             try:
-                same = np.fromiter(map(operator.eq, map(e.__getitem__, todo.tolist()),
-                                       map(e.__getitem__, first.tolist())), bool, len(todo))
+                same = np.fromiter(map(operator.eq, map(e.__getitem__, other.tolist()),
+                                       map(e.__getitem__, rep[other].tolist())), bool, len(other))
             except RecursionError:  # only hostile extra keys in frames can nest
-                break
-            rep[todo[same]] = first[same]
-            todo = todo[~same]
-            if not len(todo):
-                break
-        # Representatives (and lists left after the rounds) are interned one by one, in order
-        # of first appearance, so stack and frame ids are those a row-by-row walk would give.
+                same = np.zeros(len(other), bool)
+            rep[other[~same]] = other[~same]
+        # Representatives are interned one by one, in order of first appearance, so stack and
+        # frame ids are those a row-by-row walk would give.
         own = np.flatnonzero(rep == np.arange(len(e)))
         sid = np.empty(len(e), np.int32)
         stack = self.stack
