@@ -363,15 +363,26 @@ def test_lost_free_without_accounting_falls_back_to_the_address_reuse():
 def test_a_free_left_to_a_collective_worker_is_placed_where_its_collective_ended():
     """The drop shows in the allocator's total only when the worker thread got the CPU back;
     the free is placed at the end of the collective it finished, the same in every recording."""
-    from snapforensics.record.cpu import _Alloc, _build_trace, _Frames, _recover_lost_frees
+    from snapforensics.record.cpu import (
+        WAKE_UP_NS,
+        _Alloc,
+        _build_trace,
+        _Frames,
+        _recover_lost_frees,
+    )
 
     frames = _Frames(None)
     f = frames.stack([frames.intern("x.py", 1, "f")])
     allocs = [_Alloc(100, 0, 0xA, 50, f, 1, [], 50),   # e.g. gloo's reduce-scatter input clone
               _Alloc(400, 1, 0xB, 10, f, 1, [], 60),   # the worker still holds 0xA
               _Alloc(500, 2, 0xC, 20, f, 1, [], 30)]   # 60 + 20 - 30: 0xA's 50 bytes went
-    for ends, before in (([300], 0xB), ([], 0xC), ([50], 0xC), ([450], 0xC)):
-        events, n = _recover_lost_frees(allocs, frames, ends)
+    # a drop seen long after any collective ended is a thread holding the block, not a late
+    # wake-up: it stays where the allocator's total shows it
+    late = [allocs[0], _Alloc(WAKE_UP_NS + 400, 1, 0xB, 10, f, 1, [], 60),
+            _Alloc(WAKE_UP_NS + 500, 2, 0xC, 20, f, 1, [], 30)]
+    for trace, ends, before in ((allocs, [300], 0xB), (allocs, [], 0xC), (allocs, [50], 0xC),
+                                (allocs, [450], 0xC), (late, [300], 0xC)):
+        events, n = _recover_lost_frees(trace, frames, ends)
         acts = [(e["action"], e["addr"]) for e in _build_trace(events)[0]]
         assert n == 1
         assert acts.index(("free_completed", 0xA)) == acts.index(("alloc", before)) - 1, ends

@@ -52,6 +52,10 @@ _PYCALL = re.compile(r"^(.*)\((\d+)\): (.*)$")
 _MODULE_PREFIX = "nn.Module: "
 INFERRED_FREE_FRAME = ("<snapforensics>", 0, "free_on_untraced_thread")
 UNRECORDED_FRAME = ("<snapforensics>", 0, "allocated_before_recording")
+# How late a collective's worker thread may drop its last reference and still be taken as that
+# collective's free: a runnable thread waits at most a few scheduler periods for a core (CFS:
+# 6-24 ms on a loaded machine); a tensor a thread holds on purpose is held far longer.
+WAKE_UP_NS = 250_000_000
 
 
 class Cell(IntEnum):
@@ -370,7 +374,8 @@ def _recover_lost_frees(allocs: list[_Alloc], frames: _Frames,
     it when it gets the CPU back after finishing its collective, some microseconds to ~10 ms
     later depending on scheduling, while the program (which waited for the collective) has
     already let go. So the free is placed at the end of the last collective a worker thread
-    finished (``worker_ends``) after the block was allocated and before the drop was seen;
+    finished (``worker_ends``) after the block was allocated and at most ``WAKE_UP_NS`` before the
+    drop was seen;
     recording the scheduler's delay instead would make the same run's peak differ from one
     recording to the next (gloo's reduce-scatter clones its input and frees the clone this way).
     With no such range, the free goes where the drop was seen.
@@ -395,7 +400,7 @@ def _recover_lost_frees(allocs: list[_Alloc], frames: _Frames,
         a, b = allocs[idx], allocs[at]
         when, order = b.time_ns, b.seq - 0.5
         k = bisect_left(ends, b.time_ns)  # the last collective ended before the drop
-        if k and ends[k - 1] > a.time_ns:
+        if k and ends[k - 1] > a.time_ns and b.time_ns - ends[k - 1] <= WAKE_UP_NS:
             when, order = ends[k - 1], -1  # before anything stamped at that instant
         events.append((when, order, a.ptr, None, inferred_stack, a.size))
     events.sort(key=lambda e: (e[0], e[1]))
