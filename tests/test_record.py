@@ -338,17 +338,19 @@ def test_frees_on_an_untraced_thread_are_recovered_from_the_allocator_total():
     assert replay_peak(snap) - unrecorded_bytes(snap) == 4000 + 12000  # not 4000 + 8000 + 12000
 
 
-def test_lost_free_without_accounting_falls_back_to_the_address_reuse():
-    """No allocator totals: a block whose address is handed out again was freed before that."""
-    from snapforensics.record.cpu import (
-        _Alloc,
-        _build_trace,
-        _Frames,
-        _recover_lost_frees,
-    )
+def _one_stack():
+    """A recorder frame table and one interned stack, for hand-made allocator events."""
+    from snapforensics.record.cpu import _Frames
 
     frames = _Frames(None)
-    f = frames.stack([frames.intern("x.py", 1, "f")])
+    return frames, frames.stack([frames.intern("x.py", 1, "f")])
+
+
+def test_lost_free_without_accounting_falls_back_to_the_address_reuse():
+    """No allocator totals: a block whose address is handed out again was freed before that."""
+    from snapforensics.record.cpu import _Alloc, _build_trace, _recover_lost_frees
+
+    frames, f = _one_stack()
     allocs = [_Alloc(100, 0, 0xA, 50, f, 1, [], None), _Alloc(200, 1, 0xB, 10, f, 1, [], None),
               _Alloc(900, 2, 0xA, 70, f, 1, [], None),   # reuse of 0xA: its free was lost
               _Alloc(950, 3, 0xC, 30, f, 1, [], None)]   # never freed, never reused: alive
@@ -363,16 +365,9 @@ def test_lost_free_without_accounting_falls_back_to_the_address_reuse():
 def test_a_free_left_to_a_collective_worker_is_placed_where_its_collective_ended():
     """The drop shows in the allocator's total only when the worker thread got the CPU back;
     the free is placed at the end of the collective it finished, the same in every recording."""
-    from snapforensics.record.cpu import (
-        WAKE_UP_NS,
-        _Alloc,
-        _build_trace,
-        _Frames,
-        _recover_lost_frees,
-    )
+    from snapforensics.record.cpu import WAKE_UP_NS, _Alloc, _build_trace, _recover_lost_frees
 
-    frames = _Frames(None)
-    f = frames.stack([frames.intern("x.py", 1, "f")])
+    frames, f = _one_stack()
     allocs = [_Alloc(100, 0, 0xA, 50, f, 1, [], 50),   # e.g. gloo's reduce-scatter input clone
               _Alloc(400, 1, 0xB, 10, f, 1, [], 60),   # the worker still holds 0xA
               _Alloc(500, 2, 0xC, 20, f, 1, [], 30)]   # 60 + 20 - 30: 0xA's 50 bytes went
@@ -390,10 +385,9 @@ def test_a_free_left_to_a_collective_worker_is_placed_where_its_collective_ended
 
 def test_allocator_total_races_between_threads_do_not_invent_frees():
     """Two threads' events stamped in the opposite order of the allocator's: no lost free."""
-    from snapforensics.record.cpu import _Alloc, _Frames, _recover_lost_frees
+    from snapforensics.record.cpu import _Alloc, _recover_lost_frees
 
-    frames = _Frames(None)
-    f = frames.stack([frames.intern("x.py", 1, "f")])
+    frames, f = _one_stack()
     allocs = [_Alloc(100, 0, 0xD, 30, f, 1, [], 30),   # alive at the end
               _Alloc(150, 1, 0xA, 30, f, 1, [], 60),
               _Alloc(200, 2, 0xB, 30, f, 2, [], 120),  # reached the allocator after 0xC
