@@ -34,7 +34,11 @@ _REDUCE_FUNCS = {"foreach_reduce", "foreach_reduce_scatter_copy_in", "_reduce_gr
                  "c10d::reduce_scatter_tensor_coalesced_"}
 # FSDP1's post-backward hook casts the unsharded grad to reduce_dtype before `_reduce_grad`.
 _FSDP1_REDUCE_HOOKS = {"_post_backward_hook"}
-_UNSHARDED_GRAD_FUNCS = {"accumulate_unsharded_grad_if_needed", "to_accumulated_grad_if_needed"}
+# FSDP2 accumulating unsharded grads across micro-batches; FSDP1 inside `no_sync()` (its
+# post-backward hook then skips the reduce and points each parameter's grad into the unsharded flat
+# grad), which is not a reduce-scatter although it runs in the hook.
+_UNSHARDED_GRAD_FUNCS = {"accumulate_unsharded_grad_if_needed", "to_accumulated_grad_if_needed",
+                         "_use_unsharded_grad_views"}
 _SHARDED_INIT_FUNCS = {"_init_sharded_param", "reset_sharded_param", "fully_shard",
                        "_init_flat_param_and_metadata", "_init_param_handle_from_module"}
 # Init work that holds full (unsharded) parameters: FSDP1 materializing a meta module or moving
