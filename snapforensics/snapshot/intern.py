@@ -32,17 +32,23 @@ _CHUNK_FRAMES = 1 << 20  # frames hashed per numpy pass: 8 MiB per temporary arr
 _K = tuple(np.uint64(k) for k in (0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0x9E3779B97F4A7C15))
 
 
-def _hash_lists(lists: list, lens: np.ndarray) -> np.ndarray:
+def _addresses(objs: np.ndarray) -> np.ndarray:
+    """The address (CPython's `id()`) of each object of an object array, read from the array's
+    pointer buffer: no int is made per object."""
+    if not len(objs):
+        return np.zeros(0, np.uint64)
+    ptr = ctypes.cast(objs.ctypes.data, ctypes.POINTER(ctypes.c_uint64))
+    return np.ctypeslib.as_array(ptr, shape=(len(objs),)).copy()
+
+
+def _hash_lists(lists: Any, lens: np.ndarray) -> np.ndarray:
     """A 64-bit hash per non-empty list of its length and of the identity of each element, in
     order (splitmix64-style mixing of each element's address with its position, summed per list).
 
-    The addresses are read from a numpy object array's pointers (CPython: `id()` is the address)
-    instead of calling `id()` per element, which allocates an int each time (~4x slower)."""
+    The addresses come from `_addresses`, not `id()` per element, which allocates an int each
+    time (~4x slower)."""
     total = int(lens.sum())
-    objs = np.fromiter(chain.from_iterable(lists), object, total)
-    v = np.ctypeslib.as_array(ctypes.cast(objs.ctypes.data, ctypes.POINTER(ctypes.c_uint64)),
-                              shape=(total,)).copy()
-    del objs
+    v = _addresses(np.fromiter(chain.from_iterable(lists), object, total))
     starts = np.zeros(len(lens), np.int64)
     np.cumsum(lens[:-1], out=starts[1:])
     pos = np.arange(total, dtype=np.uint64)
@@ -184,17 +190,17 @@ class Interner:
             raise SnapError(f"{where_dev}[{i}]: frames must be a list, got {tname(col[i])}")
         if type(None) in types:  # no frames: same as an empty list
             col = [() if fl is None else fl for fl in col]
-        ids = np.fromiter(map(id, col), np.uint64, n)
-        _, first, inv = np.unique(ids, return_index=True, return_inverse=True)
-        del ids
+        objs = np.fromiter(col, object, n)  # the lists themselves, no int per row
+        _, first, inv = np.unique(_addresses(objs), return_index=True, return_inverse=True)
         order = np.argsort(first, kind="stable")
         rank = np.empty_like(order)
         rank[order] = np.arange(len(order))
         first = first[order]
-        lists = list(map(col.__getitem__, first.tolist()))
+        lists = objs[first]
+        del objs
         return self._distinct_stacks(lists, first, where_dev)[rank[inv.reshape(-1)]]
 
-    def _distinct_stacks(self, lists: list, rows: np.ndarray, where_dev: str) -> np.ndarray:
+    def _distinct_stacks(self, lists: np.ndarray, rows: np.ndarray, where_dev: str) -> np.ndarray:
         """Stack ids of distinct list objects (in order of first appearance, at `rows`).
 
         Lists are grouped by a hash of their length and the identities of their frames, computed
@@ -210,7 +216,7 @@ class Interner:
         idx = np.flatnonzero(lens)
         if not len(idx):
             return out
-        e = list(map(lists.__getitem__, idx.tolist()))
+        e = lists[idx]
         key = np.empty(len(e), np.uint64)
         ln = lens[idx]
         ends = np.cumsum(ln)
@@ -225,8 +231,7 @@ class Interner:
         other = np.flatnonzero(rep != np.arange(len(e)))
         if len(other):
             try:
-                same = np.fromiter(map(operator.eq, map(e.__getitem__, other.tolist()),
-                                       map(e.__getitem__, rep[other].tolist())), bool, len(other))
+                same = np.fromiter(map(operator.eq, e[other], e[rep[other]]), bool, len(other))
             except RecursionError:  # only hostile extra keys in frames can nest
                 same = np.zeros(len(other), bool)
             rep[other[~same]] = other[~same]
