@@ -34,8 +34,9 @@ that pickle memoizes them. Sizes are the profiler's ``alloc_size`` (bytes reques
 Threads: allocations on every thread the profiler saw are kept (gloo worker threads allocate
 under ``gloo:all_gather`` / ``gloo:all_reduce``); annotations come from the script's thread only
 (the one with the most allocations). A tensor freed on a thread the profiler does not trace (a
-gloo worker dropping the last reference to an all-gather output) has no free event. Such frees are
-recovered from the allocator's own accounting (see ``_recover_lost_frees``), get the single frame
+gloo worker dropping the last reference to the work that holds it, e.g. the clone its
+reduce-scatter makes) has no free event. Such frees are recovered from the allocator's own
+accounting and placed where the collective ended (see ``_recover_lost_frees``), get the single frame
 ``{"filename": "<snapforensics>", "line": 0, "name": "free_on_untraced_thread"}``, and are counted
 in the returned ``snapshot["snapforensics"]["cpu_inferred_frees"]``.
 """
@@ -374,11 +375,10 @@ def _recover_lost_frees(allocs: list[_Alloc], frames: _Frames,
     it when it gets the CPU back after finishing its collective, some microseconds to ~10 ms
     later depending on scheduling, while the program (which waited for the collective) has
     already let go. So the free is placed at the end of the last collective a worker thread
-    finished (``worker_ends``) after the block was allocated and at most ``WAKE_UP_NS`` before the
-    drop was seen;
-    recording the scheduler's delay instead would make the same run's peak differ from one
-    recording to the next (gloo's reduce-scatter clones its input and frees the clone this way).
-    With no such range, the free goes where the drop was seen.
+    finished (``worker_ends``) after the block was allocated and at most ``WAKE_UP_NS`` before
+    the drop was seen. Recording the scheduler's delay instead would make the same run's peak
+    differ from one recording to the next (gloo's reduce-scatter clones its input and frees the
+    clone this way). With no such range, the free goes where the drop was seen.
 
     Returns the merged event list ``(time_ns, order, ptr, size, frames, inferred_size)``
     (``size`` None = inferred free) and the number of inferred frees.
