@@ -76,8 +76,8 @@ def repeated_module(d: DeviceAnalysis, stacks: np.ndarray, repeats: int) -> str 
             if f.filename != "<nn.Module>":
                 continue
             m = _INSTANCE.match(f.name)
-            if not m:
-                continue
+            if not m or not m.group(1).isidentifier():
+                continue  # the name goes into fix code: a class name or nothing
             inst.setdefault(m.group(1), set()).add(m.group(2))
             depth[m.group(1)] = max(depth.get(m.group(1), 0), pos)
     cands = [c for c, v in inst.items() if len(v) == repeats]

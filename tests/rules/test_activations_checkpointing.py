@@ -30,3 +30,26 @@ def test_checkpointing_saving_matches_the_checkpointed_run(diagnosed):
     measured = diagnosed("fixed", extra=["--batch", "8"]).peaks["overall_bytes"]
     assert abs(f.predicted_peak_bytes - measured) / measured < 0.10, (f.predicted_peak_bytes,
                                                                       measured)
+
+
+@pytest.mark.slow
+def test_a_module_name_from_the_file_never_becomes_code_in_the_fix(recording):
+    """The fix names the repeated layer class from the stacks' `<nn.Module>` frames; a name that
+    is not a Python identifier (a hostile file) is left out, so the snippet still compiles."""
+    from snapforensics.analysis import diagnose
+    from snapforensics.snapshot import normalize, read_raw
+
+    raw, _ = read_raw(recording("noac"))
+    seen = set()
+    for e in raw["device_traces"][0]:
+        for f in e.get("frames") or ():
+            if id(f) not in seen and f["filename"] == "<nn.Module>" and "Block_" in f["name"]:
+                seen.add(id(f))  # a module name that is code, on one line
+                f["name"] = f["name"].replace(
+                    "Block_", "Block) if __import__('os').system('id') else (Block_")
+    assert seen
+    f = one(diagnose(normalize(raw, source="hostile")), RULE)
+    compile(f.fix, "<fix>", "exec")
+    assert "__import__" not in f.fix
+    named = f.fix.split("isinstance(m, ", 1)[1].split(")", 1)[0]
+    assert named.isidentifier(), named  # another repeated class, or the placeholder
