@@ -175,8 +175,8 @@ class Interner:
     def stack_column(self, col: list, where_dev: str) -> np.ndarray:
         """Stack id of every entry's frames list, in bulk: no Python code runs per entry.
 
-        1. Distinct lists by identity (`np.unique` of `id()`): torch shares one list between an
-           alloc and its free, and files may share lists between many entries.
+        1. Distinct lists by identity (`np.unique` of their addresses): torch shares one list
+           between an alloc and its free, and files may share lists between many entries.
         2. Distinct contents: a hash of each list's frame identities (`_distinct_stacks`), the
            lists of a hash compared with `==` to the first one.
         3. Only the first list of each content, and the rare lists that differ from it, go
