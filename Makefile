@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup demo lint test test-fast bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py snapforensics/snapshot/_native.c
 	$(PY) -m venv --system-site-packages $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e '.[test]'

@@ -112,9 +112,13 @@ def size_column(col: list, where_dev: str, field: str) -> np.ndarray:
                 raise SnapError(f"{where_dev}[{i}]: {field} {short(v)} is out of range "
                                 "(negative or beyond any device)")
         raise SnapError(f"{where_dev}: {field} is out of range")
+    check_size_total(arr, where_dev, field)
+    return arr
+
+
+def check_size_total(arr: np.ndarray, where_dev: str, field: str) -> None:
     if len(arr) and float(arr.sum(dtype=np.float64)) > MAX_TOTAL:
         raise SnapError(f"{where_dev}: {field}s add up to more than any device could hold")
-    return arr
 
 
 def time_column(col: list, where_dev: str) -> np.ndarray:

@@ -25,6 +25,7 @@ from snapforensics.snapshot.columns import (
     MAX_DEVICE,
     MAX_TOTAL,
     check_int,
+    check_size_total,
     check_time,
     check_types,
     clean_str,
@@ -48,6 +49,11 @@ from snapforensics.snapshot.model import (
 )
 from snapforensics.snapshot.unpickle import gc_paused, read_raw_info
 
+try:
+    from snapforensics.snapshot import _native  # type: ignore[attr-defined]
+except ImportError:  # built without a C compiler
+    _native = None
+
 BLOCK_STATES = {"active_allocated", "active_pending_free", "active_awaiting_free", "inactive"}
 _STATE_OK = {"active_allocated", "active_pending_free", "inactive"}
 OTHER = A["other"]
@@ -56,13 +62,17 @@ DEVICE_UNITS = 1024  # each device is analysed on its own: a fixed cost of about
 
 def load(path: str | os.PathLike) -> Snapshot:
     # The GC stays off from the first unpickled object to the model: re-enabling it while the
-    # raw graph is alive would make the next allocation walk millions of containers.
+    # raw graph is alive would make the next allocation walk millions of containers (a young
+    # collection: every object made while the GC was off counts as young). So the raw graph is
+    # freed before the GC comes back.
     with gc_paused():
         raw, warnings, info = read_raw_info(path)
         try:
-            return normalize(raw, source=str(path), warnings=warnings, file_info=info)
+            snap = normalize(raw, source=str(path), warnings=warnings, file_info=info)
         except SnapError as e:
             raise SnapError(f"{path}: {e}", e.exit_code) from None
+        del raw
+    return snap
 
 
 def _trace(entries: Any, device: int, it: Interner, inline_ann: list[Annotation],
@@ -73,24 +83,11 @@ def _trace(entries: Any, device: int, it: Interner, inline_ann: list[Annotation]
     n = len(entries)
     if n == 0:
         return Trace.empty(device)
-    if set(map(type, entries)) != {dict}:
-        i = next(i for i, e in enumerate(entries) if type(e) is not dict)
-        raise SnapError(f"{where_dev}[{i}] is {tname(entries[i])}, expected a dict")
+    action, addr, size, stream, time_us, stack = (_native_columns(entries, where_dev, it)
+                                                  or _checked_columns(entries, where_dev, it))
     # Which optional fields this file has: first and last entries suffice.
     for e in entries[:500] if n <= 1000 else entries[:500] + entries[-500:]:
         keys_seen.update(e)
-
-    acts = column(entries, "action")
-    check_types(acts, {str}, where_dev, "action", "a string")
-    action = np.array(list(map(A.get, acts, repeat(OTHER))), np.int8)
-    addr_col = column(entries, "addr", 0)
-    if None in addr_col:  # oom entries carry device_free instead of an address
-        addr_col = [0 if a is None else a for a in addr_col]
-    addr = uint64_column(addr_col, where_dev, "addr")
-    size = size_column(column(entries, "size", 0), where_dev, "size")
-    stream = it.stream_column(column(entries, "stream", 0), where_dev)
-    time_us = time_column(column(entries, "time_us"), where_dev)
-    stack = it.stack_column(column(entries, "frames"), where_dev)
 
     # pool_id (newest torch) feeds format["pools"]: torch writes it on every entry of a file or on
     # none, so a field absent from the first and last 500 entries is absent.
@@ -116,6 +113,68 @@ def _trace(entries: Any, device: int, it: Interner, inline_ann: list[Annotation]
         name, stage = _inline_annotation(entries[i], f"{where_dev}[{i}]")
         inline_ann.append(Annotation(device, stage, name, float(time_us[i]), i))
     return Trace(device, action, addr, size, stream, time_us, stack, device_free)
+
+
+Columns = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def native() -> Any:
+    """The C trace reader (`_native.c`), or None: not built (no C compiler at install) or
+    turned off with SNAPFORENSICS_PURE_PYTHON=1. Both paths give the same Snapshot."""
+    return None if os.environ.get("SNAPFORENSICS_PURE_PYTHON") else _native
+
+
+def _native_columns(entries: Any, where_dev: str, it: Interner) -> Columns | None:
+    """A trace's columns from the C reader, in one pass over the entries; None when it is not
+    built or when it finds anything irregular (then `_checked_columns` reads the trace and names
+    the row). Streams and stacks are interned here exactly as `_checked_columns` does: in order
+    of first appearance, one `it.stack` call per distinct frames list."""
+    mod = native()
+    if mod is None or type(entries) is not list:
+        return None
+    got = mod.trace_columns(entries, A, OTHER, MAX_BYTES)
+    if got is None:
+        return None
+    a, ad, sz, st, tm, grp, first = got
+    size = np.frombuffer(sz, np.int64)
+    check_size_total(size, where_dev, "size")
+    raw_stream = np.frombuffer(st, np.int64)
+    if (raw_stream == raw_stream[0]).all():
+        stream = np.full(len(raw_stream), it.stream(int(raw_stream[0]), where_dev), np.int32)
+    else:
+        values, at_row, inv = np.unique(raw_stream, return_index=True, return_inverse=True)
+        order = np.argsort(at_row, kind="stable")
+        ids = np.empty(len(values), np.int32)
+        ids[order] = [it.stream(v, where_dev) for v in values[order].tolist()]
+        stream = ids[inv.reshape(-1)]
+    group = np.frombuffer(grp, np.int32)
+    sids = np.array([it.stack(entries[r]["frames"], where_dev, r)
+                     for r in np.frombuffer(first, np.int64).tolist()], np.int32)
+    stack = np.full(len(group), NO_STACK, np.int32)
+    has = group >= 0
+    stack[has] = sids[group[has]]
+    return (np.frombuffer(a, np.int8), np.frombuffer(ad, np.uint64), size, stream,
+            np.frombuffer(tm, np.float64), stack)
+
+
+def _checked_columns(entries: Any, where_dev: str, it: Interner) -> Columns:
+    """A trace's columns, field by field, each value's type and range checked in Python: the
+    path for a file the C reader declines, and the one that names the bad row."""
+    if set(map(type, entries)) != {dict}:
+        i = next(i for i, e in enumerate(entries) if type(e) is not dict)
+        raise SnapError(f"{where_dev}[{i}] is {tname(entries[i])}, expected a dict")
+    acts = column(entries, "action")
+    check_types(acts, {str}, where_dev, "action", "a string")
+    action = np.array(list(map(A.get, acts, repeat(OTHER))), np.int8)
+    addr_col = column(entries, "addr", 0)
+    if None in addr_col:  # oom entries carry device_free instead of an address
+        addr_col = [0 if a is None else a for a in addr_col]
+    addr = uint64_column(addr_col, where_dev, "addr")
+    size = size_column(column(entries, "size", 0), where_dev, "size")
+    stream = it.stream_column(column(entries, "stream", 0), where_dev)
+    time_us = time_column(column(entries, "time_us"), where_dev)
+    stack = it.stack_column(column(entries, "frames"), where_dev)
+    return action, addr, size, stream, time_us, stack
 
 
 def _inline_annotation(e: dict, where: str) -> tuple[str, str]:
