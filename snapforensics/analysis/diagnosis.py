@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -14,12 +14,30 @@ INTERNAL = {"json": False}  # field metadata: kept for renderers and the API, no
 
 
 def public(obj: Any) -> dict[str, Any]:
-    """A dataclass as JSON-ready data, without its INTERNAL fields (never even copied)."""
-    hidden = {f.name: None for f in fields(obj) if f.metadata.get("json") is False}
-    out = asdict(replace(obj, **hidden))
-    for k in hidden:
-        del out[k]
-    return out
+    """A dataclass as JSON-ready data, without its INTERNAL fields. Like `dataclasses.asdict`
+    (containers rebuilt, nested dataclasses converted) but leaves are shared, not deep-copied:
+    the result is serialized, never mutated (asdict's copies were a third of a second on a
+    2M-row trace's evidence)."""
+    return {f.name: _data(getattr(obj, f.name)) for f in fields(obj)
+            if f.metadata.get("json") is not False}
+
+
+def _data(v: Any) -> Any:
+    t = type(v)
+    if t in _LEAVES:
+        return v
+    if is_dataclass(v) and not isinstance(v, type):
+        return public(v)
+    if isinstance(v, tuple) and hasattr(v, "_fields"):  # a NamedTuple, as asdict keeps it
+        return t(*map(_data, v))
+    if isinstance(v, (list, tuple)):
+        return t(map(_data, v))
+    if isinstance(v, dict):
+        return t((_data(k), _data(x)) for k, x in v.items())
+    return v
+
+
+_LEAVES = {str, int, float, bool, type(None)}
 
 
 class Replay(NamedTuple):

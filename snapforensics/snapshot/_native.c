@@ -176,6 +176,7 @@ static PyObject *new_column(Py_ssize_t n, size_t width, char **data) {
 }
 
 static PyObject *trace_columns(PyObject *self, PyObject *args) {
+    (void)self;
     PyObject *entries, *actions;
     int other;
     unsigned long long max_bytes;
