@@ -97,8 +97,7 @@ class DeviceAnalysis:
             np.zeros(len(self.lt), np.int32)
         ctx_of = np.where(self.lt.alloc_row >= 0, ctx_of, 0)
         n_ctx = max(len(self.tl.contexts), 1)
-        keys, inverse = np.unique(self.lt.stack.astype(np.int64) * n_ctx + ctx_of,
-                                  return_inverse=True)
+        keys, inverse = _distinct(self.lt.stack.astype(np.int64) * n_ctx + ctx_of)
         new = np.full(len(keys), -1, np.int64)
         for i, k in enumerate(keys.tolist()):  # once per distinct (stack, ranges) pair
             stack_id, c = divmod(k, n_ctx)
@@ -115,6 +114,21 @@ class DeviceAnalysis:
         return Phase(int(self.tl.phase[row])).label if 0 <= row < len(self.tl.phase) else "init"
 
 
+def _distinct(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`np.unique(keys, return_inverse=True)` for (stack, ranges) keys. They are dense (stack
+    ids count up from -1, ranges contexts from 0), so a table over their span replaces the sort
+    when the span is within a few times their number (a 3M-key sort was 0.3 s)."""
+    if not len(keys):
+        return keys, np.zeros(0, np.intp)
+    lo, hi = int(keys.min()), int(keys.max())
+    if hi - lo > 4 * len(keys) + 1024:
+        return np.unique(keys, return_inverse=True)
+    seen = np.zeros(hi - lo + 1, bool)
+    seen[keys - lo] = True
+    slot = np.cumsum(seen) - 1
+    return np.flatnonzero(seen) + lo, slot[keys - lo]
+
+
 def analyse(snapshot: Snapshot, trace: Trace) -> DeviceAnalysis:
     lt = lifetimes.compute(snapshot, trace)
     ctx, contexts = phases.range_context(snapshot.annotations, trace.device, len(trace))
@@ -124,7 +138,7 @@ def analyse(snapshot: Snapshot, trace: Trace) -> DeviceAnalysis:
     blk_ctx = np.where(lt.alloc_row >= 0, ctx[np.clip(lt.alloc_row, 0, max(len(ctx) - 1, 0))]
                        if len(ctx) else 0, 0)
     blk_key = lt.stack.astype(np.int64) * n_ctx + blk_ctx
-    keys, inverse = np.unique(np.concatenate([row_key, blk_key]), return_inverse=True)
+    keys, inverse = _distinct(np.concatenate([row_key, blk_key]))
     infos = []
     for k in keys.tolist():
         stack_id, c = divmod(k, n_ctx)

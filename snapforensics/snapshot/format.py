@@ -77,7 +77,8 @@ def detect_format(raw: dict, traces: list[Trace], segments: list[Segment], it: I
         backend, why = "cuda", "default"
     fmt["backend"] = backend
     fmt["backend_evidence"] = why
-    actions = {a for t in traces for a in np.unique(t.action).tolist()}
+    # action codes index ACTIONS (>= 0): counting them is a pass, unique a sort
+    actions = {a for t in traces for a in np.flatnonzero(np.bincount(t.action)).tolist()}
     if "pool_id" in keys or A["annotate"] in actions:
         era = "torch main (pool_id / annotate)"
     elif "user_metadata" in keys:
