@@ -8,8 +8,12 @@ read from os.wait4's rusage), interleaved, best wall time of --repeat runs:
   pickle  plain `pickle.load(f)` (GC on, as a user runs it)
   ours    `python -m snapforensics diagnose FILE --format json -o TMP --no-cache -q` (a first
           run: the model cache is bypassed)
+  torch   (with --torch) `python -m torch.cuda._memory_viz trace_plot FILE -o TMP.html`, the
+          viewer users have today (needs torch), and the size of the HTML it writes
 Times are whole-process wall times (interpreter start-up and imports included for every step).
 Prints ours / floor for time and for peak RSS. Targets: <= 2x time, <= 1.2x RSS.
+`SNAPFORENSICS_PURE_PYTHON=1` in the environment measures the loader's Python path instead of
+the C trace reader.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ def run(cmd: list[str]) -> tuple[float, int, int]:
     return wall, ru.ru_maxrss * 1024, code
 
 
-def bench(path: Path, repeat: int) -> dict:
+def bench(path: Path, repeat: int, torch: bool) -> dict:
     py = sys.executable
     steps = {
         "floor": [py, "-c", LOAD.format(gc="gc.disable()"), str(path)],
@@ -56,11 +60,17 @@ def bench(path: Path, repeat: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         steps["ours"] = [py, "-m", "snapforensics", "diagnose", str(path), "--format", "json",
                          "-o", str(Path(tmp) / "out.json"), "--no-cache", "-q"]
+        html = Path(tmp) / "trace.html"
+        if torch:
+            steps["torch"] = [py, "-m", "torch.cuda._memory_viz", "trace_plot", str(path),
+                              "-o", str(html)]
         for _ in range(repeat):
             for name, cmd in steps.items():
                 wall, rss, _ = run(cmd)
                 if name not in best or wall < best[name][0]:
                     best[name] = (wall, max(rss, best.get(name, (0, 0))[1]))
+        if torch:
+            best["html"] = (html.stat().st_size if html.exists() else 0, 0)
     return best
 
 
@@ -68,15 +78,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("files", nargs="+", type=Path)
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--torch", action="store_true", help="also time torch's trace_plot")
     args = ap.parse_args()
     print(f"{'file':34} {'MB':>6} | {'floor s':>7} {'GB':>5} | {'pickle s':>8} {'GB':>5} | "
-          f"{'ours s':>7} {'GB':>5} | {'time/floor':>10} {'rss/floor':>9}")
+          f"{'ours s':>7} {'GB':>5} | {'time/floor':>10} {'rss/floor':>9}"
+          + (f" | {'torch s':>7} {'GB':>5} {'HTML MB':>7}" if args.torch else ""))
     for p in args.files:
-        b = bench(p, args.repeat)
+        b = bench(p, args.repeat, args.torch)
         (ft, fr), (pt, pr), (ot, orss) = b["floor"], b["pickle"], b["ours"]
         print(f"{p.name[:34]:34} {p.stat().st_size / 1e6:6.0f} | {ft:7.2f} {fr / 2**30:5.2f} | "
               f"{pt:8.2f} {pr / 2**30:5.2f} | {ot:7.2f} {orss / 2**30:5.2f} | "
-              f"{ot / ft:9.2f}x {orss / fr:8.2f}x", flush=True)
+              f"{ot / ft:9.2f}x {orss / fr:8.2f}x"
+              + (f" | {b['torch'][0]:7.2f} {b['torch'][1] / 2**30:5.2f} {b['html'][0] / 1e6:7.0f}"
+                 if args.torch else ""), flush=True)
 
 
 if __name__ == "__main__":

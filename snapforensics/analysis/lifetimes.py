@@ -93,7 +93,7 @@ def compute(snapshot: Snapshot, trace: Trace) -> Lifetimes:
                           | (action == FREE_COMPLETED))
     logs_requests = bool((action == FREE_REQUESTED).any())
     ev_addr = trace.addr[rows]
-    order = np.lexsort((rows, ev_addr))  # by address, then row
+    order = np.argsort(ev_addr, kind="stable")  # by address, then row (rows are ascending)
     row = rows[order]
     ad = ev_addr[order]
     act = action[row]
@@ -134,7 +134,10 @@ def compute(snapshot: Snapshot, trace: Trace) -> Lifetimes:
     free_row = np.where(is_a, a_free, row)[ev]
     comp = np.where(is_a, np.maximum(a_done, done), np.where(orphan_c, row, done))[ev]
     alloc_row = np.where(is_a, row, -1)[ev]
-    by_row = np.argsort(row[ev], kind="stable")  # blocks in the order the rows made them
+    # blocks in the order the rows made them (each row makes at most one: a scatter, not a sort)
+    at_row = np.full(n, -1, np.int64)
+    at_row[row[ev]] = np.arange(len(ev))
+    by_row = at_row[at_row >= 0]
     ev, free_row, comp, alloc_row = ev[by_row], free_row[by_row], comp[by_row], alloc_row[by_row]
     src = row[ev]
     # What is open at dump: addresses whose last event is an alloc, and requests not completed.
