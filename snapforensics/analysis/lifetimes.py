@@ -27,6 +27,7 @@ from snapforensics.snapshot.model import (
     Snapshot,
     Trace,
 )
+from snapforensics.snapshot.normalization import native
 
 
 @dataclass
@@ -78,7 +79,9 @@ class Lifetimes:
 
 
 def compute(snapshot: Snapshot, trace: Trace) -> Lifetimes:
-    """Pair the trace's allocs and frees per address with sorted numpy operations.
+    """Pair the trace's allocs and frees per address: events sorted by address, then one walk
+    over each address's events (`_native.c`'s `pair_events`, or the same walk as numpy array
+    operations in `_pair_numpy` where the C extension is not built).
 
     Events (alloc, free_requested, free_completed rows) are sorted by (address, row); within an
     address, an event closes the block opened by the event right before it when that one is an
@@ -97,6 +100,61 @@ def compute(snapshot: Snapshot, trace: Trace) -> Lifetimes:
     row = rows[order]
     ad = ev_addr[order]
     act = action[row]
+    mod = native()
+    pair = _pair_native if mod is not None else _pair_numpy
+    ev, free_row, comp, alloc_row, open_end, pending_end, reused = pair(
+        row, ad, act, n, logs_requests)
+    # blocks in the order the rows made them (each row makes at most one: a scatter, not a sort)
+    at_row = np.full(n, -1, np.int64)
+    at_row[row[ev]] = np.arange(len(ev))
+    by_row = at_row[at_row >= 0]
+    ev, free_row, comp, alloc_row = ev[by_row], free_row[by_row], comp[by_row], alloc_row[by_row]
+    src = row[ev]
+    # Blocks alive at dump that the trace never saw allocated.
+    u_addr: list[int] = []
+    u_size: list[int] = []
+    u_stack: list[int] = []
+    if n:
+        for seg in snapshot.segments_on(trace.device):
+            for blk in seg.blocks:
+                # Pending-free blocks whose free request is in the trace are already closed.
+                if blk.state == "inactive" or blk.address in open_end or (
+                        blk.state == "active_pending_free" and blk.address in pending_end):
+                    continue
+                u_addr.append(blk.address)
+                # torch's viewer counts pre-existing blocks by requested size; so do we
+                u_size.append(blk.requested_size or blk.size)
+                u_stack.append(blk.stack if blk.stack is not None else NO_STACK)
+    u = len(u_addr)
+    lt = Lifetimes(
+        device=trace.device,
+        rows=n,
+        addr=np.concatenate([trace.addr[src], np.array(u_addr, np.uint64)]),
+        size=np.concatenate([trace.size[src], np.array(u_size, np.int64)]).astype(np.int64),
+        stack=np.concatenate([trace.stack[src], np.array(u_stack, np.int32)]).astype(np.int32),
+        alloc_row=np.concatenate([alloc_row, np.full(u, -1)]).astype(np.int64),
+        free_row=np.concatenate([free_row, np.full(u, n)]).astype(np.int64),
+        completed_row=np.concatenate([comp, np.full(u, -1)]).astype(np.int64),
+        live=np.zeros(0, np.int64),
+        baseline=0,
+        orphan_frees=int((alloc_row < 0).sum()),  # blocks made by a free
+        unseen_live=u,
+        reused_addresses=reused,
+    )
+    lt.live = lt.replay()
+    lt.baseline = int(lt.size[lt.alloc_row < 0].sum())
+    return lt
+
+
+Pairing = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, set, set, int]
+
+
+def _pair_numpy(row: np.ndarray, ad: np.ndarray, act: np.ndarray, n: int,
+                logs_requests: bool) -> Pairing:
+    """The blocks the events make, events sorted by (address, row): (event index, free row,
+    completed row, alloc row) per block, the addresses open and pending at dump, and the allocs
+    that reused an address whose block had no free. `_native.c`'s `pair_events` is the same walk
+    in C, used when it is built."""
     m = len(row)
     k = np.arange(m)
     first = np.ones(m, bool)  # first event of its address
@@ -134,46 +192,19 @@ def compute(snapshot: Snapshot, trace: Trace) -> Lifetimes:
     free_row = np.where(is_a, a_free, row)[ev]
     comp = np.where(is_a, np.maximum(a_done, done), np.where(orphan_c, row, done))[ev]
     alloc_row = np.where(is_a, row, -1)[ev]
-    # blocks in the order the rows made them (each row makes at most one: a scatter, not a sort)
-    at_row = np.full(n, -1, np.int64)
-    at_row[row[ev]] = np.arange(len(ev))
-    by_row = at_row[at_row >= 0]
-    ev, free_row, comp, alloc_row = ev[by_row], free_row[by_row], comp[by_row], alloc_row[by_row]
-    src = row[ev]
-    # What is open at dump: addresses whose last event is an alloc, and requests not completed.
     open_end = set(ad[last & is_a].tolist())
-    pending_end = set(ad[last & has_r & (since_r == 0)].tolist())
-    # Blocks alive at dump that the trace never saw allocated.
-    u_addr: list[int] = []
-    u_size: list[int] = []
-    u_stack: list[int] = []
-    if n:
-        for seg in snapshot.segments_on(trace.device):
-            for blk in seg.blocks:
-                # Pending-free blocks whose free request is in the trace are already closed.
-                if blk.state == "inactive" or blk.address in open_end or (
-                        blk.state == "active_pending_free" and blk.address in pending_end):
-                    continue
-                u_addr.append(blk.address)
-                # torch's viewer counts pre-existing blocks by requested size; so do we
-                u_size.append(blk.requested_size or blk.size)
-                u_stack.append(blk.stack if blk.stack is not None else NO_STACK)
-    u = len(u_addr)
-    lt = Lifetimes(
-        device=trace.device,
-        rows=n,
-        addr=np.concatenate([trace.addr[src], np.array(u_addr, np.uint64)]),
-        size=np.concatenate([trace.size[src], np.array(u_size, np.int64)]).astype(np.int64),
-        stack=np.concatenate([trace.stack[src], np.array(u_stack, np.int32)]).astype(np.int32),
-        alloc_row=np.concatenate([alloc_row, np.full(u, -1)]).astype(np.int64),
-        free_row=np.concatenate([free_row, np.full(u, n)]).astype(np.int64),
-        completed_row=np.concatenate([comp, np.full(u, -1)]).astype(np.int64),
-        live=np.zeros(0, np.int64),
-        baseline=0,
-        orphan_frees=int(orphan_r.sum() + orphan_c.sum()),
-        unseen_live=u,
-        reused_addresses=reused,
-    )
-    lt.live = lt.replay()
-    lt.baseline = int(lt.size[lt.alloc_row < 0].sum())
-    return lt
+    pending_end = set(ad[last & ~is_a & has_r & (since_r == 0)].tolist())  # open is not pending
+    return ev, free_row, comp, alloc_row, open_end, pending_end, reused
+
+
+def _pair_native(row: np.ndarray, ad: np.ndarray, act: np.ndarray, n: int,
+                 logs_requests: bool) -> Pairing:
+    makes, free, done, born, end, reused = native().pair_events(
+        np.ascontiguousarray(row, np.int64), np.ascontiguousarray(ad, np.uint64),
+        np.ascontiguousarray(act, np.int8), n, logs_requests,
+        ALLOC, FREE_REQUESTED, FREE_COMPLETED)
+    ev = np.flatnonzero(np.frombuffer(makes, np.int8))
+    end_at = np.frombuffer(end, np.int8)
+    return (ev, np.frombuffer(free, np.int64)[ev], np.frombuffer(done, np.int64)[ev],
+            np.frombuffer(born, np.int64)[ev], set(ad[end_at == 1].tolist()),
+            set(ad[end_at == 2].tolist()), reused)

@@ -386,10 +386,105 @@ done:
     return result;
 }
 
+/* pair_events(row, addr, action, rows, logs_requests, ALLOC, FREE_REQUESTED, FREE_COMPLETED)
+ *
+ * The per-address walk of analysis/lifetimes.compute, over its events already sorted by
+ * (address, row): int64 rows, uint64 addresses, int8 actions (alloc/free rows only). The
+ * numpy version there is the specification; this is the same automaton, one address's events
+ * in row order at a time. Returns bytearrays, one item per event:
+ *   makes    int8   the event makes a block (an alloc, or a free with no alloc before it)
+ *   free     int64  that block's free row (`rows`: alive at dump)
+ *   done     int64  its completed row (-1: none)
+ *   born     int64  its alloc row (-1: alive before the first row)
+ *   end      int8   1: the address's last event is an alloc (open at dump); 2: the last
+ *                   request at the address was never completed (pending at dump); else 0
+ * and the number of allocs at an address whose block had no free.
+ */
+static PyObject *pair_events(PyObject *self, PyObject *args) {
+    Py_buffer rb, ab, cb;
+    long long rows;
+    int logs, A_, R_, C_;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*y*Lpiii", &rb, &ab, &cb, &rows, &logs, &A_, &R_, &C_))
+        return NULL;
+    PyObject *out = NULL, *c_makes = NULL, *c_free = NULL, *c_done = NULL, *c_born = NULL,
+             *c_end = NULL;
+    Py_ssize_t m = cb.len;
+    char *p_makes, *p_free, *p_done, *p_born, *p_end;
+    if (rb.len != m * 8 || ab.len != m * 8) {
+        PyErr_SetString(PyExc_ValueError, "pair_events: arrays of different lengths");
+        goto done;
+    }
+    if (!(c_makes = new_column(m, 1, &p_makes)) || !(c_free = new_column(m, 8, &p_free)) ||
+        !(c_done = new_column(m, 8, &p_done)) || !(c_born = new_column(m, 8, &p_born)) ||
+        !(c_end = new_column(m, 1, &p_end)))
+        goto done;
+    const int64_t *row = rb.buf;
+    const uint64_t *ad = ab.buf;
+    const int8_t *act = cb.buf;
+    int8_t *makes = (int8_t *)p_makes, *end = (int8_t *)p_end;
+    int64_t *fr = (int64_t *)p_free, *dn = (int64_t *)p_done, *bn = (int64_t *)p_born;
+    long long reused = 0;
+    Py_ssize_t r_owner = -1; /* the block the address's latest request closed; -1: none */
+    long long standing = 0;  /* free-standing completions since that request */
+    for (Py_ssize_t k = 0; k < m; k++) {
+        int first = k == 0 || ad[k] != ad[k - 1];
+        int last = k == m - 1 || ad[k + 1] != ad[k];
+        if (first) {
+            r_owner = -1;
+            standing = 0;
+        }
+        int prev_a = !first && act[k - 1] == A_;
+        int8_t a = act[k];
+        makes[k] = 0;
+        fr[k] = dn[k] = bn[k] = -1;
+        if (a == A_) {
+            makes[k] = 1;
+            bn[k] = row[k];
+            fr[k] = last ? rows : row[k + 1];
+            if (!last && act[k + 1] == C_)
+                dn[k] = row[k + 1];
+            if (!last && act[k + 1] == A_)
+                reused++;
+        } else if (a == R_) {
+            if (!prev_a) { /* an orphan request: a block alive from before the first row */
+                makes[k] = 1;
+                fr[k] = row[k];
+            }
+            r_owner = prev_a ? k - 1 : k;
+            standing = 0;
+        } else if (a == C_ && !prev_a) {
+            int consumes = r_owner >= 0 && ++standing == 1;
+            if (consumes) {
+                if (row[k] > dn[r_owner])
+                    dn[r_owner] = row[k];
+            } else if (!logs) { /* an orphan completion */
+                makes[k] = 1;
+                fr[k] = dn[k] = row[k];
+            }
+        }
+        end[k] = !last ? 0 : a == A_ ? 1 : (r_owner >= 0 && standing == 0) ? 2 : 0;
+    }
+    out = Py_BuildValue("OOOOOL", c_makes, c_free, c_done, c_born, c_end, reused);
+done:
+    PyBuffer_Release(&rb);
+    PyBuffer_Release(&ab);
+    PyBuffer_Release(&cb);
+    Py_XDECREF(c_makes);
+    Py_XDECREF(c_free);
+    Py_XDECREF(c_done);
+    Py_XDECREF(c_born);
+    Py_XDECREF(c_end);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"trace_columns", trace_columns, METH_VARARGS,
      "trace_columns(entries, actions, other, max_bytes) -> (action, addr, size, stream, "
      "time_us, group, reps) bytearrays, or None when the trace needs the checked Python path"},
+    {"pair_events", pair_events, METH_VARARGS,
+     "pair_events(row, addr, action, rows, logs_requests, ALLOC, FREE_REQUESTED, "
+     "FREE_COMPLETED) -> (makes, free, done, born, end, reused): lifetimes' per-address walk"},
     {NULL, NULL, 0, NULL},
 };
 
