@@ -233,3 +233,17 @@ def test_the_c_pairing_walk_equals_the_numpy_one_on_random_traces():
         order = np.argsort(addr, kind="stable")
         for logs_requests in (False, True):
             _same_pairing(rows[order], addr[order], act[order], n, logs_requests)
+
+
+@needs_native
+def test_a_tuple_and_a_list_of_the_same_frames_cost_the_budget_the_same_through_both_paths(
+        monkeypatch):
+    """Each distinct frames sequence is interned (and counted against the expansion budget)
+    once per path alike: a file at the budget's edge loads, or fails, through both."""
+    frames = [{"filename": f"f{i}.py", "line": i, "name": "g"} for i in range(1000)]
+    rows = [{"action": "alloc", "addr": 0, "size": 1, "frames": frames},
+            {"action": "alloc", "addr": 512, "size": 1, "frames": tuple(frames)}]
+    monkeypatch.setenv("SNAPFORENSICS_EXPANSION", str((1027 + 1500) / 2 ** 20))
+    a, b = _both(lambda: normalize({"segments": [], "device_traces": [rows]},
+                                   file_info={"pickle_bytes": 0}), monkeypatch)
+    assert isinstance(a, str) and a == b and "units" in a

@@ -96,9 +96,13 @@ static PyObject **items(PyObject *seq, Py_ssize_t *n) {
     return ((PyTupleObject *)seq)->ob_item;
 }
 
+/* The same frame objects in the same order, in the same kind of sequence (a tuple and a list
+   of the same frames are two lists to the Python path too, each interned and budgeted). */
 static int same_frames(PyObject *a, PyObject *b) {
     if (a == b)
         return 1;
+    if (Py_TYPE(a) != Py_TYPE(b))
+        return 0;
     Py_ssize_t na, nb;
     PyObject **ia = items(a, &na), **ib = items(b, &nb);
     return na == nb && memcmp(ia, ib, (size_t)na * sizeof(PyObject *)) == 0;
