@@ -178,7 +178,8 @@ def test_lists_are_grouped_by_the_identity_of_their_frames_not_by_the_list_objec
 @needs_native
 def test_one_long_list_shared_by_many_rows_is_one_group():
     """A small file can point 100,000 rows at one 10,000-frame list (a memo reference each):
-    the list is grouped once by its identity, not hashed per row."""
+    every row gets the list's one group. (That the list is read once, through the by-object
+    table, and not hashed per row is a cost this test cannot see; it only checks the result.)"""
     frames = [{"filename": f"f{i}.py", "line": i, "name": "g"} for i in range(10_000)]
     rows = [{"action": "alloc", "addr": 512 * i, "size": 512, "stream": 0, "time_us": i,
              "frames": frames} for i in range(100_000)]
