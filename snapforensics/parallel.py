@@ -37,6 +37,8 @@ RSS_FACTOR = 8  # x the unpickled file size; see the module docstring
 RSS_BASE = 200 << 20
 # a bar only for runs that last longer than this (env SNAPFORENSICS_PROGRESS_AFTER, seconds)
 PROGRESS_AFTER_S = 2.0
+# how long --scheduler waits for the scheduler to answer (env SNAPFORENSICS_SCHEDULER_TIMEOUT, s)
+SCHEDULER_TIMEOUT_S = 10.0
 
 
 def is_url(s: str) -> bool:
@@ -259,10 +261,28 @@ def _dask_executor(address: str) -> tuple[futures.Executor, Callable]:
     except ImportError:
         raise SnapError("--scheduler needs dask.distributed: pip install "
                         "'snapforensics[fleet]'") from None
-    try:
-        client = Client(address, timeout=10)
-    except (OSError, TimeoutError, ValueError) as e:
-        raise SnapError(f"cannot reach the Dask scheduler at {address}: {e}") from None
+    timeout = float(os.environ.get("SNAPFORENSICS_SCHEDULER_TIMEOUT", SCHEDULER_TIMEOUT_S))
+    # Client(timeout=) bounds the TCP connect only: distributed/comm/core.py `connect` then reads
+    # the scheduler's handshake with no deadline (`handshake = await comm.read()`, 2026.8.0), so a
+    # port that accepts and never answers would hang here for ever. The caller's deadline is ours.
+    got: dict = {}
+
+    def connect() -> None:
+        try:
+            got["client"] = Client(address, timeout=timeout)
+        except BaseException as e:  # handed to the caller's thread
+            got["error"] = e
+
+    t = threading.Thread(target=connect, daemon=True)
+    t.start()
+    t.join(timeout + 1)
+    e = got.get("error")
+    if t.is_alive() or isinstance(e, (OSError, TimeoutError, ValueError)):
+        why = e if e is not None else f"no answer in {timeout:g} s"
+        raise SnapError(f"cannot reach the Dask scheduler at {address}: {why}") from None
+    if e is not None:
+        raise e
+    client = got["client"]
     ex = client.get_executor(pure=False)
 
     def close(wait: bool = True) -> None:
