@@ -52,7 +52,7 @@ def diagnose(source: str | Path | Snapshot,
     regex matched on stack frames (`function file:line`) and record_function range names;
     applied after the built-in classification (the rules see the built-in categories)."""
     from snapforensics.analysis.classify import user_categories
-    from snapforensics.analysis.diagnose import diagnose_devices
+    from snapforensics.analysis.engine import diagnose_devices
 
     snap = source if isinstance(source, Snapshot) else load(source)
     diagnosis, analyses = diagnose_devices(snap, user_categories(categories))

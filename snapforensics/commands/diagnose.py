@@ -81,7 +81,7 @@ PLOTTED = ("html", "markdown")
 def _with_plots(path: str, categories: tuple[str, ...], cache: bool):
     """One file diagnosed in this process, its plot series kept (the model from the cache)."""
     from snapforensics.analysis.classify import user_categories
-    from snapforensics.analysis.diagnose import diagnose
+    from snapforensics.analysis.engine import diagnose
     from snapforensics.snapshot import cache as snapcache
 
     if not os.path.exists(path):
