@@ -65,7 +65,7 @@ def compare(*inputs: str | Path | Snapshot | Report | Diagnosis, mode: str = "au
     (a run folder or glob stands for its rank files), Snapshots, Reports or Diagnoses."""
     paths = [x for x in inputs if isinstance(x, (str, Path))]
     if len(paths) == len(inputs):
-        from snapforensics.commands.compare import compare_paths
+        from snapforensics.runner import compare_paths
 
         return compare_paths(paths, mode=mode)
     from snapforensics.analysis.compare import compare as _compare

@@ -23,9 +23,9 @@ EXAMPLE = "snapforensics.examples.fsdp_ckpt"
 def demo_command(out: Path | None, device: str, nproc_per_node: int | None, steps: int) -> int:
     """Record the FSDP + checkpoint example twice (bug, fix) and show what the fix changed."""
     from snapforensics.analysis.compare import BEFORE_AFTER, compare
-    from snapforensics.commands.inputs import diagnose_paths
     from snapforensics.record import record
     from snapforensics.report.output import emit, write_stdout
+    from snapforensics.runner import diagnose_paths
 
     out = out or Path("snapforensics-out") / time.strftime("demo-%Y%m%d-%H%M%S")
     nproc = nproc_per_node or (2 if device == "cpu" or not _has_accelerator() else 1)
