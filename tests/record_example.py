@@ -24,6 +24,7 @@ EXAMPLE = "snapforensics.examples.fsdp_ckpt"
 def _worker(rank: int, world: int, runs: list) -> None:
     import torch
     import torch.distributed as dist
+    from torch.distributed.tensor import _random as dtensor_random
 
     from snapforensics.examples.fsdp_ckpt import parse_args, train
     from snapforensics.record.inprocess import recording
@@ -38,6 +39,11 @@ def _worker(rank: int, world: int, runs: list) -> None:
             with recording(Path(out) / f"rank{rank}.pickle", command=["-m", EXAMPLE, *argv]):
                 train(parse_args(argv), rank, world, torch.device("cpu"))
                 gc.collect()
+            # What a run leaves to the next in this process goes, so each starts as in a fresh
+            # one: DTensor's RNG tracker (made on the first random op over a DTensor, kept in a
+            # module global: torch/distributed/tensor/_dispatch.py) holds an 8-byte tensor that
+            # would be alive before the next recording (`allocated_before_recording`).
+            dtensor_random._rng_tracker = None
     finally:
         dist.destroy_process_group()
 
