@@ -119,21 +119,21 @@ _ONE_AT_A_TIME = threading.Lock()  # the loader's memory guard is process-wide (
 
 
 def diagnose_one(src: str, cache: bool = True, variant: str = "",
-                 categories: tuple[str, ...] = ()) -> dict[str, Any]:
+                 categories: tuple[str, ...] = (), full: bool | None = None) -> dict[str, Any]:
     """Runs on a worker: one input in, its diagnosis document (or its one-line error) out.
-    `categories`: user categories as `NAME=REGEX` (compiled here, in the worker)."""
-    from snapforensics.snapshot import cache as snapcache
+    `categories`: user categories as `NAME=REGEX` (compiled here, in the worker); `full`: key
+    the cache by every byte (`cache.full_hash`)."""
+    from snapforensics import doccache
 
     with _ONE_AT_A_TIME:
         try:
             if not is_url(src):
-                return snapcache.diagnose(local_path(src), cache=cache, variant=variant,
-                                          categories=categories).to_dict()
+                return doccache.diagnose(local_path(src), cache, variant, categories,
+                                         full).to_dict()
             with tempfile.TemporaryDirectory(prefix="snapforensics-") as tmp:
                 local = os.path.join(tmp, src.rstrip("/").rsplit("/", 1)[-1] or "snapshot")
                 _fetch(src, local)
-                doc = snapcache.diagnose(local, cache=False, variant=variant,
-                                         categories=categories).to_dict()
+                doc = doccache.diagnose(local, False, variant, categories).to_dict()
             doc["source"] = src
             return doc
         except SnapError as e:
@@ -206,9 +206,10 @@ def workers_for(srcs: list[str], sizes: list[int], jobs: int) -> int:
 def run(args: Iterable[str | os.PathLike], jobs: int | None = None, cache: bool = True,
         scheduler: str | None = None, progress: bool = True,
         variant: str = "", expanded: bool = False,
-        categories: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+        categories: tuple[str, ...] = (), full: bool | None = None) -> list[dict[str, Any]]:
     """Diagnose every input; documents (or {"source", "error"}) in input order. `expanded`:
-    the inputs are files already (`expand`'s result), not folders or globs."""
+    the inputs are files already (`expand`'s result), not folders or globs; `full`: key the
+    cache by every byte of each file (`cache.full_hash`)."""
     srcs = [str(a) for a in args] if expanded else expand(args)
     if not srcs:
         raise SnapError("no input given")
@@ -218,7 +219,7 @@ def run(args: Iterable[str | os.PathLike], jobs: int | None = None, cache: bool 
         with _Progress(srcs, sizes, progress, lambda: [os.getpid()]) as bar:
             docs = []
             for s, size in zip(srcs, sizes):
-                docs.append(diagnose_one(s, cache, variant, categories))
+                docs.append(diagnose_one(s, cache, variant, categories, full))
                 bar.advance(size)
         return docs
     if scheduler:
@@ -227,7 +228,7 @@ def run(args: Iterable[str | os.PathLike], jobs: int | None = None, cache: bool 
         import multiprocessing as mp
 
         import snapforensics.analysis  # noqa: F401 - imported once, inherited by the forks
-        import snapforensics.snapshot.cache  # noqa: F401
+        import snapforensics.doccache  # noqa: F401
         # fork: workers start in milliseconds with everything imported, and never re-run the
         # caller's main module (a training script using the API). The pool forks all its
         # workers on the first submit, before any thread of ours (the progress bar) starts.
@@ -237,7 +238,7 @@ def run(args: Iterable[str | os.PathLike], jobs: int | None = None, cache: bool 
     futs: dict[futures.Future, int] = {}
     ok = False
     try:
-        futs = {ex.submit(diagnose_one, s, cache, variant, tuple(categories)): i
+        futs = {ex.submit(diagnose_one, s, cache, variant, tuple(categories), full): i
                 for i, s in enumerate(srcs)}
         docs = [None] * len(srcs)
         with _Progress(srcs, sizes, progress,

@@ -60,13 +60,15 @@ OTHER = A["other"]
 DEVICE_UNITS = 1024  # each device is analysed on its own: a fixed cost of about 1,000 rows
 
 
-def load(path: str | os.PathLike) -> Snapshot:
+def load(path: str | os.PathLike, file: Any = None) -> Snapshot:
+    """The model of the snapshot at `path` (`file`: `path` already opened by
+    `unpickle.open_file`; consumed)."""
     # The GC stays off from the first unpickled object to the model: re-enabling it while the
     # raw graph is alive would make the next allocation walk millions of containers (a young
     # collection: every object made while the GC was off counts as young). So the raw graph is
     # freed before the GC comes back.
     with gc_paused():
-        raw, warnings, info = read_raw_info(path)
+        raw, warnings, info = read_raw_info(path, file)
         try:
             snap = normalize(raw, source=str(path), warnings=warnings, file_info=info)
         except SnapError as e:
