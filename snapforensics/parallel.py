@@ -171,13 +171,15 @@ def unpickled_size(src: str, size: int) -> int:
     """The bytes the unpickler reads: a gzip file's ISIZE trailer, else the file size."""
     if is_url(src) or size < 18:
         return size
-    try:
-        with open(local_path(src), "rb") as f:
+    from snapforensics.snapshot.unpickle import open_file
+
+    try:  # never blocks: a FIFO or a device is refused here (and by the worker, in one line)
+        with open_file(local_path(src)) as f:
             if f.read(2) != b"\x1f\x8b":
                 return size
             f.seek(-4, os.SEEK_END)
             isize = struct.unpack("<I", f.read(4))[0]
-    except OSError:
+    except (OSError, SnapError):
         return size
     return isize if isize >= size else size * 10  # wrapped mod 4 GiB: assume 10x
 

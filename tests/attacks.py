@@ -148,15 +148,21 @@ def glob_fifo(d: Path) -> Attack:
                   _cache_env(d))
 
 
+def _api(call: str) -> list[str]:
+    """A Python line through the API: its SnapError is one stderr line and exit 2, as the CLI
+    does; any other exception is a traceback and exit 1 (a bug)."""
+    return ["-c", "import sys\nimport snapforensics as sf\nfrom snapforensics.errors import "
+                  f"SnapError\ntry:\n    {call}\nexcept SnapError as e:\n"
+                  "    sys.exit(print(e, file=sys.stderr) or 2)"]
+
+
 def api_compare_fifo(d: Path) -> Attack:
     p = _fifo(d)
-    return Attack(["-c", f"import snapforensics as sf; sf.compare({str(FIXTURE)!r}, {str(p)!r})"],
-                  _cache_env(d))
+    return Attack(_api(f"sf.compare({str(FIXTURE)!r}, {str(p)!r})"), _cache_env(d))
 
 
 def api_load_bytes(d: Path) -> Attack:
-    return Attack(["-c", f"import snapforensics as sf; sf.load(open({str(FIXTURE)!r}, "
-                         "'rb').read())"])
+    return Attack(_api(f"sf.load(open({str(FIXTURE)!r}, 'rb').read())"))
 
 
 # ----------------------------------------------------------------------------- 4: extreme numbers
