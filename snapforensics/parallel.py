@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from snapforensics.errors import SnapError
+from snapforensics.settings import number
 
 SUFFIXES = (".pickle", ".pkl", ".pickle.gz", ".pkl.gz")
 RSS_FACTOR = 8  # x the unpickled file size; see the module docstring
@@ -257,15 +258,37 @@ def run(args: Iterable[str | os.PathLike], jobs: int | None = None, cache: bool 
 
 
 def _dask_executor(address: str) -> tuple[futures.Executor, Callable]:
+    """A client of the scheduler at `address`. The handshake runs under a watchdog
+    (`SNAPFORENSICS_SCHEDULER_TIMEOUT` seconds, 20 by default: Dask's own timeout does not
+    cover a server that accepts and never answers), and any failure of the client (an HTTP
+    server answering, a frame length of exabytes, a refused connection) is one line, exit 2."""
     try:
         from distributed import Client
     except ImportError:
         raise SnapError("--scheduler needs dask.distributed: pip install "
                         "'snapforensics[fleet]'") from None
-    try:
-        client = Client(address, timeout=10)
-    except (OSError, TimeoutError, ValueError) as e:
-        raise SnapError(f"cannot reach the Dask scheduler at {address}: {e}") from None
+    wait = float(number("SNAPFORENSICS_SCHEDULER_TIMEOUT"))
+    got: list[Any] = []
+
+    def connect() -> None:
+        try:
+            got.append(Client(address, timeout=wait))
+        except BaseException as e:  # noqa: BLE001 - any client error is the user's one line
+            got.append(e)
+
+    t = threading.Thread(target=connect, name="dask-handshake", daemon=True)
+    t.start()
+    t.join(wait + 1)
+    if not got:
+        raise SnapError(f"the Dask scheduler at {address[:200]} did not complete the handshake "
+                        f"in {wait:g} s (is it a Dask scheduler? the dashboard port is not; "
+                        "SNAPFORENSICS_SCHEDULER_TIMEOUT sets the wait)")
+    if isinstance(got[0], BaseException):
+        e = got[0]
+        msg = str(e).splitlines()[0][:200] if str(e) else ""
+        raise SnapError(f"cannot use the Dask scheduler at {address[:200]}: "
+                        f"{type(e).__name__}: {msg}") from None
+    client = got[0]
     ex = client.get_executor(pure=False)
 
     def close(wait: bool = True) -> None:
@@ -286,7 +309,7 @@ class _Progress:
         self.on = enabled and sys.stderr.isatty()
         self.ranks, self.total = len(srcs), sum(sizes)
         self.done = self.bytes = 0
-        self.after = float(os.environ.get("SNAPFORENSICS_PROGRESS_AFTER", PROGRESS_AFTER_S))
+        self.after = float(number("SNAPFORENSICS_PROGRESS_AFTER"))
         self.paths = {os.path.realpath(local_path(s)) for s in srcs if not is_url(s)}
         self.pids = pids
         self.stop = threading.Event()

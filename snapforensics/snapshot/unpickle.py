@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from snapforensics.errors import SnapError
+from snapforensics.settings import number
 from snapforensics.snapshot.columns import short, tname
 
 
@@ -66,12 +67,8 @@ def _memory_guard(budget: int) -> Iterator[int | None]:
     Yields the cap in bytes (None when no cap applies). `SNAPFORENSICS_LOAD_MEMORY` overrides the
     budget in bytes; 0 disables the guard.
     """
-    env = os.environ.get("SNAPFORENSICS_LOAD_MEMORY")
-    if env is not None:
-        try:
-            budget = int(env)
-        except ValueError:
-            pass
+    if os.environ.get("SNAPFORENSICS_LOAD_MEMORY", "").strip():
+        budget = int(number("SNAPFORENSICS_LOAD_MEMORY"))
     try:
         import resource
     except ImportError:  # not POSIX
