@@ -259,7 +259,7 @@ def run(args: Iterable[str | os.PathLike], jobs: int | None = None, cache: bool 
 
 def _dask_executor(address: str) -> tuple[futures.Executor, Callable]:
     """A client of the scheduler at `address`. The handshake runs under a watchdog
-    (`SNAPFORENSICS_SCHEDULER_TIMEOUT` seconds, 20 by default: Dask's own timeout does not
+    (`SNAPFORENSICS_SCHEDULER_TIMEOUT` seconds, 10 by default: Dask's own timeout does not
     cover a server that accepts and never answers), and any failure of the client (an HTTP
     server answering, a frame length of exabytes, a refused connection) is one line, exit 2."""
     try:

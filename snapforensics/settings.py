@@ -22,7 +22,7 @@ NUMBERS: dict[str, tuple[float, float, float, bool, str]] = {
     # seconds before the progress bar appears (parallel.py)
     "SNAPFORENSICS_PROGRESS_AFTER": (2.0, 0.0, 86400.0, False, "seconds, 0 to 86400"),
     # seconds to wait for the Dask scheduler's handshake (parallel.py)
-    "SNAPFORENSICS_SCHEDULER_TIMEOUT": (20.0, 0.1, 3600.0, False, "seconds, 0.1 to 3600"),
+    "SNAPFORENSICS_SCHEDULER_TIMEOUT": (10.0, 0.1, 3600.0, False, "seconds, 0.1 to 3600"),
 }
 
 

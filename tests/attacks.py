@@ -10,6 +10,7 @@ on exit 2), in bounded time and memory.
 from __future__ import annotations
 
 import gzip
+import json
 import os
 import socket
 import threading
@@ -224,14 +225,19 @@ def _copy_fixture(d: Path) -> Path:
 def _tamper(d: Path, how: str) -> Attack:
     src = _copy_fixture(d)
     cache = _seed_cache(d, src)
-    for doc in _doc_entries(cache):
+    docs = _doc_entries(cache)
+    assert docs, "the cache was not seeded"
+    for doc in docs:
+        text = doc.read_text()
         doc.unlink()
         if how == "fifo":
             os.mkfifo(doc)
         elif how == "zero":
             doc.symlink_to("/dev/zero")
-        elif how == "types":
-            doc.write_bytes(b'{"source": 1, "rank": [], "peaks": "x", "findings": {"a": 1}}')
+        elif how == "types":  # a well-formed document of this version, one field retyped
+            data = json.loads(text)
+            data["devices"][0]["peaks"] = [1, 2]
+            doc.write_text(json.dumps(data))
     return Attack([*CLI, "diagnose", str(src), "--format", "json"], _cache_env(d))
 
 
