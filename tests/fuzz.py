@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hostile import (
-    APPEND,
     APPENDS,
     EMPTY_LIST,
     FIXTURE,
@@ -99,13 +98,21 @@ def run(case: Case, tmp: Path, seconds: float, memory: int) -> Outcome:
             null = os.open(os.devnull, os.O_RDWR)
             os.dup2(null, 0)
             os.dup2(null, 1)
+            # pytest's capture replaces the std streams: the child writes to its own fds
+            sys.stdin = open(0, closefd=False)  # noqa: SIM115
+            sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
+            sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
             os.environ.update(case.env)
             code = _child(case)
         except BaseException:  # noqa: BLE001 - reported as exit 70 with its traceback
             import traceback
             traceback.print_exc()
         finally:
-            sys.stderr.flush()
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except (OSError, ValueError):
+                    pass
             os._exit(code)
     status = None
     while time.monotonic() - t < seconds:
@@ -116,6 +123,7 @@ def run(case: Case, tmp: Path, seconds: float, memory: int) -> Outcome:
     else:
         _kill(pid)
         os.waitpid(pid, 0)
+        status = None  # a timeout, whatever the kill made of the child
     _kill(pid)  # workers a case left behind
     wall = time.monotonic() - t
     err = err_path.read_text("utf-8", "replace") if err_path.exists() else ""
@@ -282,7 +290,7 @@ def many_devices(d: Path, rng: random.Random, scale: int) -> list[Case]:
     from attacks import many_devices_file
 
     cases = []
-    for k, n in enumerate(([12, 30] if scale == 1 else [100, 300, 1000])):
+    for k, n in enumerate([12, 30] if scale == 1 else [100, 300, 1000]):
         sub = d / f"dev{k}"
         sub.mkdir()
         p = many_devices_file(sub, n * scale)
@@ -296,20 +304,11 @@ def many_devices(d: Path, rng: random.Random, scale: int) -> list[Case]:
 def tampered_cache(d: Path, rng: random.Random, scale: int) -> list[Case]:
     """Entries made by diagnosing the fixture (in this process, once), then each case gets its
     own cache folder with one entry changed."""
-    from snapforensics import doccache
-
     seed = d / "seed-cache"
     src = d / "rank0.pickle.gz"
     src.write_bytes(FIXTURE.read_bytes())
-    old = os.environ.get("SNAPFORENSICS_CACHE_DIR")
-    os.environ["SNAPFORENSICS_CACHE_DIR"] = str(seed)
-    try:
-        doccache.diagnose(src)
-    finally:
-        if old is None:
-            del os.environ["SNAPFORENSICS_CACHE_DIR"]
-        else:
-            os.environ["SNAPFORENSICS_CACHE_DIR"] = old
+    run(Case("tampered cache entries", "seed", ["diagnose", str(src), "--format", "json"],
+             env={"SNAPFORENSICS_CACHE_DIR": str(seed)}), d, 300, 3 << 30)
     entries = sorted(seed.iterdir())
     assert {p.suffix for p in entries} == {".json", ".npz"}, entries
 

@@ -19,7 +19,8 @@ from fuzz import FAMILIES, FORMATS, run
 SEED = int(os.environ.get("SNAPFORENSICS_FUZZ_SEED") or random.SystemRandom().randrange(1 << 20))
 SCALE = int(os.environ.get("SNAPFORENSICS_FUZZ_SCALE") or 1)
 MEMORY = 3 << 30
-SECONDS = 60 * SCALE  # a loaded 2-core machine; the bounded versions take a few seconds
+# a loaded 2-core machine; the bounded versions take a few seconds
+SECONDS = float(os.environ.get("SNAPFORENSICS_FUZZ_SECONDS") or 60 * SCALE)
 USED: set[str] = set()
 
 
@@ -30,7 +31,6 @@ def _warm():
 
     import snapforensics.api  # noqa: F401
     import snapforensics.cli  # noqa: F401
-    import snapforensics.doccache  # noqa: F401
     import snapforensics.report.html  # noqa: F401
     import snapforensics.report.markdown  # noqa: F401
     import snapforensics.report.terminal  # noqa: F401
