@@ -53,7 +53,8 @@ class Case:
     family: str
     name: str
     argv: list[str] | None = None  # CLI arguments, or
-    call: Callable[[], object] | None = None  # an API call
+    call: Callable[[], object] | None = None  # an API call, or
+    script: str | None = None  # Python code (as `python -c`)
     env: dict[str, str] = field(default_factory=dict)
     renderer: str = ""
 
@@ -148,6 +149,12 @@ def _child(case: Case) -> int:
         from snapforensics.cli import main
         try:
             main(case.argv)
+        except SystemExit as e:
+            return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        return 0
+    if case.script is not None:
+        try:
+            exec(compile(case.script, "<case>", "exec"), {"__name__": "__main__"})
         except SystemExit as e:
             return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         return 0
