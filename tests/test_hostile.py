@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from attacks import ATTACKS
 from fuzz import Case
@@ -187,3 +188,70 @@ def test_issue21_attack(name, tmp_path, monkeypatch):
         assert out.code == 0, out.stderr
     else:
         assert out.code == 2 and len(lines) == 1 and want in lines[0], out.stderr
+
+
+# ------------------------------------------------------------------ the mechanisms, in process
+
+class _Bomb:
+    """An extra value in a frame that records every comparison made with it."""
+
+    compared = 0
+
+    def __eq__(self, other: object) -> bool:
+        _Bomb.compared += 1
+        return True
+
+    __hash__ = object.__hash__
+
+
+@pytest.mark.parametrize("path", ["native", "python"])
+def test_frames_are_never_compared_with_eq(path, monkeypatch):
+    """Equal-but-distinct frames lists, differing at a position the interner does not sample:
+    nothing in a frame but its file, line and name is ever compared (issue 21: one `==` over a
+    1e6-item extra list per list). Both reader paths; stacks still merge by value."""
+    from snapforensics.snapshot import normalize
+
+    if path == "python":
+        monkeypatch.setenv("SNAPFORENSICS_PURE_PYTHON", "1")
+    else:
+        monkeypatch.delenv("SNAPFORENSICS_PURE_PYTHON", raising=False)
+    shared = {"filename": "s.py", "line": 2, "name": "g"}
+
+    def frames() -> list:
+        odd = {"filename": "b.py", "line": 1, "name": "h", "extra": _Bomb()}
+        return [shared, odd, shared, shared, shared, shared, shared, shared]
+    entries = [{"action": "alloc", "addr": (k + 1) << 20, "size": 512, "stream": 0,
+                "time_us": float(k), "frames": frames()} for k in range(50)]
+    _Bomb.compared = 0
+    snap = normalize({"segments": [], "device_traces": [entries]})
+    assert _Bomb.compared == 0
+    assert len(snap.stacks) == 1 and len(set(snap.traces[0].stack.tolist())) == 1
+
+
+def test_frame_names_are_capped_where_they_are_interned():
+    """A 20M-character name referenced 100 times (issue 21: hours of regex): the model holds
+    it cut to MAX_NAME characters plus a note of what was cut, so nothing later sees more."""
+    from snapforensics.snapshot import normalize
+    from snapforensics.snapshot.intern import MAX_NAME
+
+    fr = {"filename": "f" * 5000, "line": 1, "name": "a" * 20_000_000}
+    snap = normalize({"segments": [], "device_traces": [[
+        {"action": "alloc", "addr": 1 << 20, "size": 512, "stream": 0, "time_us": 1.0,
+         "frames": [fr] * 100}]]})
+    (frame,) = snap.frames
+    assert frame.name.startswith("a" * MAX_NAME) and len(frame.name) < MAX_NAME + 40
+    assert "19,995,904 more characters" in frame.name
+    assert frame.filename.startswith("f" * MAX_NAME) and len(frame.filename) < MAX_NAME + 40
+
+
+def test_absurd_times_make_the_trace_untimed_with_one_warning():
+    from snapforensics.snapshot import normalize
+
+    def trace(times: list) -> list:
+        return [{"action": a, "addr": 1 << 20, "size": 512, "stream": 0, "time_us": t,
+                 "frames": []} for a, t in zip(["alloc", "free_completed"], times)]
+    snap = normalize({"segments": [], "device_traces": [
+        trace([-1e308, 1e308]), trace([float("inf"), 1.0]), trace([10 ** 400, 2.0]),
+        trace([1.0, 2.0])]})
+    assert [bool(np.isnan(t.time_us).all()) for t in snap.traces] == [True, True, True, False]
+    assert sum("untimed" in w for w in snap.warnings) == 1
