@@ -226,3 +226,43 @@ def test_cli_no_cache_and_rerun(cdir):
     first, again = cli(str(FIXTURES[0])), cli(str(FIXTURES[0]))
     assert sorted(p.suffix for p in cdir.iterdir()) == [".json", ".npz"]
     assert json.loads(first.stdout) == json.loads(again.stdout) == json.loads(r.stdout)
+
+
+def test_the_loader_cache_never_imports_the_analysis(cdir):
+    """snapshot/ sits below analysis/ (issue 19): loading through the model cache, a miss and a
+    hit, imports nothing from analysis/ or report/."""
+    code = ("import sys\nfrom snapforensics.snapshot import cache\n"
+            f"cache.load({str(FIXTURES[0])!r}); cache.load({str(FIXTURES[0])!r})\n"
+            "bad = [m for m in sys.modules if m.startswith(('snapforensics.analysis', "
+            "'snapforensics.report', 'snapforensics.doccache'))]\n"
+            "assert not bad, bad\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                       timeout=120, env=os.environ | {"PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.suffix for p in cdir.iterdir()) == [".npz"]
+
+
+def test_a_cached_document_is_checked_field_by_field(cdir):
+    """A document of this version with one field retyped (issue 21: exit 70 in the renderers)
+    or the entry swapped for a FIFO (a hang) is a miss: deleted and made again."""
+    path = FIXTURES[0]
+    want = doccache.diagnose(path).to_dict()
+    (doc,) = [p for p in cdir.iterdir() if p.suffix == ".json"]
+    good = json.loads(doc.read_text())
+    for change in ("peaks", "verdict", "fifo"):
+        doc.unlink()
+        if change == "fifo":
+            os.mkfifo(doc)
+        else:
+            bad = json.loads(json.dumps(good))
+            if change == "peaks":
+                bad["devices"][0]["peaks"] = [1, 2]
+            else:
+                bad["findings"][0]["verdict"] = "harmless"
+            doc.write_text(json.dumps(bad))
+        with pytest.raises(cache.BadEntry):
+            doccache.validate(json.loads(doc.read_text())) if change != "fifo" else \
+                cache.read_entry(doc, str(path))
+        got = doccache.diagnose(path).to_dict()
+        assert got == json.loads(json.dumps(want, default=str))
+        assert json.loads(doc.read_text()) == good  # rewritten
