@@ -9,7 +9,7 @@ the analysis. Beside the model entry `<key>.npz`, `<key>.<analysis>.json` holds 
 (`Diagnosis.to_dict()`) for one version of the analysis code and one set of options.
 
 A document is read as strictly as a snapshot: through the loader's `open_file` (a regular file,
-never a FIFO or a device; at most the cache's size), parsed by orjson (plain JSON: no NaN, ints
+never a FIFO or a device; at most DOC_MAX, 64 MiB), parsed by orjson (plain JSON: no NaN, ints
 within 64 bits), then every field is checked against the type its dataclass declares
 (`Diagnosis`, `DeviceSummary`, `Finding`; `Any` admits any JSON value) and the peaks and
 segments dicts must hold the keys the renderers read. Anything else is a bad entry: deleted,
@@ -53,7 +53,7 @@ def diagnose(path: str | os.PathLike, cache_on: bool = True, variant: str = "",
         vtag = hashlib.blake2b(f"{cache.tag('analysis', 'snapshot')} {variant}".encode(),
                                digest_size=8).hexdigest()
         name = f"{k}.{vtag}.json"
-        d = cache.read(name, _parse)
+        d = cache.read(name, _parse, DOC_MAX)
         if d is not None:
             d.source, d.rank = str(path), _rank(d.provenance, str(path))
             return d
@@ -74,6 +74,8 @@ def _rank(provenance: dict, source: str) -> int | None:
 
 # ------------------------------------------------------------------------------- validation
 
+# A document is tens of kB (a 1,000-device run's a few MB): a bigger entry is not one of ours.
+DOC_MAX = 64 << 20
 REQUIRED = {"peaks": ("forward_bytes", "backward_bytes", "overall_bytes"),
             "segments": ("allocated_bytes", "reserved_bytes", "count")}
 

@@ -184,17 +184,18 @@ def evict(bound: int | None = None) -> None:
 
 # ---------------------------------------------------------------------------------- entries
 
-def read(name: str, parse: Callable[[IO[bytes]], Any]) -> Any:
+def read(name: str, parse: Callable[[IO[bytes]], Any], most: int | None = None) -> Any:
     """`parse` of the entry `name`, opened as strictly as a snapshot (a regular file, never a
-    FIFO or device, no larger than the cache may hold); None when it is missing, and when it
-    is anything but what `parse` accepts (BadEntry or SnapError), after deleting it."""
+    FIFO or device, no larger than `most` bytes or the cache's bound); None when it is missing,
+    and when it is anything but what `parse` accepts (BadEntry or SnapError), after deleting
+    it."""
     entry = directory() / name
     if not os.path.lexists(entry):
         return None
     try:
         with open_file(entry) as f:
-            if os.fstat(f.fileno()).st_size > limit():
-                raise BadEntry("larger than the whole cache")
+            if os.fstat(f.fileno()).st_size > min(limit(), most or limit()):
+                raise BadEntry("larger than such an entry can be")
             got = parse(f)
     except (BadEntry, SnapError):
         _remove(entry)  # tampered, truncated or from another version: rebuilt by the caller
