@@ -35,16 +35,22 @@ from snapforensics.snapshot.unpickle import open_file
 
 
 def diagnose(path: str | os.PathLike, cache_on: bool = True, variant: str = "",
-             categories: tuple[str, ...] = (), full: bool | None = None) -> Diagnosis:
+             categories: tuple[str, ...] = (), full: bool | None = None,
+             file: IO[bytes] | None = None) -> Diagnosis:
     """The finished Diagnosis of `path` (`variant`: the options that change an analysis;
     `categories`: user categories, `NAME=REGEX`; `full`: key by every byte of the file, see
-    `cache.full_hash`), reusing the cached document, else the cached model, else loading the
-    file."""
+    `cache.full_hash`; `file`: `path` already opened by `open_file`, consumed), reusing the
+    cached document, else the cached model, else loading the file."""
     from snapforensics.analysis import diagnose as analyse
     from snapforensics.analysis.classify import user_categories
 
-    user = user_categories(categories)
-    f = open_file(path)
+    try:
+        user = user_categories(categories)
+    except BaseException:
+        if file is not None:
+            file.close()
+        raise
+    f = open_file(path) if file is None else file
     try:
         k = cache.key(f, full) if cache_on and cache.enabled() else None
         if k is None:

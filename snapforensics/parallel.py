@@ -120,17 +120,20 @@ _ONE_AT_A_TIME = threading.Lock()  # the loader's memory guard is process-wide (
 
 
 def diagnose_one(src: str, cache: bool = True, variant: str = "",
-                 categories: tuple[str, ...] = (), full: bool | None = None) -> dict[str, Any]:
+                 categories: tuple[str, ...] = (), full: bool | None = None,
+                 fd: int | None = None) -> dict[str, Any]:
     """Runs on a worker: one input in, its diagnosis document (or its one-line error) out.
     `categories`: user categories as `NAME=REGEX` (compiled here, in the worker); `full`: key
-    the cache by every byte (`cache.full_hash`)."""
+    the cache by every byte (`cache.full_hash`); `fd`: the input as the caller opened it
+    (`_open_inputs`; a forked worker inherits it), else it is opened here."""
     from snapforensics import doccache
 
     with _ONE_AT_A_TIME:
         try:
             if not is_url(src):
+                file = os.fdopen(os.dup(fd), "rb") if fd is not None else None
                 return doccache.diagnose(local_path(src), cache, variant, categories,
-                                         full).to_dict()
+                                         full, file).to_dict()
             with tempfile.TemporaryDirectory(prefix="snapforensics-") as tmp:
                 local = os.path.join(tmp, src.rstrip("/").rsplit("/", 1)[-1] or "snapshot")
                 _fetch(src, local)
@@ -218,12 +221,61 @@ def run(args: Iterable[str | os.PathLike], jobs: int | None = None, cache: bool 
         raise SnapError("no input given")
     sizes = [size_of(s) for s in srcs]
     n = 0 if scheduler else workers_for(srcs, sizes, jobs or os.cpu_count() or 1)
+    files, refused = ({}, {}) if scheduler else _open_inputs(srcs)
+    try:
+        return _run(srcs, sizes, n, files, refused, cache, scheduler, progress, variant,
+                    categories, full)
+    finally:
+        for f in files.values():
+            f.close()
+
+
+def _open_inputs(srcs: list[str]) -> tuple[dict[int, Any], dict[int, dict]]:
+    """Each local input opened once, here, before any worker exists (`open_file`: a FIFO or a
+    device is refused at once); forked workers inherit the descriptors, so each reads the very
+    file checked here. ({index: open file}, {index: error document}). Where descriptors
+    would not be inherited (no fork) or would exceed the process's limit, workers open
+    their inputs themselves, through the same function."""
+    import multiprocessing as mp
+    import resource
+
+    from snapforensics.snapshot.unpickle import open_file
+
+    local = [i for i, s in enumerate(srcs) if not is_url(s)]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = len(local) + 256
+    if need > soft and (hard == resource.RLIM_INFINITY or need <= hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+            soft = need
+        except (ValueError, OSError):
+            pass
+    if "fork" not in mp.get_all_start_methods() or need > soft:
+        return {}, {}
+    files, refused = {}, {}
+    for i in local:
+        try:
+            files[i] = open_file(local_path(srcs[i]))
+        except SnapError as e:
+            refused[i] = {"source": srcs[i],
+                          "error": str(e).replace(local_path(srcs[i]) + ": ", "", 1)}
+    return files, refused
+
+
+def _run(srcs: list[str], sizes: list[int], n: int, files: dict[int, Any],
+         refused: dict[int, dict], cache: bool, scheduler: str | None, progress: bool,
+         variant: str, categories: tuple[str, ...], full: bool | None
+         ) -> list[dict[str, Any]]:
+    def fd(i: int) -> int | None:
+        return files[i].fileno() if i in files else None
+
+    todo = [i for i in range(len(srcs)) if i not in refused]
+    docs: list[Any] = [refused.get(i) for i in range(len(srcs))]
     if n == 1:  # in this thread: Ctrl-C interrupts the work itself
         with _Progress(srcs, sizes, progress, lambda: [os.getpid()]) as bar:
-            docs = []
-            for s, size in zip(srcs, sizes):
-                docs.append(diagnose_one(s, cache, variant, categories, full))
-                bar.advance(size)
+            for i in todo:
+                docs[i] = diagnose_one(srcs[i], cache, variant, categories, full, fd(i))
+                bar.advance(sizes[i])
         return docs
     if scheduler:
         ex, close = _dask_executor(scheduler)
@@ -241,9 +293,8 @@ def run(args: Iterable[str | os.PathLike], jobs: int | None = None, cache: bool 
     futs: dict[futures.Future, int] = {}
     ok = False
     try:
-        futs = {ex.submit(diagnose_one, s, cache, variant, tuple(categories), full): i
-                for i, s in enumerate(srcs)}
-        docs = [None] * len(srcs)
+        futs = {ex.submit(diagnose_one, srcs[i], cache, variant, tuple(categories), full,
+                          fd(i)): i for i in todo}
         with _Progress(srcs, sizes, progress,
                        lambda: list(getattr(ex, "_processes", None) or ())) as bar:
             for f in futures.as_completed(futs):

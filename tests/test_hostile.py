@@ -255,3 +255,30 @@ def test_absurd_times_make_the_trace_untimed_with_one_warning():
         trace([1.0, 2.0])]})
     assert [bool(np.isnan(t.time_us).all()) for t in snap.traces] == [True, True, True, False]
     assert sum("untimed" in w for w in snap.warnings) == 1
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_workers_read_the_file_the_caller_opened(jobs, tmp_path, monkeypatch):
+    """Each local input is opened once by the caller (`open_file`) and handed to the worker
+    as a descriptor: swapping the path for a FIFO after that open changes nothing (a worker
+    opening the path itself would be refused, or would block without O_NONBLOCK)."""
+    from snapforensics import parallel
+
+    monkeypatch.setenv("SNAPFORENSICS_NO_CACHE", "1")
+    paths = []
+    for r in range(2):
+        p = tmp_path / f"rank{r}.pickle.gz"
+        p.write_bytes((ROOT / "fixtures" / "fsdp2_ckpt_fixed_rank0.pickle.gz").read_bytes())
+        paths.append(str(p))
+    opened = parallel._open_inputs
+
+    def open_then_swap(srcs):
+        got = opened(srcs)
+        for s in srcs:
+            os.unlink(s)
+            os.mkfifo(s)
+        return got
+    monkeypatch.setattr(parallel, "_open_inputs", open_then_swap)
+    docs = parallel.run(paths, jobs=jobs, progress=False, expanded=True)
+    assert [d.get("error") for d in docs] == [None, None]
+    assert docs[0]["peaks"] == docs[1]["peaks"] and docs[0]["peaks"]["overall_bytes"] > 0
