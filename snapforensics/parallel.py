@@ -171,18 +171,24 @@ def size_of(src: str) -> int:
         return 0
 
 
-def unpickled_size(src: str, size: int) -> int:
-    """The bytes the unpickler reads: a gzip file's ISIZE trailer, else the file size."""
+def unpickled_size(src: str, size: int, f: Any = None) -> int:
+    """The bytes the unpickler reads: a gzip file's ISIZE trailer, else the file size (`f`:
+    the input already opened by `open_file`; else it is opened here, never blocking)."""
     if is_url(src) or size < 18:
         return size
     from snapforensics.snapshot.unpickle import open_file
 
-    try:  # never blocks: a FIFO or a device is refused here (and by the worker, in one line)
-        with open_file(local_path(src)) as f:
-            if f.read(2) != b"\x1f\x8b":
+    try:
+        g = open_file(local_path(src)) if f is None else f
+        try:
+            g.seek(0)
+            if g.read(2) != b"\x1f\x8b":
                 return size
-            f.seek(-4, os.SEEK_END)
-            isize = struct.unpack("<I", f.read(4))[0]
+            g.seek(-4, os.SEEK_END)
+            isize = struct.unpack("<I", g.read(4))[0]
+        finally:
+            if f is None:
+                g.close()
     except (OSError, SnapError):
         return size
     return isize if isize >= size else size * 10  # wrapped mod 4 GiB: assume 10x
@@ -199,9 +205,11 @@ def mem_available() -> int | None:
     return None
 
 
-def workers_for(srcs: list[str], sizes: list[int], jobs: int) -> int:
-    per = RSS_BASE + RSS_FACTOR * max((unpickled_size(s, n) for s, n in zip(srcs, sizes)),
-                                      default=0)
+def workers_for(srcs: list[str], sizes: list[int], jobs: int,
+                files: dict[int, Any] | None = None) -> int:
+    files = files or {}
+    per = RSS_BASE + RSS_FACTOR * max((unpickled_size(s, n, files.get(i))
+                                       for i, (s, n) in enumerate(zip(srcs, sizes))), default=0)
     avail = mem_available()
     fit = max(1, avail // per) if avail else jobs
     return max(1, min(jobs, len(srcs), fit))
@@ -219,10 +227,11 @@ def run(args: Iterable[str | os.PathLike], jobs: int | None = None, cache: bool 
     srcs = [str(a) for a in args] if expanded else expand(args)
     if not srcs:
         raise SnapError("no input given")
-    sizes = [size_of(s) for s in srcs]
-    n = 0 if scheduler else workers_for(srcs, sizes, jobs or os.cpu_count() or 1)
     files, refused = ({}, {}) if scheduler else _open_inputs(srcs)
     try:
+        sizes = [os.fstat(files[i].fileno()).st_size if i in files else size_of(s)
+                 for i, s in enumerate(srcs)]
+        n = 0 if scheduler else workers_for(srcs, sizes, jobs or os.cpu_count() or 1, files)
         return _run(srcs, sizes, n, files, refused, cache, scheduler, progress, variant,
                     categories, full)
     finally:
