@@ -204,10 +204,10 @@ def _seed_cache(d: Path, src: Path) -> Path:
     import subprocess
     import sys
 
-    env = dict(os.environ, PYTHONPATH=os.environ.get("ATTACK_TREE", str(Path.cwd())),
-               **_cache_env(d))
+    tree = os.environ.get("ATTACK_TREE", str(Path.cwd()))  # the code under test seeds it
+    env = dict(os.environ, PYTHONPATH=tree, **_cache_env(d))
     subprocess.run([sys.executable, *CLI, "diagnose", str(src), "--format", "json"], env=env,
-                   capture_output=True, timeout=300, check=False)
+                   capture_output=True, timeout=300, check=False, cwd=tree)
     return d / "cache"
 
 
