@@ -14,10 +14,11 @@ every test and every later run until one of those changes; a folder appears ther
 recording finished (made aside, then renamed).
 
 `recorded(variant, nproc=2, steps=3, extra=())` records the runs the suite needs (`SUITE`) that
-are not cached yet, all at once: one torch.distributed job per world size (`record_example.py`:
-torch and gloo started once per rank, each run recorded in turn with `record.inprocess.recording`,
-the backend `snapforensics record` uses), both jobs in parallel. `start()` begins that in the
-background (conftest calls it when the session has slow tests); `recorded` waits for it.
+are not cached yet, all at once: one job per world size (`record_example.py`: each run's ranks
+spawned in turn and recorded with `record.inprocess.recording`, the backend `snapforensics
+record` uses), at most two jobs at once, each run published as soon as its ranks wrote it.
+`start()` begins that in the background (conftest calls it when the session has slow tests);
+`recorded` waits for the run it needs.
 
 `record_variant(variant, out_dir, ...)` records through the real CLI (`python -m
 snapforensics record --nproc-per-node N --device cpu --out DIR -m snapforensics.examples.fsdp_ckpt
