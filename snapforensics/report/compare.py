@@ -1,6 +1,5 @@
-"""Rendering of a Comparison (analysis/compare.py): terminal, markdown, html (json:
-report/json). Two runs compared rank by rank: report/compare_runs.py; the words both use:
-report/changes.py.
+"""Rendering of a Comparison (analysis/compare.py) and of two runs compared rank by rank
+(analysis/gate.py): terminal, markdown, html (json: report/json).
 
 Labels, sources, categories and rule ids came from snapshots: each passes its sink's function
 of report/sanitize.py, exactly as in the diagnosis reports.
@@ -14,12 +13,37 @@ from rich.table import Table
 from rich.text import Text
 
 from snapforensics.analysis.compare import BEFORE_AFTER, Comparison
-from snapforensics.report.changes import PEAK_NAMES, change, gate_lines, pct, signed
 from snapforensics.report.common import VERDICT_ORDER, human
 from snapforensics.report.registry import PLAIN, Screen
 from snapforensics.report.sanitize import FRAME, ROWS, TEXT
 from snapforensics.report.sanitize import markdown as md
 from snapforensics.report.terminal import t
+
+PEAK_NAMES = (("overall_bytes", "overall peak"), ("forward_bytes", "forward peak"),
+              ("backward_bytes", "backward peak"))
+
+
+# ------------------------------------------------------------------------------ shared words
+
+def signed(n: int) -> str:
+    return ("+" if n > 0 else "-" if n < 0 else "±") + human(abs(n))
+
+
+def pct(p: float | None) -> str:
+    return "n/a" if p is None else f"{p:+.1f}%"
+
+
+def change(ch: dict[str, Any]) -> str:
+    """`-60.5 MiB (-24.1%)` for one {before, after, delta_bytes, delta_pct}."""
+    if not ch["before"] and not ch["after"]:
+        return "-"
+    if not ch["before"]:
+        return f"{signed(ch['delta_bytes'])} (new)"
+    return f"{signed(ch['delta_bytes'])} ({pct(ch['delta_pct'])})"
+
+
+def who(inp: dict[str, Any]) -> str:
+    return inp["label"] + (f" (rank {inp['rank']})" if inp.get("rank") is not None else "")
 
 
 def headline(c: Comparison) -> str:
@@ -279,6 +303,13 @@ def _letter(n: int) -> str:
     return chr(ord("A") + n) if n < 26 else f"#{n + 1}"
 
 
+def gate_lines(doc) -> list[str]:
+    """The CI gate's verdict, when one was asked (`--fail-on`)."""
+    if doc.gate is None:
+        return []
+    return [f"FAIL: {x}" for x in doc.gate] or ["gate passed"]
+
+
 def html(c: Comparison, screen: Screen = PLAIN) -> str:
     """The same sections as markdown, as one self-contained offline page."""
     from snapforensics.report.pages import lines, page, table
@@ -316,3 +347,70 @@ def html(c: Comparison, screen: Screen = PLAIN) -> str:
         body += lines([line], "")
     mode = "before/after" if c.mode == BEFORE_AFTER else "rank vs rank"
     return page(f"snapforensics compare ({mode})", headline(c), body, c.tool)
+
+
+# ------------------------------------------------------------------------- two runs, by rank
+
+RUN_HEAD = ["rank", "peak A", "peak B", "change", "new anomalies", "gone anomalies"]
+
+
+def runs_headline(r) -> str:
+    o = r.overall
+    g = o["largest_growth"]
+    words = [f"{o['ranks']} ranks compared: highest peak {human(o['peak_bytes']['before'])} -> "
+             f"{human(o['peak_bytes']['after'])} ({pct(o['peak_bytes']['delta_pct'])})",
+             f"largest change {g['label']} {change(g)}"]
+    if o["new_anomalies"]:
+        words.append("new: " + ", ".join(o["new_anomalies"]))
+    if o["gone_anomalies"]:
+        words.append("gone: " + ", ".join(o["gone_anomalies"]))
+    return "; ".join(words)
+
+
+def _run_rows(r) -> list[list[str]]:
+    from snapforensics.analysis.gate import new_anomalies
+
+    out = []
+    for c in r.pairs:
+        d = c.deltas[0]
+        p = d["peaks"]["overall_bytes"]
+        out.append([who(c.inputs[1]), human(p["before"]), human(p["after"]), change(p),
+                    ", ".join(x["rule"] for x in new_anomalies(d)) or "-",
+                    ", ".join(x["rule"] for x in d["findings"]["disappeared"]
+                              if x["verdict"] == "anomalous") or "-"])
+    return out
+
+
+def _run_notes(r) -> list[str]:
+    return gate_lines(r) + [f"no counterpart: {u}" for u in r.unpaired[:ROWS]]
+
+
+def runs_terminal(r, screen: Screen = PLAIN) -> str:
+    console = screen.console()
+    console.print(t(f"snapforensics compare {r.a} -> {r.b} (rank by rank)", FRAME, "bold"))
+    console.print(t(runs_headline(r), TEXT, "bold"))
+    tab = Table(show_edge=False)
+    for col in RUN_HEAD:
+        tab.add_column(col, overflow="fold")
+    for row in _run_rows(r):
+        tab.add_row(*(t(x, TEXT) for x in row))
+    console.print(tab)
+    for x in _run_notes(r):
+        console.print(t(x, TEXT, "bold red" if x.startswith("FAIL") else "yellow"))
+    return console.file.getvalue()
+
+
+def runs_markdown(r, screen: Screen = PLAIN) -> str:
+    from snapforensics.report.pages import md_table
+
+    return "\n".join([f"# snapforensics compare {md(r.a)} -> {md(r.b)} (rank by rank)", "",
+                      f"**{md(runs_headline(r), TEXT)}**", ""]
+                     + md_table(RUN_HEAD, _run_rows(r))
+                     + [f"- {md(x, TEXT)}" for x in _run_notes(r)]) + "\n"
+
+
+def runs_html(r, screen: Screen = PLAIN) -> str:
+    from snapforensics.report.pages import lines, page, table
+
+    return page(f"snapforensics compare {r.a} -> {r.b} (rank by rank)", runs_headline(r),
+                [table(RUN_HEAD, _run_rows(r))] + lines(_run_notes(r)), r.pairs[0].tool)

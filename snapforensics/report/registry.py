@@ -37,10 +37,10 @@ RENDERERS: dict[str, dict[str, str]] = {
         "html": "snapforensics.report.compare:html",
     },
     "compare_runs": {
-        "terminal": "snapforensics.report.compare_runs:runs_terminal",
-        "markdown": "snapforensics.report.compare_runs:runs_markdown",
+        "terminal": "snapforensics.report.compare:runs_terminal",
+        "markdown": "snapforensics.report.compare:runs_markdown",
         "json": "snapforensics.report.json:render",
-        "html": "snapforensics.report.compare_runs:runs_html",
+        "html": "snapforensics.report.compare:runs_html",
     },
     "fleet": {
         "terminal": "snapforensics.report.fleet:terminal",
