@@ -16,6 +16,7 @@ from snapforensics.analysis.diagnosis import Diagnosis
 from snapforensics.report.common import (
     command_line,
     finding_lines,
+    framework_line,
     headline,
     human,
     peak_line,
@@ -44,6 +45,9 @@ def render(d: Diagnosis, screen: Screen = PLAIN, image: str | None = None) -> st
         out += [f"![live bytes over time by category, and the predicted curve after the fix]"
                 f"({quote(image)})", ""]
     out += [f"- {md(peak_line(d), TEXT)}", f"- {md(provenance_line(d), TEXT)}"]
+    fw = framework_line(d)
+    if fw:
+        out.append(f"- {md(fw, TEXT)}")
     cmd = command_line(d)
     if cmd:
         out.append(f"- command: {md(cmd, FRAME)}")
