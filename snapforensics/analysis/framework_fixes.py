@@ -14,6 +14,7 @@ transformers 5.23.0, accelerate 1.15.0, lightning 2.6.6, torchtitan 0.3.0.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 from snapforensics.analysis.diagnosis import Finding
@@ -31,6 +32,8 @@ _RATE = "fsdp.too_many_concurrent_all_gathers"
 def localize(findings: list[Finding], fw: Framework) -> None:
     """Rewrite each finding's fix: the run's framework and layer, the framework's form (when
     the rule has one for it), then the rule's raw-torch fix."""
+    if fw.owner == "torch" and not fw.hf_model and not fw.layer.cls and not fw.layer.container:
+        return  # nothing to add to the rules' raw-torch fixes
     for f in findings:
         if not f.fix:
             continue
@@ -40,9 +43,9 @@ def localize(findings: list[Finding], fw: Framework) -> None:
         parts = [_header(fw)]
         if form is not None:
             parts += [f"# In {_TERMS[fw.owner] if fw.owner in _TERMS else 'your model'}:",
-                      form(fw).rstrip(), "", "# Raw torch (the same change):"]
+                      form(fw, f).rstrip(), "", "# Raw torch (the same change):"]
         raw = _RAW.get(f.rule)
-        parts.append(raw(fw) if raw and fw.layer.container else _raw(f.fix, fw))
+        parts.append(raw(fw, f) if raw and fw.layer.container else _raw(f.fix, fw))
         f.fix = "\n".join(parts)
         f.evidence["framework"] = fw.owner
 
@@ -79,7 +82,7 @@ def _raw(fix: str, fw: Framework) -> str:
     return fix
 
 
-def _raw_rab(fw: Framework) -> str:
+def _raw_rab(fw: Framework, f: Finding) -> str:
     return f"""\
 # after fully_shard(layer) on each {_cls(fw)} and fully_shard(model):
 for layer in model.{_container(fw)}:
@@ -90,12 +93,12 @@ model.set_reshard_after_backward(True)  # the root unit
 
 
 # raw-torch forms that name the layer (used when the run names the units' container)
-_RAW: dict[str, Callable[[Framework], str]] = {_RAB: _raw_rab}
+_RAW: dict[str, Form] = {_RAB: _raw_rab}
 
 
 # -- per rule, per framework: the change in the framework's own terms --------------------------
 
-def _rab_accelerate(fw: Framework) -> str:
+def _rab_accelerate(fw: Framework, f: Finding) -> str:
     return f"""\
 # accelerate has no plugin field for reshard-after-backward (nor does the HF Trainer): after
 # model = accelerator.prepare(model), on every {_cls(fw)} unit and on the root:
@@ -106,27 +109,28 @@ model.set_reshard_after_backward(True)
 #   Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=N))"""
 
 
-def _rab_lightning(fw: Framework) -> str:
+def _rab_lightning(fw: Framework, f: Finding) -> str:
     return f"""\
 # in configure_model / the parallelize_fn given to ModelParallelStrategy, after fully_shard:
 for layer in model.{_container(fw)}:  # {_cls(fw)}
     layer.set_reshard_after_backward(True)"""
 
 
-def _rab_titan(fw: Framework) -> str:
+def _rab_titan(fw: Framework, f: Finding) -> str:
     return """\
 # torchtitan's apply_fsdp leaves reshard_after_backward at FSDP's default (True): a model or
 # training-loop change that turns it off must be removed; nothing to set in the TOML."""
 
 
-def _raf_accelerate(fw: Framework) -> str:
+def _raf_accelerate(fw: Framework, f: Finding) -> str:
     if fw.fsdp == "FSDP1":
         return f"""\
 from accelerate import FullyShardedDataParallelPlugin
 plugin = FullyShardedDataParallelPlugin(
-    sharding_strategy="FULL_SHARD",  # was SHARD_GRAD_OP
+    fsdp_version=1, reshard_after_forward="FULL_SHARD",  # was SHARD_GRAD_OP
     auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["{_cls(fw)}"])
-# accelerate config file: fsdp_config: {{fsdp_sharding_strategy: FULL_SHARD}}"""
+# accelerate config file: fsdp_config: {{fsdp_reshard_after_forward: FULL_SHARD}}
+# (sharding_strategy is the deprecated name of the same field)"""
     return f"""\
 from accelerate import FullyShardedDataParallelPlugin
 plugin = FullyShardedDataParallelPlugin(
@@ -135,22 +139,23 @@ plugin = FullyShardedDataParallelPlugin(
 # accelerate config file: fsdp_config: {{fsdp_version: 2, fsdp_reshard_after_forward: true}}"""
 
 
-def _raf_trainer(fw: Framework) -> str:
+def _raf_trainer(fw: Framework, f: Finding) -> str:
     if fw.fsdp == "FSDP1":
         return f"""\
 from transformers import TrainingArguments
 args = TrainingArguments(
-    "out", fsdp="full_shard auto_wrap",  # was "shard_grad_op ..."
-    fsdp_config={{"transformer_layer_cls_to_wrap": ["{_cls(fw)}"]}})"""
+    "out", fsdp=True,
+    fsdp_config={{"version": 1, "reshard_after_forward": "full_shard",  # was shard_grad_op
+                 "transformer_layer_cls_to_wrap": ["{_cls(fw)}"]}})"""
     return f"""\
 from transformers import TrainingArguments
 args = TrainingArguments(
-    "out", fsdp="full_shard auto_wrap",
+    "out", fsdp=True,
     fsdp_config={{"version": 2, "reshard_after_forward": True,
                  "transformer_layer_cls_to_wrap": ["{_cls(fw)}"]}})"""
 
 
-def _raf_lightning(fw: Framework) -> str:
+def _raf_lightning(fw: Framework, f: Finding) -> str:
     if fw.fsdp == "FSDP1":
         return f"""\
 from lightning.pytorch.strategies import FSDPStrategy  # Fabric: lightning.fabric.strategies
@@ -162,14 +167,14 @@ for layer in model.{_container(fw)}:
     fully_shard(layer, reshard_after_forward=True)"""
 
 
-def _raf_titan(fw: Framework) -> str:
+def _raf_titan(fw: Framework, f: Finding) -> str:
     return """\
 # [parallelism]
 # fsdp_reshard_after_forward = "always"   # "default" reshards all but the last block
 toml_field = ("parallelism", "fsdp_reshard_after_forward", "always")"""
 
 
-def _sync_accelerate(fw: Framework) -> str:
+def _sync_accelerate(fw: Framework, f: Finding) -> str:
     return """\
 from accelerate import Accelerator
 from accelerate.utils import GradientAccumulationPlugin
@@ -177,7 +182,7 @@ accelerator = Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugi
     num_steps=4, sync_each_batch=True))  # num_steps: your accumulation steps"""
 
 
-def _sync_trainer(fw: Framework) -> str:
+def _sync_trainer(fw: Framework, f: Finding) -> str:
     return """\
 from transformers import TrainingArguments
 args = TrainingArguments(
@@ -185,14 +190,15 @@ args = TrainingArguments(
     accelerator_config={"gradient_accumulation_kwargs": {"sync_each_batch": True}})"""
 
 
-def _sync_fabric(fw: Framework) -> str:
+def _sync_fabric(fw: Framework, f: Finding) -> str:
     return """\
 # Fabric: sync every micro-batch (do not skip the reduce-scatter):
 with fabric.no_backward_sync(model, enabled=False):
     fabric.backward(loss)"""
 
 
-def _init_hf(fw: Framework) -> str:
+def _init_hf(fw: Framework, f: Finding) -> str:
+    dev = re.search(r'to_empty\(device="([\w:]+)"\)', f.fix or "")
     return """\
 # A Hugging Face model: HF's own initialisation after sharding (not reset_parameters, which
 # leaves RoPE's inv_freq and norm weights unset and initializes Linear with torch's std)
@@ -201,16 +207,17 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 with torch.device("meta"):
     model = AutoModelForCausalLM.from_config(config)
-for layer in model.model.layers:
+for layer in model.model.layers:  # LAYER
     fully_shard(layer)
 fully_shard(model)
-model.to_empty(device="cuda")
+model.to_empty(device="DEVICE")
 model.init_weights()  # HF's _init_weights on every module, buffers included
 # pretrained weights: load a checkpoint instead (from_pretrained on rank 0 with
-# accelerate's cpu_ram_efficient_loading=True, or set_model_state_dict on the sharded model)"""
+# accelerate's cpu_ram_efficient_loading=True, or set_model_state_dict on the sharded model)\
+""".replace("DEVICE", dev.group(1) if dev else "cuda").replace("LAYER", _cls(fw))
 
 
-def _init_accelerate(fw: Framework) -> str:
+def _init_accelerate(fw: Framework, f: Finding) -> str:
     return """\
 from accelerate import FullyShardedDataParallelPlugin
 plugin = FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=True)
@@ -218,14 +225,13 @@ plugin = FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=True)
 # accelerate config file: fsdp_config: {fsdp_cpu_ram_efficient_loading: true}"""
 
 
-def _init_trainer(fw: Framework) -> str:
+def _init_trainer(fw: Framework, f: Finding) -> str:
     return """\
 from transformers import TrainingArguments
-args = TrainingArguments("out", fsdp="full_shard auto_wrap",
-                         fsdp_config={"cpu_ram_efficient_loading": True})"""
+args = TrainingArguments("out", fsdp=True, fsdp_config={"cpu_ram_efficient_loading": True})"""
 
 
-def _init_lightning(fw: Framework) -> str:
+def _init_lightning(fw: Framework, f: Finding) -> str:
     return f"""\
 # build the model in LightningModule.configure_model (Trainer: created on the meta device
 # under FSDP), or with Fabric:
@@ -233,66 +239,66 @@ with fabric.init_module(empty_init=True):
     model = build_model()  # then fabric.setup(model); {_cls(fw)} layers materialized per unit"""
 
 
-def _ac_accelerate(fw: Framework) -> str:
+def _ac_accelerate(fw: Framework, f: Finding) -> str:
     return f"""\
 # checkpoint each {_cls(fw)} whole (the model's own switch): not accelerate's FSDP2
 # activation_checkpointing=True, which checkpoints every sub-module separately
 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={{"use_reentrant": False}})"""
 
 
-def _ac_trainer(fw: Framework) -> str:
+def _ac_trainer(fw: Framework, f: Finding) -> str:
     return """\
 from transformers import TrainingArguments
 args = TrainingArguments("out", gradient_checkpointing=True,
                          gradient_checkpointing_kwargs={"use_reentrant": False})"""
 
 
-def _ac_lightning(fw: Framework) -> str:
+def _ac_lightning(fw: Framework, f: Finding) -> str:
     return f"""\
 from lightning.pytorch.strategies import FSDPStrategy  # Fabric: lightning.fabric.strategies
 strategy = FSDPStrategy(auto_wrap_policy={{{_cls(fw)}}},
                         activation_checkpointing_policy={{{_cls(fw)}}})"""
 
 
-def _ac_titan(fw: Framework) -> str:
+def _ac_titan(fw: Framework, f: Finding) -> str:
     return """\
 # [activation_checkpoint]
 # mode = "full"
 toml_field = ("activation_checkpoint", "mode", "full")"""
 
 
-def _ac_hf(fw: Framework) -> str:
+def _ac_hf(fw: Framework, f: Finding) -> str:
     return """\
 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})"""
 
 
-def _double_hf(fw: Framework) -> str:
+def _double_hf(fw: Framework, f: Finding) -> str:
     return """\
 # HF's checkpointing is reentrant unless told otherwise; FSDP1 then gathers twice
 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 # HF Trainer: TrainingArguments(gradient_checkpointing_kwargs={"use_reentrant": False})"""
 
 
-def _rate_accelerate(fw: Framework) -> str:
+def _rate_accelerate(fw: Framework, f: Finding) -> str:
     return """\
 from accelerate import FullyShardedDataParallelPlugin
 plugin = FullyShardedDataParallelPlugin(limit_all_gathers=True)"""
 
 
-def _rate_trainer(fw: Framework) -> str:
+def _rate_trainer(fw: Framework, f: Finding) -> str:
     return """\
 from transformers import TrainingArguments
-args = TrainingArguments("out", fsdp="full_shard auto_wrap",
-                         fsdp_config={"limit_all_gathers": True})"""
+# FSDP1 only: under fsdp_config["version"] = 2 (the default) the Trainer drops this key
+args = TrainingArguments("out", fsdp=True, fsdp_config={"version": 1, "limit_all_gathers": True})"""
 
 
-def _rate_lightning(fw: Framework) -> str:
+def _rate_lightning(fw: Framework, f: Finding) -> str:
     return """\
 from lightning.pytorch.strategies import FSDPStrategy  # Fabric: lightning.fabric.strategies
 strategy = FSDPStrategy(limit_all_gathers=True)"""
 
 
-Form = Callable[[Framework], str]
+Form = Callable[[Framework, Finding], str]
 _FORMS: dict[str, dict[str, Form]] = {
     _RAB: {"accelerate": _rab_accelerate, "hf_trainer": _rab_accelerate,
            "lightning": _rab_lightning, "fabric": _rab_lightning, "torchtitan": _rab_titan},

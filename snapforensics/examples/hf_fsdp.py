@@ -75,7 +75,7 @@ def unsharded_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def _raw(layout: str):
+def _raw(layout: str, fix: str | None):
     from torch.distributed.fsdp import fully_shard
 
     model = tiny_model()
@@ -87,22 +87,28 @@ def _raw(layout: str):
         for m in model.modules():
             if hasattr(m, "set_reshard_after_backward"):
                 m.set_reshard_after_backward(False, recurse=False)
+    if fix:  # the analyzer's printed fix, run as printed on this model
+        exec(fix, {"model": model})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     return model, opt, lambda loss: loss.backward()
 
 
-def _accelerate(layout: str):
+def _accelerate(layout: str, fix: str | None):
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
 
     version = 1 if "fsdp1" in layout else 2
     kw: dict = {"fsdp_version": version, "auto_wrap_policy": "transformer_based_wrap",
                 "transformer_cls_names_to_wrap": ["LlamaDecoderLayer"]}
     if version == 1:
-        kw["sharding_strategy"] = "SHARD_GRAD_OP" if layout.endswith("sgo") else "FULL_SHARD"
+        kw["reshard_after_forward"] = "SHARD_GRAD_OP" if layout.endswith("sgo") else "FULL_SHARD"
     else:
         kw["reshard_after_forward"] = True
         kw["activation_checkpointing"] = layout.endswith("_ac")
     plugin = FullyShardedDataParallelPlugin(**kw)
+    if fix:  # the analyzer's printed fix: the framework part builds a new `plugin`
+        ns: dict = {}
+        exec(fix, ns)
+        plugin = ns.get("plugin", plugin)
     acc = Accelerator(fsdp_plugin=plugin, cpu=True)
     model = tiny_model()
     if layout.endswith("_gc"):
@@ -121,12 +127,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layout", choices=LAYOUTS, required=True)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--truth", default=None, help="folder for truth.rank{R}.json")
+    p.add_argument("--fix-file", default=None,
+                   help="Python run on the wrapped model as `model` (raw layouts), or defining "
+                        "a new accelerate `plugin` (accelerate layouts): a printed fix")
     a = p.parse_args(argv)
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     rank = dist.get_rank()
     try:
-        model, opt, backward = (_raw if a.layout.startswith("raw") else _accelerate)(a.layout)
+        fix = Path(a.fix_file).read_text() if a.fix_file else None
+        model, opt, backward = (_raw if a.layout.startswith("raw") else _accelerate)(
+            a.layout, fix)
     except (RuntimeError, ValueError, NotImplementedError) as e:
         print(f"{a.layout}: the framework refused: {e}", file=sys.stderr)
         return 3
