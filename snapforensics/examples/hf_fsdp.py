@@ -15,10 +15,11 @@ batch 2 x 32 tokens, 2 optimizer steps, CPU + gloo. Layouts (``LAYOUTS``):
 - ``accel_fsdp2_ac``: accelerate's FSDP2 plugin with `activation_checkpointing=True`;
   ``accel_fsdp2_gc``: the same plugin, HF's `gradient_checkpointing_enable` instead.
 
-What is set by hand because accelerate refuses FSDP without an accelerator: nothing is patched
-in accelerate; ``ACCELERATE_USE_CPU`` is not set, the plugin is passed to `Accelerator` and the
-process group (gloo) is the one the recorder's launcher set up. If the installed accelerate still
-refuses, the layout exits 3 with its message.
+Set by hand because accelerate refuses FSDP without an accelerator (on CPU its state is
+MULTI_CPU and `prepare` does not wrap): `acc.state.distributed_type = DistributedType.FSDP` and
+`acc.state.fsdp_plugin`; from there on `prepare` runs accelerate's own wrapping (FSDP1 with the
+plugin's auto-wrap policy, FSDP2 `fsdp2_prepare_model` / `fsdp2_apply_ac`) on the gloo group the
+recorder's launcher set up. A layout the framework still refuses exits 3 with its message.
 
 Writes ``truth.rank{R}.json`` beside the snapshot (``--truth DIR``): after every forward and
 backward the bytes of unsharded parameters FSDP holds (FSDP2 `FSDPParam.all_gather_outputs`,
@@ -109,7 +110,15 @@ def _accelerate(layout: str, fix: str | None):
         ns: dict = {}
         exec(fix, ns)
         plugin = ns.get("plugin", plugin)
-    acc = Accelerator(fsdp_plugin=plugin, cpu=True)
+    acc = Accelerator(fsdp_plugin=plugin)
+    # Set by hand: accelerate 1.15 enables FSDP only on an accelerator (state.py takes the
+    # plugin only for MULTI_GPU/NPU/XPU/...; on CPU it is MULTI_CPU and `prepare` would not
+    # wrap). Everything after this is accelerate's own wrapping code (prepare_model: FSDP1
+    # with the plugin's auto-wrap policy, or fsdp2_prepare_model / fsdp2_apply_ac).
+    from accelerate.utils import DistributedType
+
+    acc.state.distributed_type = DistributedType.FSDP
+    acc.state.fsdp_plugin = plugin
     model = tiny_model()
     if layout.endswith("_gc"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
