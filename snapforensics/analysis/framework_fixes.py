@@ -4,7 +4,7 @@ Rules state their fix in raw torch (`fully_shard`, `set_reshard_after_backward`)
 configure FSDP through a framework (`analysis/frameworks.py` recognizes which); this layer puts,
 above the rule's fix, the same change in that framework's terms (accelerate's
 `FullyShardedDataParallelPlugin` / `GradientAccumulationPlugin` fields, the HF Trainer's
-`fsdp` / `fsdp_config`, Lightning's strategy arguments, torchtitan's TOML fields) and names the
+`fsdp` / `fsdp_config`, Lightning's strategy arguments, torchtitan's config fields) and names the
 user's layer class and module path as the run shows them. Where the framework has no switch for
 the change, it says so and gives the call to make after the framework has wrapped the model.
 
@@ -52,7 +52,7 @@ def localize(findings: list[Finding], fw: Framework) -> None:
 
 _TERMS = {"accelerate": "accelerate", "hf_trainer": "the HF Trainer",
           "lightning": "Lightning (Trainer)", "fabric": "Lightning Fabric",
-          "torchtitan": "torchtitan's job config (TOML)", "torch": "your model (transformers)"}
+          "torchtitan": "torchtitan's config", "torch": "your model (transformers)"}
 
 
 def _header(fw: Framework) -> str:
@@ -119,7 +119,7 @@ for layer in model.{_container(fw)}:  # {_cls(fw)}
 def _rab_titan(fw: Framework, f: Finding) -> str:
     return """\
 # torchtitan's apply_fsdp leaves reshard_after_backward at FSDP's default (True): a model or
-# training-loop change that turns it off must be removed; nothing to set in the TOML."""
+# training-loop change that turns it off must be removed; no config field controls it."""
 
 
 def _raf_accelerate(fw: Framework, f: Finding) -> str:
@@ -169,9 +169,8 @@ for layer in model.{_container(fw)}:
 
 def _raf_titan(fw: Framework, f: Finding) -> str:
     return """\
-# [parallelism]
-# fsdp_reshard_after_forward = "always"   # "default" reshards all but the last block
-toml_field = ("parallelism", "fsdp_reshard_after_forward", "always")"""
+# torchtitan 0.3 config (config_registry function or CLI --parallelism.fsdp_reshard_after_forward)
+config.parallelism.fsdp_reshard_after_forward = "always"  # "default": all but the last block"""
 
 
 def _sync_accelerate(fw: Framework, f: Finding) -> str:
@@ -262,9 +261,9 @@ strategy = FSDPStrategy(auto_wrap_policy={{{_cls(fw)}}},
 
 def _ac_titan(fw: Framework, f: Finding) -> str:
     return """\
-# [activation_checkpoint]
-# mode = "full"
-toml_field = ("activation_checkpoint", "mode", "full")"""
+# torchtitan 0.3 config: checkpoint every block (apply_ac wraps model.layers.N whole)
+from torchtitan.distributed.activation_checkpoint import FullAC
+config.activation_checkpoint = FullAC.Config()"""
 
 
 def _ac_hf(fw: Framework, f: Finding) -> str:
