@@ -234,3 +234,23 @@ def test_accelerate_fsdp1_shard_grad_op(tmp_path_factory):
     measured = fixed["peaks"]["overall_bytes"]
     assert abs(f["predicted_peak_bytes"] - measured) <= 0.05 * measured, \
         (f["predicted_peak_bytes"], measured)
+
+
+def test_every_framework_form_compiles_and_names_the_layer():
+    """Each rule's fix, localized for each framework and FSDP generation, compiles as Python,
+    opens with the run's framework and layer and keeps the raw-torch form below."""
+    from snapforensics.analysis.framework_fixes import _FORMS
+
+    layer = Layer("LlamaDecoderLayer", "model.layers", (0, 1, 2, 3))
+    for rule, forms in _FORMS.items():
+        for owner in forms:
+            for gen in ("FSDP1", "FSDP2"):
+                fw = Framework(owner, (owner,), gen, layer)
+                f = Finding(rule=rule, verdict=Verdict.INFO, title="", cause="", bytes=0,
+                            blocks=0, device=0, fix='model.to_empty(device="cpu")\n')
+                localize([f], fw)
+                assert f.fix is not None
+                compile(f.fix, f"{rule}/{owner}/{gen}", "exec")
+                head = f.fix.splitlines()[0]
+                assert "LlamaDecoderLayer" in head and "model.layers.N (N = 0-3)" in head
+                assert "# Raw torch" in f.fix, (rule, owner)

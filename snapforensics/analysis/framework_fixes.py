@@ -240,9 +240,15 @@ with fabric.init_module(empty_init=True):
 
 def _ac_accelerate(fw: Framework, f: Finding) -> str:
     return f"""\
-# checkpoint each {_cls(fw)} whole (the model's own switch): not accelerate's FSDP2
-# activation_checkpointing=True, which checkpoints every sub-module separately
-model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={{"use_reentrant": False}})"""
+from accelerate import FullyShardedDataParallelPlugin
+# accelerate 1.15 checkpoints exactly the modules its auto-wrap policy picks (fsdp2_apply_ac,
+# bottom-up): with transformer_based_wrap each {_cls(fw)} whole; with size_based_wrap every
+# module above min_num_params, sub-modules included (finer than the FSDP unit)
+plugin = FullyShardedDataParallelPlugin(
+    activation_checkpointing=True,
+    auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["{_cls(fw)}"])
+# or the model's own switch, not both: model.gradient_checkpointing_enable(
+#     gradient_checkpointing_kwargs={{"use_reentrant": False}})"""
 
 
 def _ac_trainer(fw: Framework, f: Finding) -> str:
