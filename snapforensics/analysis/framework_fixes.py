@@ -127,10 +127,12 @@ def _raf_accelerate(fw: Framework, f: Finding) -> str:
         return f"""\
 from accelerate import FullyShardedDataParallelPlugin
 plugin = FullyShardedDataParallelPlugin(
-    fsdp_version=1, reshard_after_forward="FULL_SHARD",  # was SHARD_GRAD_OP
+    fsdp_version=1, sharding_strategy="FULL_SHARD",  # was SHARD_GRAD_OP
     auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["{_cls(fw)}"])
-# accelerate config file: fsdp_config: {{fsdp_reshard_after_forward: FULL_SHARD}}
-# (sharding_strategy is the deprecated name of the same field)"""
+# accelerate config file: fsdp_config: {{fsdp_sharding_strategy: FULL_SHARD}}
+# under FSDP1 set sharding_strategy: accelerate 1.15 fills it with FULL_SHARD when unset and
+# prepares with `sharding_strategy or reshard_after_forward`, so reshard_after_forward is
+# ignored there (it is FSDP2's field)"""
     return f"""\
 from accelerate import FullyShardedDataParallelPlugin
 plugin = FullyShardedDataParallelPlugin(

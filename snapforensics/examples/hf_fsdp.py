@@ -101,7 +101,11 @@ def _accelerate(layout: str, fix: str | None):
     kw: dict = {"fsdp_version": version, "auto_wrap_policy": "transformer_based_wrap",
                 "transformer_cls_names_to_wrap": ["LlamaDecoderLayer"]}
     if version == 1:
-        kw["reshard_after_forward"] = "SHARD_GRAD_OP" if layout.endswith("sgo") else "FULL_SHARD"
+        # sharding_strategy, not reshard_after_forward: accelerate 1.15 fills sharding_strategy
+        # with FULL_SHARD when unset and FSDP1's prepare_model takes `sharding_strategy or
+        # reshard_after_forward`, so reshard_after_forward="SHARD_GRAD_OP" is ignored (measured:
+        # every layer resharded after forward)
+        kw["sharding_strategy"] = "SHARD_GRAD_OP" if layout.endswith("sgo") else "FULL_SHARD"
     else:
         kw["reshard_after_forward"] = True
         kw["activation_checkpointing"] = layout.endswith("_ac")
