@@ -331,6 +331,8 @@ def forward_end(it: Iteration) -> int:
 
 
 _FSDP1_WRAPPER = re.compile(r"^FullyShardedDataParallel_\d+$")
+# wrappers between an FSDP1 unit and the module it holds (checkpoint_wrapper, offload_wrapper)
+_WRAPPERS = re.compile(r"^(CheckpointWrapper|OffloadWrapper)_\d+$")
 
 
 def name_fsdp1_units(snapshot, infos: list, stack_ids: list[int]) -> list:
@@ -338,7 +340,8 @@ def name_fsdp1_units(snapshot, infos: list, stack_ids: list[int]) -> list:
     unit, and its flat parameter has no FQN in the trace).
 
     Each `FullyShardedDataParallel_K` wrapper frame is followed, on the stacks where its module
-    runs, by the module it wraps (`LlamaDecoderLayer_2`): that instance names the unit. The
+    runs, by the module it wraps (`LlamaDecoderLayer_2`; through a `CheckpointWrapper_J`): that
+    instance names the unit. The
     outermost wrapper (no wrapper around it on any stack) is the root, "(root)" as for FSDP2.
     An FSDP block whose innermost wrapper frame is K gets K's name; blocks with no wrapper frame
     (made on the autograd thread in backward) stay unnamed. `stack_ids[i]` is infos[i]'s stack.
@@ -366,8 +369,9 @@ def name_fsdp1_units(snapshot, infos: list, stack_ids: list[int]) -> list:
             if seen_wrapper:
                 nested.add(m)
             seen_wrapper = True
-            if i + 1 < len(mods) and not _FSDP1_WRAPPER.match(mods[i + 1]):
-                wraps.setdefault(m, mods[i + 1])
+            inner = next((x for x in mods[i + 1:] if not _WRAPPERS.match(x)), None)
+            if inner is not None and not _FSDP1_WRAPPER.match(inner):
+                wraps.setdefault(m, inner)
     out = list(infos)
     for i, (info, s) in enumerate(zip(infos, stack_ids)):
         if info.module is not None or info.category not in FSDP_CATEGORIES or s not in chains:
