@@ -110,9 +110,9 @@ def _accelerate(layout: str, fix: str | None):
         kw["reshard_after_forward"] = True
         kw["activation_checkpointing"] = layout.endswith("_ac")
     plugin = FullyShardedDataParallelPlugin(**kw)
-    if fix:  # the analyzer's printed fix: the framework part builds a new `plugin`
+    if fix:  # the analyzer's printed fix: its accelerate part builds a new `plugin`
         ns: dict = {}
-        exec(fix, ns)
+        exec(fix.split("\n# Raw torch")[0], ns)
         plugin = ns.get("plugin", plugin)
     acc = Accelerator(fsdp_plugin=plugin)
     # Set by hand: accelerate 1.15 enables FSDP only on an accelerator (state.py takes the
