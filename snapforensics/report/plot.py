@@ -55,13 +55,19 @@ def color(name: str, table: dict[str, str] = CATEGORY_COLORS) -> str:
     return _PALETTE[sum(map(ord, name)) % len(_PALETTE)]  # stable across runs, unlike hash()
 
 
-def nice_scale(vmax: float) -> tuple[float, list[tuple[float, str]]]:
-    """Axis top and tick (value, label) pairs in binary units, about 4-6 ticks."""
-    vmax = max(float(vmax), 1.0)
+def binary_unit(vmax: float) -> tuple[float, str]:
+    """The largest binary unit (bytes, name) that `vmax` reaches."""
     unit, name = 1.0, "B"
     for k, nm in enumerate(("KiB", "MiB", "GiB", "TiB"), start=1):
         if vmax >= 1024 ** k:
             unit, name = float(1024 ** k), nm
+    return unit, name
+
+
+def nice_scale(vmax: float) -> tuple[float, list[tuple[float, str]]]:
+    """Axis top and tick (value, label) pairs in binary units, about 4-6 ticks."""
+    vmax = max(float(vmax), 1.0)
+    unit, name = binary_unit(vmax)
     step = _step(vmax / unit)
     n = max(1, math.ceil(vmax / unit / step - 1e-9))
     return n * step * unit, [(i * step * unit, f"{i * step:g} {name}") for i in range(n + 1)]
