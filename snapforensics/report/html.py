@@ -16,10 +16,12 @@ from snapforensics.analysis.diagnosis import DeviceSummary, Diagnosis, Finding
 from snapforensics.report import plot
 from snapforensics.report.common import (
     command_line,
+    dump_line,
     finding_lines,
     headline,
     human,
     peak_line,
+    peak_stacks,
     phase_peaks,
     provenance_line,
     ratio,
@@ -194,15 +196,11 @@ def _stat(k: str, v: str) -> str:
 
 
 def _device(dev: DeviceSummary, d: Diagnosis) -> str:
-    seg = dev.segments
     row = f" (trace row {_num(dev.peak_row)})" if _num(dev.peak_row) >= 0 else ""
     out = [f'<section class="card" id="device-{e(dev.device)}">',
            f'<h2>Device {e(dev.device)}</h2>',
            f'<p>Peak <strong>{e(human(dev.peaks["overall_bytes"]))}</strong> in '
-           f'{e(dev.peak_phase)}{row}; segments reserved '
-           f'{e(human(_num(seg.get("reserved_bytes"))))} at dump '
-           f'({e(human(_num(seg.get("allocated_bytes"))))} allocated in '
-           f'{e(_num(seg.get("count")))} segments).</p>']
+           f'{e(dev.peak_phase)}{row}; {e(dump_line(d, dev))}.</p>']
     hist = dev.history or {}
     if hist.get("rows"):
         note = (f'{_num(hist.get("rows"))} trace rows, {_num(hist.get("allocations"))} '
@@ -245,7 +243,7 @@ def _device(dev: DeviceSummary, d: Diagnosis) -> str:
         out += ["<h4>Alive at the peak, by what made it</h4>", _bars(rows2)]
     if dev.top_stacks_at_peak:
         out.append("<h4>Top allocating stacks alive at the peak</h4>")
-        for k, s in enumerate(dev.top_stacks_at_peak):
+        for k, s in enumerate(peak_stacks(dev)):
             out.append(f'<details{" open" if k == 0 else ""}><summary>'
                        f'{e(human(_num(s.get("bytes"))))} in {e(_num(s.get("blocks")))} blocks '
                        f'({e(s.get("category", "?"), NAME)})</summary>'

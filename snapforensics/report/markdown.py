@@ -16,10 +16,12 @@ from snapforensics.analysis.diagnosis import Diagnosis
 from snapforensics.report import mermaid
 from snapforensics.report.common import (
     command_line,
+    dump_line,
     finding_lines,
     headline,
     human,
     peak_line,
+    peak_stacks,
     phase_peaks,
     provenance_line,
     verdict_order,
@@ -53,9 +55,7 @@ def render(d: Diagnosis, screen: Screen = PLAIN, image: str | None = None) -> st
     for dev in d.devices:
         out += [f"## Device {dev.device}", "",
                 f"Peak {human(dev.peaks['overall_bytes'])} in {md(dev.peak_phase)}; "
-                + (f"{human(dev.segments['allocated_bytes'])} alive at dump (no caching "
-                   "allocator on CPU)." if d.format.get("backend") == "cpu" else
-                   f"segments reserved {human(dev.segments['reserved_bytes'])} at dump."), ""]
+                f"{md(dump_line(d, dev), TEXT)}.", ""]
         if dev.iterations:
             out += ["| iteration | forward peak | backward peak | recompute peak "
                     "| optimizer peak |",
@@ -74,7 +74,7 @@ def render(d: Diagnosis, screen: Screen = PLAIN, image: str | None = None) -> st
             out.append("")
         if dev.top_stacks_at_peak:
             out += ["Top allocating stacks alive at the peak:", ""]
-            for s in dev.top_stacks_at_peak[:3]:
+            for s in peak_stacks(dev)[:3]:
                 out += _details(f"{human(s['bytes'])} in {s['blocks']} blocks "
                                 f"({s.get('category', '?')})", s["stack"][:8])
     out += ["## Findings", ""]
