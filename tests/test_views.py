@@ -80,3 +80,56 @@ def test_the_anomalous_category_is_among_the_stacks_shown_at_the_peak():
     section = html.split("Top allocating stacks alive at the peak")[1].split("</section>")[0]
     first = re.findall(r"blocks \(([\w.]+)\)</summary>", section)[:3]
     assert set(top2) <= set(first), first
+
+
+def _lab(color: str) -> tuple[float, float, float]:
+    """sRGB hex -> CIE L*a*b* (D65), the textbook formulas."""
+    def lin(c: float) -> float:
+        return ((c + 0.055) / 1.055) ** 2.4 if c > 0.04045 else c / 12.92
+
+    r, g, b = (lin(int(color[i:i + 2], 16) / 255) for i in (1, 3, 5))
+    x = (0.4124 * r + 0.3576 * g + 0.1805 * b) / 0.95047
+    y = 0.2126 * r + 0.7152 * g + 0.0722 * b
+    z = (0.0193 * r + 0.1192 * g + 0.9505 * b) / 1.08883
+
+    def f(t: float) -> float:
+        return t ** (1 / 3) if t > 0.008856 else 7.787 * t + 16 / 116
+
+    return 116 * f(y) - 16, 500 * (f(x) - f(y)), 200 * (f(y) - f(z))
+
+
+def test_category_colours_are_told_apart():
+    """Every pair of built-in category colours at least 20 apart in CIE76 (about where two
+    flat areas stop reading as one hue; the old teal pair sharded_grad / reduce_scatter_buffer
+    was 14.9, unsharded_grad / activation 13.0)."""
+    import itertools
+
+    from snapforensics.report.plot import CATEGORY_COLORS
+
+    close = [(a, b, round(dist, 1)) for (a, ca), (b, cb) in
+             itertools.combinations(CATEGORY_COLORS.items(), 2)
+             if (dist := sum((p - q) ** 2 for p, q in zip(_lab(ca), _lab(cb))) ** 0.5) < 20]
+    assert not close, close
+
+
+def test_html_plot_has_its_key_labels_and_ticks():
+    """The phase shading has a key, iteration lines and the predicted peak after the fix are
+    labelled, the time axis has enough ticks to read (it had two)."""
+    d = buggy()
+    s = d.devices[0].plot
+    html = render_text(d, "html")
+    svg = html.split('<div class="sf-plot">')[1].split("</svg>")[0]
+    ticks = re.findall(r'<text [^>]*text-anchor="middle" font-size="12" [^>]*>([\d.]+)</text>',
+                       svg)
+    assert len(ticks) >= 5 and ticks[0] == "0", ticks
+    after = human(int(s.predicted.max()))
+    assert f">after the fix {after}</text>" in svg and after == human(
+        next(f for f in d.findings if f.rule == RULE).predicted_peak_bytes)
+    assert [f"iter {i}" for i, _ in s.iterations] == re.findall(r">(iter \d+)</text>", svg)
+    legend = html.split('<div class="legend">')[1].split("</div></div>")[0]
+    phases = dict.fromkeys(p for _, _, p in s.phase_runs())
+    assert "background: the phase" in legend
+    for p in phases:
+        assert re.search(rf'class="sw" style="background:[^;]+;opacity:[\d.]+"></span>{p}<',
+                         legend), p
+    assert "iteration start" in legend
