@@ -339,36 +339,36 @@ def _top_fix(d: Diagnosis) -> str:
             f'<pre class="fix"><code>{e(f.fix, FRAME * FRAMES)}</code></pre></div>')
 
 
-def _scoped(css: str, scope: str = ".sf-report") -> str:
+def scoped(css: str, scope: str = ".sf-report") -> str:
     """Every rule of `css` limited to the report's element, so the styles never leak into a
-    page the report is embedded in (a notebook)."""
+    page the report is embedded in (a notebook); `:root`, `body` and `.sf-report` rules style
+    that element itself."""
     def one(m: re.Match) -> str:
-        sels = ",".join(scope if x.strip() in (":root", ".sf-report") else f"{scope} {x.strip()}"
-                        for x in m[1].split(","))
+        sels = ",".join(scope if x.strip() in (":root", "body", ".sf-report")
+                        else f"{scope} {x.strip()}" for x in m[1].split(","))
         return f"{sels}{{{m[2]}}}"
     return re.sub(r"([^{}]+)\{([^{}]*)\}", one, css)
 
 
-def fragment(d: Diagnosis) -> str:
-    """The summary and the plots, for a notebook cell (`Report._repr_html_`)."""
-    body = _header(d) + "".join(
-        f"<h4>Device {e(dev.device)}</h4>{_plot(dev, d)}" for dev in d.devices if dev.plot)
-    return (f'<div class="sf-report"><style>{_scoped(CSS + plot.CSS)}</style>{body}'
-            f'<script>{plot.JS}</script></div>')
-
-
-def render(d: Diagnosis, screen: Screen = PLAIN) -> str:
-    parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-             '<meta name="viewport" content="width=device-width, initial-scale=1">',
-             f"<title>snapforensics: {e(d.source, FRAME)}</title>",
-             f"<style>body{{margin:0}}{_scoped(CSS + plot.CSS)}</style></head>"
-             '<body class="sf-report"><main>', _header(d)]
+def body(d: Diagnosis) -> list[str]:
+    """The report's sections (header, devices, findings): the page's body and, isolated from
+    the notebook's styles, a notebook cell's (report/notebook.py)."""
+    parts = [_header(d)]
     parts += [_device(dev, d) for dev in d.devices]
     parts.append('<h2 class="sec" id="findings">Findings</h2>')
     if not d.findings:
         parts.append('<section class="card"><p class="muted">No findings: no rule matched this '
                      'snapshot.</p></section>')
     parts += [_finding(i, f, d) for i, f in enumerate(verdict_order(d.findings), start=1)]
+    return parts
+
+
+def render(d: Diagnosis, screen: Screen = PLAIN) -> str:
+    parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+             '<meta name="viewport" content="width=device-width, initial-scale=1">',
+             f"<title>snapforensics: {e(d.source, FRAME)}</title>",
+             f"<style>body{{margin:0}}{scoped(CSS + plot.CSS)}</style></head>"
+             '<body class="sf-report"><main>', *body(d)]
     parts.append(f'<footer>{e(d.tool or "snapforensics")}. The full diagnosis is embedded in '
                  'this file as JSON: <code>&lt;script type="application/json" id="diagnosis"'
                  '&gt;</code>.</footer>')
