@@ -133,3 +133,57 @@ def test_html_plot_has_its_key_labels_and_ticks():
         assert re.search(rf'class="sw" style="background:[^;]+;opacity:[\d.]+"></span>{p}<',
                          legend), p
     assert "iteration start" in legend
+
+
+# --------------------------------------------------------------- compare of two run folders
+
+def _cli(*args: str):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "snapforensics", *args, "-q"],
+                          capture_output=True, text=True, cwd=REPO, timeout=300)
+
+
+def test_compare_of_folders_has_gate_prediction_and_plot_in_every_format(tmp_path):
+    """The CI view: the gate's banner, A's predicted peak against B's measured one and a
+    before/after plot in the terminal (piped), Markdown and HTML (the check was JSON-only, the
+    HTML had no banner and no plot, the piped table broke rule names mid-word)."""
+    import json
+    import shutil
+
+    from snapforensics.report.mermaid import BARS
+
+    for run, f in (("a", BUGGY), ("b", REPO / "fixtures" / "fsdp2_ckpt_fixed_rank0.pickle.gz")):
+        (tmp_path / run).mkdir()
+        shutil.copy(f, tmp_path / run / "rank0.pickle.gz")
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    gate = ("--fail-on", "regression=5%", "--fail-on", "new-anomaly")
+    d = buggy()
+    pred = human(next(f for f in d.findings if f.rule == RULE).predicted_peak_bytes)
+
+    term = _cli("compare", a, b, *gate)
+    assert term.returncode == 0, term.stderr
+    lines = term.stdout.splitlines()
+    assert next(x for x in lines if x.startswith("GATE")).startswith("GATE PASSED")
+    assert all(len(x) <= 100 for x in lines)
+    assert any(f"anomaly gone {RULE}" in x for x in lines)  # the rule id whole on one line
+    assert f"{pred} (+0.0%)" in term.stdout  # predicted 194.8 MiB, measured the same
+    spark = [x for x in lines if x[:2] in ("A ", "B ") and "peak" in x]
+    assert [x.split()[-2] + " " + x.split()[-1] for x in spark] == ["256.8 MiB", f"{pred}"]
+
+    md = _cli("compare", a, b, *gate, "--format", "markdown").stdout
+    assert "> **GATE PASSED" in md and f"{pred} (+0.0%)" in md
+    block = md.split("```mermaid\n")[1].split("```")[0]
+    bars = json.loads(re.search(r"^\s+bar (\[.*\])$", block, re.M)[1])
+    line = json.loads(re.search(r"^\s+line (\[.*\])$", block, re.M)[1])
+    assert len(bars) == len(line) == BARS and max(bars) == 256.8 and f"{max(line)} MiB" == pred
+
+    back = tmp_path / "back.html"
+    r = _cli("compare", b, a, *gate, "-o", str(back))
+    assert r.returncode == 1
+    page = back.read_text()
+    assert re.search(r"<p class='banner fail'[^>]*>GATE FAILED \(2\)", page)
+    svg = page.split("<h2>Before/after")[1]
+    assert "A (baseline) peak 194.8 MiB</text>" in svg and "B peak 256.8 MiB</text>" in svg
+    assert "plot" not in json.loads(_cli("compare", a, b, "--format", "json").stdout)

@@ -22,6 +22,7 @@ from snapforensics.report.plot import PREDICTED, binary_unit, nice_scale
 
 BARS = 60  # readable as bars in an issue's width (~12 px each at GitHub's 760 px)
 RECORDED = "#7aa6e8"  # the bars: light, so the predicted line (plot.PREDICTED) reads on them
+BASELINE = "#c9ccd1"  # compare: the baseline's bars, grey under the new run's line
 
 
 def chart(dev: DeviceSummary) -> list[str]:
@@ -29,20 +30,49 @@ def chart(dev: DeviceSummary) -> list[str]:
     s = dev.plot
     if s is not None and len(s.x):
         x, live = s.x.astype(np.float64), s.live.astype(np.float64)
-        predicted = None if s.predicted is None else s.predicted.astype(np.float64)
+        predicted = None if s.predicted is None else (x, s.predicted.astype(np.float64))
         x_label = "time (s)" if s.x_label.startswith("time") else "trace row"
     elif dev.timeline:
         pts = np.asarray([p[:2] for p in dev.timeline], dtype=np.float64)
         x, live, predicted, x_label = pts[:, 0], pts[:, 1], None, "trace row"
     else:
         return []
-    edges = np.linspace(x[0], x[-1] if x[-1] > x[0] else x[0] + 1, min(BARS, len(x)) + 1)
-    slot = np.clip(np.searchsorted(edges, x, side="right") - 1, 0, len(edges) - 2)
-    vmax = max(live.max(), predicted.max() if predicted is not None else 0, 1.0)
+    title = ("Live bytes: bars as recorded, line predicted after the fix"
+             if predicted is not None else "Live bytes as recorded")
+    return xychart(title, x_label, (x, live), predicted)
+
+
+def progress(timeline: list[list]) -> tuple[np.ndarray, np.ndarray]:
+    """A JSON timeline ([row, live bytes, phase] points) over the share (%) of its trace rows:
+    two recordings' row counts differ, their progress does not."""
+    pts = np.asarray([p[:2] for p in timeline], dtype=np.float64)
+    span = max(pts[-1, 0] - pts[0, 0], 1.0)
+    return 100 * (pts[:, 0] - pts[0, 0]) / span, pts[:, 1]
+
+
+def before_after(a: list[list], b: list[list], title: str) -> list[str]:
+    """Two recordings on one chart: A (the baseline) as bars, B as a line."""
+    if not a or not b:
+        return []
+    return xychart(title, "% of each recording's trace rows", progress(a), progress(b),
+                   colors=(BASELINE, RECORDED))
+
+
+def xychart(title: str, x_label: str, bars: tuple[np.ndarray, np.ndarray],
+            line: tuple[np.ndarray, np.ndarray] | None,
+            colors: tuple[str, str] = ("", "")) -> list[str]:
+    """An xychart-beta block: `bars` and `line` ((x, bytes) each) drawn as their envelopes
+    over BARS equal slices of the x range they share."""
+    xs = [bars[0]] + ([line[0]] if line is not None else [])
+    lo, hi = min(float(x[0]) for x in xs), max(float(x[-1]) for x in xs)
+    hi = hi if hi > lo else lo + 1
+    edges = np.linspace(lo, hi, min(BARS, max(len(x) for x in xs)) + 1)
+    vmax = max(float(bars[1].max()), float(line[1].max()) if line is not None else 0.0, 1.0)
     top, _ = nice_scale(vmax)
     unit, name = binary_unit(vmax)  # the unit nice_scale's ticks are in
 
-    def envelope(v: np.ndarray) -> str:
+    def envelope(x: np.ndarray, v: np.ndarray) -> str:
+        slot = np.clip(np.searchsorted(edges, x, side="right") - 1, 0, len(edges) - 2)
         out = np.full(len(edges) - 1, np.nan)
         np.fmax.at(out, slot, v)
         for i in range(len(out)):  # a slice with no point keeps the level before it
@@ -50,18 +80,16 @@ def chart(dev: DeviceSummary) -> list[str]:
                 out[i] = out[i - 1] if i else v[0]
         return "[" + ", ".join(f"{b / unit:.1f}" for b in out.tolist()) + "]"
 
-    lo, hi = float(edges[0]), float(edges[-1])
     fmt = (lambda v: f"{v:.2f}") if x_label.startswith("time") else (lambda v: f"{int(v)}")
-    colors = f"{RECORDED}, {PREDICTED}" if predicted is not None else RECORDED
-    title = ("Live bytes: bars as recorded, line predicted after the fix"
-             if predicted is not None else "Live bytes as recorded")
+    palette = (colors[0] or RECORDED) + (f", {colors[1] or PREDICTED}" if line else "")
     out = ["```mermaid",
-           '%%{init: {"themeVariables": {"xyChart": {"plotColorPalette": "' + colors + '"}}}}%%',
+           '%%{init: {"themeVariables": {"xyChart": {"plotColorPalette": "' + palette
+           + '"}}}}%%',
            "xychart-beta",
            f'    title "{title}"',
            f'    x-axis "{x_label}" {fmt(lo)} --> {fmt(hi)}',
            f'    y-axis "{name}" 0 --> {top / unit:g}',
-           f"    bar {envelope(live)}"]
-    if predicted is not None:
-        out.append(f"    line {envelope(predicted)}")
+           f"    bar {envelope(*bars)}"]
+    if line is not None:
+        out.append(f"    line {envelope(*line)}")
     return [*out, "```"]

@@ -213,6 +213,49 @@ def svg(s: Series, esc: Callable[[str], str], script_json: Callable[[object], st
             '</div>')
 
 
+def svg_before_after(series: list[tuple[np.ndarray, np.ndarray]], labels: list[str],
+                     esc: Callable[[str], str]) -> str:
+    """Two recordings' live bytes on one static SVG, x = % of each one's trace rows: A (the
+    baseline) as a grey area, B as a line, each peak labelled. `labels` are ours."""
+    pw, ph = W - L - R, H - T - B
+    top, yt = nice_scale(max(float(v.max()) for _, v in series))
+    base = T + ph
+    out = [f'<svg class="chart" viewBox="0 0 {W} {H}" role="img" aria-label="live bytes before '
+           'and after">']
+    for v, label in yt:
+        yy = base - v / top * ph
+        out.append(f'<line x1="{L}" x2="{W - R}" y1="{yy:.1f}" y2="{yy:.1f}" stroke="#d5dae1"/>'
+                   f'<text x="{L - 6}" y="{yy + 4:.1f}" text-anchor="end" font-size="12" '
+                   f'fill="#5f6b7a">{esc(label)}</text>')
+    for k in range(0, 101, 10):
+        xx = L + k / 100 * pw
+        out.append(f'<text x="{xx:.1f}" y="{base + 16}" text-anchor="middle" font-size="12" '
+                   f'fill="#5f6b7a">{k}%</text>')
+    out.append(f'<text x="{L + pw / 2:.1f}" y="{H - 4}" text-anchor="middle" font-size="12" '
+               'fill="#5f6b7a">% of each recording\'s trace rows</text>')
+    styles = [("#c9ccd1", "none", 0), (PREDICTED, "none", 1.8)]
+    for (x, v), (fill, _, width), label in zip(series, styles, labels):
+        xs, ys = L + x / 100 * pw, base - v / top * ph
+        pts = " ".join(f"{a:.1f},{b:.1f}" for a, b in zip(xs.tolist(), ys.tolist()))
+        if width:
+            out.append(f'<polyline points="{pts}" fill="none" stroke="{fill}" '
+                       f'stroke-width="{width}"/>')
+        else:
+            out.append(f'<polygon points="{L},{base} {pts} {xs[-1]:.1f},{base}" fill="{fill}"/>')
+        k, ink = int(np.argmax(v)), PEAK if width else "#4b5563"
+        out.append(f'<circle cx="{xs[k]:.1f}" cy="{ys[k]:.1f}" r="4" fill="{ink}"/>'
+                   f'<text x="{xs[k] + 6:.1f}" y="{max(ys[k] - 6, T + 10):.1f}" font-size="12.5" '
+                   f'font-weight="700" fill="{ink}">{esc(label)} peak '
+                   f'{esc(human(int(v[k])))}</text>')
+    out.append(f'<line x1="{L}" x2="{W - R}" y1="{base}" y2="{base}" stroke="#8a94a3"/></svg>')
+    legend = (f'<div class="legend" style="display:flex;gap:16px;font-size:13px">'
+              f'<span><span style="display:inline-block;width:14px;height:10px;'
+              f'background:#c9ccd1"></span> {esc(labels[0])}</span><span><span '
+              f'style="display:inline-block;width:14px;height:3px;vertical-align:3px;'
+              f'background:{PREDICTED}"></span> {esc(labels[1])}</span></div>')
+    return f'<div class="sf-plot">{"".join(out)}{legend}</div>'
+
+
 CSS = """
 .sf-plot{position:relative}
 .sf-tip{position:absolute;z-index:5;pointer-events:none;background:#fff;color:#1d2430;
