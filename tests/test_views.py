@@ -187,3 +187,35 @@ def test_compare_of_folders_has_gate_prediction_and_plot_in_every_format(tmp_pat
     svg = page.split("<h2>Before/after")[1]
     assert "A (baseline) peak 194.8 MiB</text>" in svg and "B peak 256.8 MiB</text>" in svg
     assert "plot" not in json.loads(_cli("compare", a, b, "--format", "json").stdout)
+
+
+def test_a_one_rank_folder_reads_as_one_run(tmp_path):
+    """`diagnose OUT` after `record` (one rank): the run's report with its fix, predicted peak
+    and plot, not a "fleet" of one with a 0.0% spread."""
+    import shutil
+
+    (tmp_path / "out").mkdir()
+    shutil.copy(BUGGY, tmp_path / "out" / "rank0.pickle.gz")
+    r = _cli("diagnose", str(tmp_path / "out"), "--format", "markdown")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("# snapforensics diagnosis: ") and "fleet" not in r.stdout
+    assert "set_reshard_after_backward(True)" in r.stdout and "```mermaid" in r.stdout
+    assert "predicted peak after it 194.8 MiB" in r.stdout
+
+
+def test_files_of_different_runs_are_runs_not_ranks(tmp_path):
+    """rank0 of run a and rank0 of run b are two runs: no spread verdict between them (it said
+    "2 ranks, spread 27.5% (IMBALANCED)"), and the report says how to compare them."""
+    import json
+    import shutil
+
+    for run, f in (("a", BUGGY), ("b", REPO / "fixtures" / "fsdp2_ckpt_fixed_rank0.pickle.gz")):
+        (tmp_path / run).mkdir()
+        shutil.copy(f, tmp_path / run / "rank0.pickle.gz")
+    files = [str(tmp_path / x / "rank0.pickle.gz") for x in "ab"]
+    r = _cli("diagnose", *files)
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())
+    assert "2 separate runs, not ranks of one run" in text and "IMBALANCED" not in text
+    assert f"snapforensics compare {files[0]} {files[1]}" in text
+    assert json.loads(_cli("diagnose", *files, "--format", "json").stdout)["mode"] == "runs"

@@ -45,12 +45,11 @@ def diagnose_command(snapshots: tuple[str, ...], fmt: str | None, output: str | 
     by rank, the worst rank first."""
     from snapforensics.analysis.classify import user_categories
     from snapforensics.analysis.diagnosis import Diagnosis
-    from snapforensics.parallel import expand, is_url, local_path, run
+    from snapforensics.parallel import expand, is_url, run
     from snapforensics.report.output import choose_format, emit
 
     srcs = expand(snapshots)
-    # one file (a path or URL), not a folder or a glob
-    single = len(snapshots) == 1 and srcs in ([snapshots[0]], [local_path(snapshots[0])])
+    single = len(srcs) == 1  # one file, or a folder or glob of one rank: one run's report
     kind = "diagnosis" if single else "fleet"
     fmt = choose_format(kind, fmt, output)  # a bad -o fails before the analysis
     user_categories(categories)  # and so does a bad --category

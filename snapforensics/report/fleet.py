@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from snapforensics.analysis.fleet import Fleet
+from snapforensics.analysis.fleet import RUNS, Fleet
 from snapforensics.report.common import human
 from snapforensics.report.registry import PLAIN, Screen
 from snapforensics.report.sanitize import NAME, ROWS, TEXT, markdown_code, markdown_span
@@ -22,10 +22,16 @@ def headline(f: Fleet) -> str:
     if not n:
         return f"no readable rank ({len(f.errors)} inputs failed)"
     s = f.spread or {}
-    words = [f"{n} rank{'s' if n != 1 else ''}, worst {who(f.ranks[0])} "
-             f"peak {human(f.ranks[0]['peaks']['overall_bytes'])}",
-             f"median {human(s['median_peak_bytes'])}, spread {s['spread_pct']:.1f}%"
-             + (" (IMBALANCED)" if s.get("flagged") else "")]
+    if f.mode == RUNS:  # files of separate runs: their spread is not an imbalance
+        words = [f"{n} separate runs, not ranks of one run (compare them: snapforensics "
+                 f"compare {' '.join(r['source'] for r in f.ranks[:2])})",
+                 f"highest peak {human(f.ranks[0]['peaks']['overall_bytes'])} in "
+                 f"{who(f.ranks[0])}"]
+    else:
+        words = [f"{n} rank{'s' if n != 1 else ''}, worst {who(f.ranks[0])} "
+                 f"peak {human(f.ranks[0]['peaks']['overall_bytes'])}",
+                 f"median {human(s['median_peak_bytes'])}, spread {s['spread_pct']:.1f}%"
+                 + (" (IMBALANCED)" if s.get("flagged") else "")]
     an = f.anomalies
     if an:
         top = an[0]
