@@ -219,3 +219,5 @@ def test_files_of_different_runs_are_runs_not_ranks(tmp_path):
     assert "2 separate runs, not ranks of one run" in text and "IMBALANCED" not in text
     assert f"snapforensics compare {files[0]} {files[1]}" in text
     assert json.loads(_cli("diagnose", *files, "--format", "json").stdout)["mode"] == "runs"
+    # and it points to the worst one's own report, which has the fix, prediction and plot
+    assert f"snapforensics diagnose {files[0]} -o report.html" in text

@@ -103,12 +103,16 @@ def terminal(f: Fleet, screen: Screen = PLAIN) -> str:
                        style="red" if verdict == "anomalous" and not r["on_all_ranks"] else None)
         console.print(ft)
     for line in _notes(f):
-        console.print(t(line, TEXT, "yellow"))
+        console.print(t(line, TEXT, "bold" if line.startswith("the worst") else "yellow"))
     return console.file.getvalue()
 
 
 def _notes(f: Fleet) -> list[str]:
-    return ([f"unreadable: {e['source']}: {e['error']}" for e in f.errors[:ROWS]]
+    """The next command (the worst rank's own report: its fix, predicted peak and plot), then
+    unreadable inputs and warnings."""
+    nxt = ([f"the worst rank's full report (fix, predicted peak, plot): snapforensics "
+            f"diagnose {f.ranks[0]['source']} -o report.html"] if f.ranks else [])
+    return (nxt + [f"unreadable: {e['source']}: {e['error']}" for e in f.errors[:ROWS]]
             + [f"warning: {w}" for w in f.warnings[:ROWS]])
 
 
