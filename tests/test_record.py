@@ -230,8 +230,8 @@ def test_user_errors_are_one_line_exit_3(tmp_path):
                    cwd=tmp_path)
     assert proc.returncode == EXIT_RECORD_FAILED
     assert "script not found" in proc.stderr and "Traceback" not in proc.stderr
-    proc = run_cli(["record", "--device", "tpu", "x.py"], cwd=tmp_path)
-    assert proc.returncode == EXIT_RECORD_FAILED and "tpu" in proc.stderr
+    proc = run_cli(["record", "--device", "tpu", "x.py"], cwd=tmp_path)  # a usage error
+    assert proc.returncode == 2 and "tpu" in proc.stderr
     proc = run_cli(["record", "-m", "no_such_module_here_xyz"], cwd=tmp_path)
     assert proc.returncode == EXIT_RECORD_FAILED and "no_such_module_here_xyz" in proc.stderr
 
