@@ -7,14 +7,11 @@ Real runs: fixed and buggy (2 ranks, ~10 s each, shared with other test modules 
 
 from __future__ import annotations
 
-import inspect
-import json
 import os
 import pickle
 import subprocess
 import sys
 import textwrap
-import types
 from pathlib import Path
 
 import pytest
@@ -435,68 +432,6 @@ def test_backend_selection():
         assert e.value.exit_code == EXIT_RECORD_FAILED
 
 
-def test_history_kwargs_follow_the_signature():
-    from snapforensics.record.backends import history_call
-
-    def new(enabled="all", context="all", stacks="all", max_entries=sys.maxsize, device=None,
-            clear_history=False, compile_context=False, global_record_annotations=False,
-            skip_actions=None):
-        pass
-
-    def older(enabled="all", context="all", stacks="all", max_entries=sys.maxsize, device=None):
-        pass
-
-    def legacy(enabled, record_context=True, trace_alloc_max_entries=1,
-               trace_alloc_record_context=False, device=None, record_context_cpp=False):
-        pass
-
-    def npu(enabled="all", context="all", stacks="all", max_entries=sys.maxsize):
-        pass
-
-    assert history_call(new, stacks="python", max_entries=5) == (
-        ("all",), {"context": "all", "stacks": "python", "max_entries": 5,
-                   "global_record_annotations": True})
-    for fn in (older, npu):
-        assert history_call(fn, stacks="all", max_entries=9) == (
-            ("all",), {"context": "all", "stacks": "all", "max_entries": 9})
-    assert history_call(legacy, stacks="python", max_entries=3) == (
-        (True,), {"trace_alloc_max_entries": 3, "trace_alloc_record_context": True,
-                  "record_context_cpp": False})
-    torch = pytest.importorskip("torch")
-    args, kw = history_call(torch.cuda.memory._record_memory_history, stacks="python",
-                            max_entries=7)
-    assert kw.get("global_record_annotations") is True and kw["max_entries"] == 7
-    inspect.signature(torch.cuda.memory._record_memory_history).bind(*args, **kw)
-
-
-def test_npu_and_cuda_backends_call_the_device_api(monkeypatch):
-    from snapforensics.record.backends import CudaBackend, NpuBackend
-
-    calls = []
-    snap = {"segments": [], "device_traces": [[]]}
-
-    def record_history(enabled="all", context="all", stacks="all", max_entries=sys.maxsize):
-        calls.append((enabled, context, stacks, max_entries))
-
-    memory = types.SimpleNamespace(_record_memory_history=record_history, _snapshot=lambda: snap)
-    fake = types.ModuleType("torch_npu")
-    fake.npu = types.SimpleNamespace(memory=memory)
-    monkeypatch.setitem(sys.modules, "torch_npu", fake)
-    monkeypatch.setitem(sys.modules, "torch_npu.npu", fake.npu)
-    monkeypatch.setitem(sys.modules, "torch_npu.npu.memory", memory)
-    b = NpuBackend("python", 123)
-    b.start()
-    assert b.snapshot() is snap
-    assert calls == [("all", "all", "python", 123), (None, "all", "all", sys.maxsize)]
-    assert b.attach_oom(lambda info: None) is False  # the fake has no observer hook
-
-    calls.clear()
-    monkeypatch.setattr(CudaBackend, "_memory", lambda self: memory)
-    c = CudaBackend("all", 5)
-    c.start()
-    assert c.snapshot() is snap and calls[0] == ("all", "all", "all", 5)
-
-
 def test_cli_parsing(monkeypatch, tmp_path):
     from click.testing import CliRunner
 
@@ -575,54 +510,6 @@ def test_exit_code_is_the_first_failing_ranks_own(tmp_path):
     with pytest.raises(SnapError):  # recording could not start: the recorder's own error
         _result([{"rank": 0, "exit_code": 3, "snapshot": None, "error": "no cuda"}], tmp_path,
                 expected=[0], codes=[3], quiet=True)
-
-
-def test_oom_observer_writes_its_own_snapshot(monkeypatch, tmp_path):
-    """The bootstrap with a fake device backend: an OOM reported by the observer is dumped to
-    rank{R}.oom.pickle, the final snapshot still to rank{R}.pickle."""
-    pytest.importorskip("torch")
-    import builtins
-
-    from snapforensics.record import _bootstrap, backends
-
-    class FakeDevice:
-        name = "cuda"
-
-        def __init__(self, stacks, max_entries):
-            self.started = False
-
-        def start(self):
-            self.started = True
-
-        def attach_oom(self, callback):
-            monkeypatch.setattr(builtins, "_sf_fire_oom", lambda: callback(
-                {"device": 0, "requested": 1 << 30, "device_allocated": 5, "device_free": 7,
-                 "snapshot": {"segments": [], "device_traces": [[{"action": "oom"}]]}}),
-                raising=False)
-            return True
-
-        def snapshot(self):
-            return {"segments": [], "device_traces": [[]]}
-
-    monkeypatch.setattr(backends, "select_backend", lambda device: "cuda")
-    monkeypatch.setattr(backends, "make_backend", lambda name, s, m: FakeDevice(s, m))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(k, raising=False)
-    script = tmp_path / "s.py"
-    script.write_text("import builtins, sys\nbuiltins._sf_fire_oom()\nsys.exit(3 + 4)\n")
-    argv, path0 = sys.argv[:], sys.path[0]
-    status = _bootstrap.run_recorded({"out": str(tmp_path / "out"), "device": "cuda"},
-                                     str(script), ["a"])
-    assert (sys.argv, sys.path[0]) == (argv, path0)  # restored
-    assert status["exit_code"] == 7 and status["error"] is None
-    oom = load_strict(tmp_path / "out" / "rank0.oom.pickle")
-    assert oom["device_traces"][0][0]["action"] == "oom"
-    assert oom["snapforensics"]["oom"]["requested"] == 1 << 30
-    assert oom["snapforensics"]["backend"] == "cuda"
-    assert oom["snapforensics"]["cpu_recorded"] is False
-    final = load_strict(tmp_path / "out" / "rank0.pickle")
-    assert final["snapforensics"]["script_exit_code"] == 7
-    assert json.loads((tmp_path / "out" / ".rank0.status.json").read_text())["oom_snapshot"]
 
 
 BEHAVE = """

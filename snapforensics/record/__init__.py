@@ -56,8 +56,11 @@ class RecordResult:
 
 
 def in_torchrun(environ: os._Environ[str] | dict[str, str] | None = None) -> bool:
+    """Inside a launch that gave this process its rank: torchrun's variables, or SLURM's
+    (``srun`` sets ``SLURM_PROCID``/``SLURM_LOCALID``/``SLURM_NTASKS`` in each task)."""
     env = os.environ if environ is None else environ
-    return bool(env.get("TORCHELASTIC_RUN_ID")) or ("LOCAL_RANK" in env and "WORLD_SIZE" in env)
+    return (bool(env.get("TORCHELASTIC_RUN_ID")) or ("LOCAL_RANK" in env and "WORLD_SIZE" in env)
+            or ("SLURM_PROCID" in env and "SLURM_NTASKS" in env and "SLURM_STEP_ID" in env))
 
 
 def _say(quiet: bool, msg: str) -> None:
@@ -79,6 +82,9 @@ def _default_out(cwd: Path, inside_torchrun: bool) -> Path:
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
         if run_id and run_id != "none":
             return base / f"record-torchrun-{run_id}"
+        job = os.environ.get("SLURM_JOB_ID")
+        if job and "SLURM_PROCID" in os.environ:
+            return base / f"record-slurm-{job}.{os.environ.get('SLURM_STEP_ID', '0')}"
         ppid = os.getppid()
         try:
             started = os.stat(f"/proc/{ppid}").st_ctime  # the launcher's start
@@ -389,6 +395,7 @@ def _result(statuses: list[dict], out_dir: Path, *, expected: list[int], codes: 
     problems = []
     for r in expected:
         s = by_rank.get(r)
+        problems.extend((s or {}).get("warnings") or [])
         if s and s.get("snapshot"):
             t = s.get("timings") or {}
             detail = "".join(f", {k[:-2].replace('_', ' ')} {v} s" for k, v in t.items())
