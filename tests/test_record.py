@@ -756,3 +756,80 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+STUCK = """
+import sys, time, torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+keep = torch.ones(1000 * (rank + 1))
+if rank == 2:
+    time.sleep(2)
+    raise RuntimeError("rank 2 fails")
+buf = torch.empty(4)
+dist.recv(buf, src=1 - rank)  # ranks 0 and 1 wait for each other: a hang, as NCCL's would be
+"""
+
+
+def test_survivors_blocked_in_a_native_wait_still_write_their_snapshots(tmp_path):
+    """Rank 2 raises; ranks 0 and 1 sit in gloo receives (GIL released, the Python SIGTERM
+    handler never runs): their watcher threads dump on the recorder's SIGTERM."""
+    pytest.importorskip("torch")
+    script = tmp_path / "stuck.py"
+    script.write_text(textwrap.dedent(STUCK))
+    out = tmp_path / "out"
+    proc = run_cli(["record", "--device", "cpu", "--nproc-per-node", "3", "--out", str(out),
+                    str(script)], cwd=tmp_path, timeout=200)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.count("is blocked in native code") == 2, proc.stderr
+    _only_snapshots(out)
+    for r in (0, 1):
+        prov = load_strict(out / f"rank{r}.pickle")["snapforensics"]
+        assert prov["script_exit_code"] == 143 and prov["rank"] == r
+
+
+SPAWNS = """
+import torch.multiprocessing as mp
+
+def work(i):
+    print("child", i)
+
+if __name__ == "__main__":
+    mp.spawn(work, nprocs=2)
+"""
+
+
+def test_mp_spawn_is_refused_with_how_to_launch(tmp_path):
+    pytest.importorskip("torch")
+    script = tmp_path / "spawns.py"
+    script.write_text(textwrap.dedent(SPAWNS))
+    proc = run_cli(["record", "-q", "--device", "cpu", "--out", str(tmp_path / "out"),
+                    str(script)], cwd=tmp_path)
+    assert proc.returncode == EXIT_RECORD_FAILED, proc.stderr
+    assert "child" not in proc.stdout
+    err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(err) == 1 and "torch.multiprocessing.spawn" in err[0], proc.stderr
+    assert "snapforensics record --nproc-per-node 2" in err[0]
+
+
+def test_slurm_variables_give_the_rank(behave, tmp_path):
+    """``srun`` without torchrun's variables: SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS."""
+    from snapforensics.record import in_torchrun
+    from snapforensics.record._bootstrap import rank_env
+
+    slurm = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+             "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "77"}
+    assert rank_env(slurm) == (5, 8, 1, True)
+    assert rank_env({**slurm, "RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0"}) == (2, 4, 0,
+                                                                                        True)
+    assert in_torchrun(slurm) and not in_torchrun({"SLURM_JOB_ID": "77"})
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")}
+    env.update(slurm, PYTHONPATH=str(REPO))
+    proc = run_cli(["record", "--device", "cpu", "--out", str(out), str(behave), "plain",
+                    str(out)], cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    prov = load_strict(out / "rank5.pickle")["snapforensics"]
+    assert (prov["rank"], prov["world_size"], prov["local_rank"]) == (5, 8, 1)

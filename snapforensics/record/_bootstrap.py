@@ -524,6 +524,10 @@ def run_recorded(opts: dict, target: str, args: list[str]) -> dict:
                 status["exit_code"] = EXIT_RECORD_FAILED
                 status["error"] = refused
                 window.remove()
+                try:
+                    backend.stop()  # nothing is written; the profiler must still stop
+                except Exception:
+                    pass
             else:
                 dump(code if code is not None else 1)
         watcher.remove()
