@@ -292,6 +292,50 @@ def test_profile_to_snapshot_frames_annotations_and_ring_buffer():
     pickle.loads(pickle.dumps(full, protocol=4))
 
 
+def test_an_undecodable_profiler_name_is_replaced_and_counted_not_fatal():
+    """pybind raises UnicodeDecodeError reading an event name that is not UTF-8 (seen on a
+    Lightning run): the recording keeps every allocation, the name is replaced and counted."""
+    torch = pytest.importorskip("torch")
+    from torch.profiler import ProfilerActivity, profile
+
+    from snapforensics.record.cpu import UNDECODABLE_NAME, _event_types, events_to_snapshot
+
+    def allocate_some():
+        return [torch.empty(1024 * (i + 1)) for i in range(5)]
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True) as p:
+        kept = allocate_some()
+    roots = p.profiler.kineto_results.experimental_event_tree()
+
+    class NotUtf8:  # the real event; reading its name fails as pybind's str conversion does
+        def __init__(self, ev):
+            self._ev = ev
+
+        def __getattr__(self, k):
+            return getattr(self._ev, k)
+
+        @property
+        def name(self):
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+
+    def wrap(ev):
+        if "allocate_some" in ev.name:
+            return NotUtf8(ev)
+        ev_children = [wrap(c) for c in ev.children]
+        if any(isinstance(c, NotUtf8) for c in ev_children):
+            class Parent(NotUtf8):
+                name = property(lambda self: self._ev.name)
+                children = ev_children
+            return Parent(ev)
+        return ev
+
+    snap = events_to_snapshot([wrap(r) for r in roots], 1_000_000, *_event_types())
+    allocs = [e for e in snap["device_traces"][0] if e["action"] == "alloc"]
+    ours = [e for e in allocs if UNDECODABLE_NAME in _frame_names(e)]
+    assert len(ours) == 5 and snap["snapforensics"]["cpu_undecodable_names"] == 1
+    assert len(kept) == 5
+
+
 def test_frees_on_an_untraced_thread_are_recovered_from_the_allocator_total():
     """Real profile: a tensor whose last reference dies on a thread the profiler does not trace."""
     torch = pytest.importorskip("torch")
