@@ -215,6 +215,17 @@ def npu_sources(version: str) -> Path:
     return dest
 
 
+def npu_requires(version: str) -> list[str]:
+    """The published wheel's ``Requires-Dist`` lines."""
+    npu_sources(version)
+    wheel = sorted((_wheel_cache() / "downloads").glob(f"torch_npu-{version}-*.whl"))[0]
+    with zipfile.ZipFile(wheel) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        text = z.read(meta).decode()
+    return [ln.split(":", 1)[1].strip() for ln in text.splitlines()
+            if ln.startswith("Requires-Dist:")]
+
+
 def torch_npu_memory(version: str, monkeypatch, *, devices: int = 2):
     """Import the published ``torch_npu.npu.memory`` of ``version`` over a stub ``torch_npu._C``.
     Returns ``(memory module, StubAllocator)``."""

@@ -233,3 +233,28 @@ def test_history_call_binds_torch_213s_real_wrapper():
     import inspect
 
     inspect.signature(torch.cuda.memory._record_memory_history_impl).bind(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------- install (item 11)
+
+
+@pytest.mark.parametrize("version", NPU_VERSIONS)
+def test_record_extra_is_a_range_that_admits_each_torch_npu_releases_torch(version):
+    """``[record]`` never replaces an installed torch, and ``[record,npu]`` resolves: the torch
+    each published torch_npu requires lies inside the range. The Makefile pins torch for CI."""
+    import re
+
+    from device_stubs import npu_requires
+    from packaging.requirements import Requirement
+    from recordings import REPO
+
+    text = (REPO / "pyproject.toml").read_text()
+    record = re.search(r"^record = \[(.*)\]$", text, re.M).group(1)
+    (req,) = [Requirement(r.strip().strip('"')) for r in record.split(",")]
+    assert req.name == "torch" and not any(s.operator in ("==", "===") for s in req.specifier)
+    (npu_torch,) = [Requirement(r) for r in npu_requires(version)
+                    if Requirement(r).name == "torch"]
+    pinned = next(iter(npu_torch.specifier)).version.rstrip(".*")
+    assert req.specifier.contains(pinned, prereleases=True), (req, npu_torch)
+    assert req.specifier.contains(torch.__version__.split("+")[0])
+    assert re.search(r"^TORCH := torch==\d+\.\d+\.\d+$", (REPO / "Makefile").read_text(), re.M)
