@@ -10,10 +10,11 @@
   ``torchrun --standalone``. The ranks share one new process group: SIGINT/SIGTERM/SIGHUP sent
   to the recorder are forwarded to that whole group (each rank stops its script and still writes
   what it recorded; a second signal kills them). When one rank fails, the others are stopped the
-  same way; one still running ``STOP_GRACE_S`` after that (blocked in a collective, where
-  Python never sees the signal) is killed.
+  same way (a rank blocked in a collective, where Python never sees the signal, dumps from
+  the bootstrap's watcher thread); one still running ``STOP_GRACE_S`` after that is killed.
 - already inside a torchrun launch (``TORCHELASTIC_RUN_ID``, or ``LOCAL_RANK`` + ``WORLD_SIZE``)
-  with ``nproc_per_node=1``: this process is recorded in place.
+  or an ``srun`` task (``SLURM_PROCID`` + ``SLURM_NTASKS`` + ``SLURM_STEP_ID``) with
+  ``nproc_per_node=1``: this process is recorded in place.
 
 Each rank writes ``OUT/rank{R}.pickle`` (the ``torch.cuda.memory._snapshot()`` format, plus a
 top-level ``"snapforensics"`` provenance dict). CUDA and NPU record the device caching
@@ -339,7 +340,7 @@ def record(target: str, script_args: list[str], *, module: bool = False, out: Pa
             raise SnapError(f"cannot create {out_dir}: {e}", exit_code=EXIT_BAD_INPUT) from None
         from snapforensics.record._bootstrap import run_recorded
 
-        status = run_recorded(opts, target, script_args)
+        status = run_recorded({**opts, "in_place": True}, target, script_args)
         (out_dir / f".rank{status['rank']}.status.json").unlink(missing_ok=True)
         return _result([status], out_dir, expected=[status["rank"]], codes=[None], quiet=quiet)
 

@@ -481,7 +481,8 @@ def run_recorded(opts: dict, target: str, args: list[str]) -> dict:
             print(f"snapforensics record: rank {rank} is blocked in native code; writing its "
                   "snapshot from the recorder's thread", file=sys.stderr, flush=True)
             dump(exit_code)
-            finish()
+            if not opts.get("in_place"):  # a launching record reads it
+                finish()
             sys.stderr.flush()
         finally:
             os._exit(exit_code)
