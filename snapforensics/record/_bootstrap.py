@@ -288,6 +288,7 @@ class _Watcher:
         self.main_dumping = threading.Event()
         self.lock = threading.Lock()
         self.fds: tuple[int, int] | None = None
+        self.thread: threading.Thread | None = None
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -306,7 +307,8 @@ class _Watcher:
             os.close(w)
             return
         self.fds = (r, w)
-        threading.Thread(target=self._run, name="snapforensics-dump", daemon=True).start()
+        self.thread = threading.Thread(target=self._run, name="snapforensics-dump", daemon=True)
+        self.thread.start()
 
     def _run(self) -> None:
         assert self.fds is not None
@@ -315,7 +317,7 @@ class _Watcher:
                 data = os.read(self.fds[0], 64)
             except OSError:
                 return
-            if not data:
+            if not data or 0 in data:  # 0: remove() stops the thread
                 return
             for signum in data:
                 want = self.handlers.get(signum)
@@ -333,6 +335,12 @@ class _Watcher:
             signal.set_wakeup_fd(-1)
         except (ValueError, OSError):
             pass
+        try:
+            os.write(self.fds[1], b"\0")
+        except OSError:
+            pass
+        if self.thread is not None:
+            self.thread.join(5)  # before its fd is closed (and its number reused)
         for fd in self.fds:
             try:
                 os.close(fd)
