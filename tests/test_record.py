@@ -877,3 +877,28 @@ def test_slurm_variables_give_the_rank(behave, tmp_path):
     assert proc.returncode == 0, proc.stderr
     prov = load_strict(out / "rank5.pickle")["snapforensics"]
     assert (prov["rank"], prov["world_size"], prov["local_rank"]) == (5, 8, 1)
+
+
+def test_cpu_recording_imports_the_scripts_leading_imports_before_profiling(tmp_path,
+                                                                          monkeypatch):
+    """The script's first statements, when they are imports, run before the profiler starts
+    (under its Python tracer a big library's import cost GBs); the rest stays recorded."""
+    pytest.importorskip("torch")
+    from snapforensics.record import _bootstrap
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    (tmp_path / "early_mod.py").write_text("import sys\nSEEN = sys.argv[1:]\n")
+    (tmp_path / "late_mod.py").write_text("X = 1\n")
+    script = tmp_path / "s.py"
+    script.write_text('"""doc"""\nfrom __future__ import annotations\nimport json\n'
+                      "from early_mod import SEEN\nimport torch\nkeep = torch.ones(100)\n"
+                      "import late_mod\nassert SEEN == ['--flag'], SEEN\n")
+    monkeypatch.delitem(sys.modules, "early_mod", raising=False)
+    monkeypatch.delitem(sys.modules, "late_mod", raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    status = _bootstrap.run_recorded({"out": str(tmp_path / "out"), "device": "cpu"},
+                                     str(script), ["--flag"])
+    assert status["exit_code"] == 0, status
+    prov = load_strict(tmp_path / "out" / "rank0.pickle")["snapforensics"]
+    assert prov["imported_before_recording"] == ["json", "early_mod", "torch"]
