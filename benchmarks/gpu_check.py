@@ -14,8 +14,9 @@ in this repository's history until a line saying so is committed with its output
    first request's size, one oom entry in it.
 3. own_history: a script that calls ``_record_memory_history(max_entries=100000)`` and later
    ``enabled=None``: the snapshot keeps its allocations, the one-line warning is printed.
-4. visible_devices: a script that sets ``CUDA_VISIBLE_DEVICES`` itself before touching CUDA: it
-   runs (the recorder did not initialize CUDA first) and is recorded.
+4. visible_devices: a script that hides every GPU with ``CUDA_VISIBLE_DEVICES`` before touching
+   CUDA: torch agrees (the recorder did not initialize CUDA first), and the recorder says in one
+   line that the script never used CUDA.
 5. stacks_all: the fixed run with ``--stacks all``: finishes within 120 s (fast symbolization,
    TORCH_SYMBOLIZE_MODE=fast), C++ frames present, same anomalous rules as ``--stacks python``.
 
@@ -152,17 +153,19 @@ def own_history(work: Path) -> None:
 
 
 def visible_devices(work: Path) -> None:
+    """The script hides every GPU itself: torch must agree (the recorder did not initialize
+    CUDA first), and the recorder says in one line that nothing was recorded."""
     s = script(work, "visible", """
         import os
-        os.environ["CUDA_VISIBLE_DEVICES"] = "0"
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
         import torch
-        assert torch.cuda.device_count() == 1, torch.cuda.device_count()
-        x = torch.ones(1 << 20, device="cuda")
+        assert not torch.cuda.is_available(), "CUDA was initialized before the script"
     """)
     out = work / "visible"
     p = record(out, [str(s)])
-    say("visible_devices", p.returncode == 0 and (out / "rank0.pickle").is_file(),
-        f"exit {p.returncode} {p.stderr.strip().splitlines()[-1:] if p.returncode else ''}")
+    ok = p.returncode == 0 and "never used CUDA" in p.stderr
+    say("visible_devices", ok,
+        f"exit {p.returncode} {p.stderr.strip().splitlines()[-1:] if not ok else ''}")
 
 
 def stacks_all(work: Path) -> None:
