@@ -48,6 +48,9 @@ _register()
 
 def main(argv: list[str] | None = None) -> None:
     try:
+        from snapforensics.settings import check_all
+
+        check_all()  # a malformed SNAPFORENSICS_* variable fails before any work
         rc = cli.main(args=argv, prog_name="snapforensics", standalone_mode=False)
     except SnapError as e:
         echo_error(e)

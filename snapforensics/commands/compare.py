@@ -57,9 +57,12 @@ def compare_command(snapshots: tuple[str, ...], fmt: str | None, output: str | N
     that deviates most from the median."""
     from snapforensics.analysis import gate
     from snapforensics.report.output import choose_format, emit
+    from snapforensics.snapshot.cache import full_hash
 
     gate.parse(fail_on)  # a typo in the gate is an error before minutes of work
-    run = {"jobs": jobs, "cache": not no_cache, "progress": not quiet}
+    # the gate keys the cache by every byte of each file (an attacker may edit one in place)
+    run = {"jobs": jobs, "cache": not no_cache, "progress": not quiet,
+           "full": full_hash(gate=bool(fail_on))}
     folders = len(snapshots) == 2 and all(map(os.path.isdir, snapshots)) and mode != "ranks"
     kind = "compare_runs" if folders else "compare"
     choose_format(kind, fmt, output)  # a bad -o fails before the diagnoses

@@ -3,8 +3,6 @@ fleet report for a run folder, a glob or several files (every rank diagnosed in 
 
 from __future__ import annotations
 
-import os
-
 import click
 
 from snapforensics.commands._options import report_options, run_options
@@ -37,6 +35,7 @@ def diagnose_command(snapshots: tuple[str, ...], fmt: str | None, output: str | 
     from snapforensics.analysis.diagnosis import Diagnosis
     from snapforensics.parallel import expand, is_url, local_path, run
     from snapforensics.report.output import choose_format, emit
+    from snapforensics.snapshot.cache import full_hash
 
     srcs = expand(snapshots)
     # one file (a path or URL), not a folder or a glob
@@ -44,11 +43,13 @@ def diagnose_command(snapshots: tuple[str, ...], fmt: str | None, output: str | 
     kind = "diagnosis" if single else "fleet"
     fmt = choose_format(kind, fmt, output)  # a bad -o fails before the analysis
     user_categories(categories)  # and so does a bad --category
+    # the gate keys the cache by every byte of each file (an attacker may edit one in place)
+    full = full_hash(gate=fail_on != "never")
     if single and fmt in PLOTTED and not is_url(srcs[0]):
-        d = _with_plots(srcs[0], categories, cache=not no_cache)
+        d = _with_plots(srcs[0], categories, cache=not no_cache, full=full)
     else:
         docs = run(srcs, jobs=jobs, cache=not no_cache, scheduler=scheduler,
-                   progress=not quiet, categories=categories, expanded=True)
+                   progress=not quiet, categories=categories, expanded=True, full=full)
         if single:
             if "error" in docs[0]:
                 raise SnapError(f"{docs[0]['source']}: {docs[0]['error']}")
@@ -78,12 +79,10 @@ def diagnose_command(snapshots: tuple[str, ...], fmt: str | None, output: str | 
 PLOTTED = ("html", "markdown")
 
 
-def _with_plots(path: str, categories: tuple[str, ...], cache: bool):
+def _with_plots(path: str, categories: tuple[str, ...], cache: bool, full: bool):
     """One file diagnosed in this process, its plot series kept (the model from the cache)."""
     from snapforensics.analysis.classify import user_categories
     from snapforensics.analysis.diagnose import diagnose
     from snapforensics.snapshot import cache as snapcache
 
-    if not os.path.exists(path):
-        raise SnapError(f"{path}: no such file")
-    return diagnose(snapcache.load(path, cache=cache), user_categories(categories))
+    return diagnose(snapcache.load(path, cache=cache, full=full), user_categories(categories))

@@ -193,7 +193,13 @@ def _stat(k: str, v: str) -> str:
     return f'<div class="stat"><div class="k">{e(k)}</div><div class="v">{e(v)}</div></div>'
 
 
-def _device(dev: DeviceSummary, d: Diagnosis) -> str:
+def _drawn(d: Diagnosis) -> set[int]:
+    """The devices whose plot this report draws (`plot.panels`: bounded whatever the file
+    says)."""
+    return {s.device for s in plot.panels([dev.plot for dev in d.devices if dev.plot])}
+
+
+def _device(dev: DeviceSummary, d: Diagnosis, drawn: set[int]) -> str:
     seg = dev.segments
     row = f" (trace row {_num(dev.peak_row)})" if _num(dev.peak_row) >= 0 else ""
     out = [f'<section class="card" id="device-{e(dev.device)}">',
@@ -211,8 +217,11 @@ def _device(dev: DeviceSummary, d: Diagnosis) -> str:
             note += (f'; history truncated: {human(_num(hist.get("baseline_bytes")))} was '
                      'already alive before the first entry')
         out.append(f'<p class="muted">{e(note)}</p>')
-    chart = _plot(dev, d)
-    if chart:
+    chart = _plot(dev, d) if dev.device in drawn else ""
+    if dev.plot is not None and not chart:
+        out.append(f'<p class="muted">Plot left out: a report draws the {plot.MAX_PANELS} '
+                   'devices with the highest peaks.</p>')
+    elif chart:
         out += ["<h4>Live bytes over time, by what made them (hover for what is alive)</h4>",
                 chart]
     else:
@@ -354,7 +363,8 @@ def _scoped(css: str, scope: str = ".sf-report") -> str:
 def fragment(d: Diagnosis) -> str:
     """The summary and the plots, for a notebook cell (`Report._repr_html_`)."""
     body = _header(d) + "".join(
-        f"<h4>Device {e(dev.device)}</h4>{_plot(dev, d)}" for dev in d.devices if dev.plot)
+        f"<h4>Device {e(dev.device)}</h4>{_plot(dev, d)}" for dev in d.devices
+        if dev.device in _drawn(d))
     return (f'<div class="sf-report"><style>{_scoped(CSS + plot.CSS)}</style>{body}'
             f'<script>{plot.JS}</script></div>')
 
@@ -365,7 +375,8 @@ def render(d: Diagnosis, screen: Screen = PLAIN) -> str:
              f"<title>snapforensics: {e(d.source, FRAME)}</title>",
              f"<style>body{{margin:0}}{_scoped(CSS + plot.CSS)}</style></head>"
              '<body class="sf-report"><main>', _header(d)]
-    parts += [_device(dev, d) for dev in d.devices]
+    drawn = _drawn(d)
+    parts += [_device(dev, d, drawn) for dev in d.devices]
     parts.append('<h2 class="sec" id="findings">Findings</h2>')
     if not d.findings:
         parts.append('<section class="card"><p class="muted">No findings: no rule matched this '

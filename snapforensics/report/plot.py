@@ -45,6 +45,20 @@ CATEGORY_COLORS = {
     "other": "#95a5a6",
     "untraced": "#c9ccd1",
 }
+# A report draws at most this many device panels, those with the highest peaks: a page (and a
+# PNG of 11 x 3.9 in per panel at 110 dpi: 1,210 x 3,432 px at most) stays readable and
+# bounded whatever number of devices a file claims; every device stays in the tables.
+MAX_PANELS = 8
+
+
+def panels(series: list[Series]) -> list[Series]:
+    """The series drawn: the MAX_PANELS with the highest peaks, in device order."""
+    if len(series) <= MAX_PANELS:
+        return list(series)
+    top = sorted(series, key=lambda s: -int(s.live[s.peak]))[:MAX_PANELS]
+    return sorted(top, key=lambda s: s.device)
+
+
 _PALETTE = ("#5d6d7e", "#c0392b", "#1abc9c", "#f1c40f", "#7d3c98", "#2874a6", "#ca6f1e")
 PEAK, PREDICTED, RESERVED = "#c62828", "#111111", "#6b7280"
 
@@ -280,6 +294,7 @@ def png(series: list[Series]) -> bytes:
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter
 
+    series = panels(series)
     fig = Figure(figsize=(11, 3.9 * len(series)), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(series), 1, squeeze=False)[:, 0]
