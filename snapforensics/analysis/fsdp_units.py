@@ -13,6 +13,7 @@ all-gather output itself). A *unit* is named by its FQN when the trace carries F
 
 from __future__ import annotations
 
+import re
 from functools import cached_property
 from typing import TYPE_CHECKING, NamedTuple
 
