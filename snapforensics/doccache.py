@@ -6,14 +6,17 @@
 
 It sits above both the loader (snapshot/) and the analysis: the loader's package never imports
 the analysis. Beside the model entry `<key>.npz`, `<key>.<analysis>.json` holds the document
-(`Diagnosis.to_dict()`) for one version of the analysis code and one set of options.
+(`Diagnosis.to_doc()`: the JSON and the plot series) for one version of the analysis code and
+one set of options.
 
 A document is read as strictly as a snapshot: through the loader's `open_file` (a regular file,
 never a FIFO or a device; at most DOC_MAX, 64 MiB), parsed by orjson (plain JSON: no NaN, ints
 within 64 bits), then every field is checked against the type its dataclass declares
-(`Diagnosis`, `DeviceSummary`, `Finding`; `Any` admits any JSON value) and the peaks and
-segments dicts must hold the keys the renderers read. Anything else is a bad entry: deleted,
-and the document is made again from the snapshot.
+(`Diagnosis`, `DeviceSummary`, `Finding`; `Any` admits any JSON value), the peaks and
+segments dicts must hold the keys the renderers read, and each device's `plot` must be null or
+the series of its timeline plot, every array of the length, shape and range the renderers
+index (`Series.from_doc`: at most POINTS points, the hover's indices within its stacks).
+Anything else is a bad entry: deleted, and the document is made again from the snapshot.
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ def diagnose(path: str | os.PathLike, cache_on: bool = True, variant: str = "",
         d = analyse(cache.load(path, file=f, k=k), user)
     finally:
         f.close()
-    cache.write(name, lambda out: out.write(orjson.dumps(d.to_dict(), default=str,
+    cache.write(name, lambda out: out.write(orjson.dumps(d.to_doc(), default=str,
                                                          option=orjson.OPT_NON_STR_KEYS)))
     return d
 
@@ -106,7 +109,9 @@ def validate(doc: Any) -> Diagnosis:
             raise BadEntry(f"{name}: not a list of objects")
         for x in items:
             _fields(cls, x)
-    try:
+    if not all("plot" in x for x in doc["devices"]):  # null, or checked by from_dict
+        raise BadEntry("DeviceSummary.plot: missing")
+    try:  # the plot series too (`Series.from_doc`)
         return Diagnosis.from_dict(doc)
     except (ValueError, TypeError, KeyError) as e:
         raise BadEntry(f"{type(e).__name__}: {e}") from None

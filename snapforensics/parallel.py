@@ -4,7 +4,9 @@
     docs = run(["s3://bucket/job/"], scheduler="tcp://10.0.0.5:8786")
 
 Each input is diagnosed where it is read (a worker process here, a Dask worker there) and only
-the small diagnosis document (`Diagnosis.to_dict()`, tens of kB) comes back, never a snapshot.
+the diagnosis document (`Diagnosis.to_doc()`: the JSON plus the bounded plot series, at most
+~0.5 MB) comes back, never a snapshot. Every input kind (one file, a folder, a glob, a URL) takes
+this one route, so every report has its plot.
 
 Workers on one machine: `min(jobs, inputs, MemAvailable // per-worker RSS of the largest file)`,
 at least 1. The RSS estimate is 8x the file's unpickled size plus 200 MiB per process: the
@@ -133,11 +135,11 @@ def diagnose_one(src: str, cache: bool = True, variant: str = "",
             if not is_url(src):
                 file = os.fdopen(os.dup(fd), "rb") if fd is not None else None
                 return doccache.diagnose(local_path(src), cache, variant, categories,
-                                         full, file).to_dict()
+                                         full, file).to_doc()
             with tempfile.TemporaryDirectory(prefix="snapforensics-") as tmp:
                 local = os.path.join(tmp, src.rstrip("/").rsplit("/", 1)[-1] or "snapshot")
                 _fetch(src, local)
-                doc = doccache.diagnose(local, False, variant, categories).to_dict()
+                doc = doccache.diagnose(local, False, variant, categories).to_doc()
             doc["source"] = src
             return doc
         except SnapError as e:

@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from snapforensics.analysis.series import Series, panels
 from snapforensics.analysis.vocab import Verdict
 
 SCHEMA = "snapforensics.diagnosis/1"
@@ -95,8 +96,9 @@ class DeviceSummary:
     segments: dict[str, int]
     # live bytes over the trace, downsampled keeping each bucket's max: [row, bytes, phase]
     timeline: list[list] = field(default_factory=list)
-    # the timeline plot's series (analysis/timeline.py), for renderers; not part of the JSON
-    plot: Any = field(default=None, repr=False, compare=False, metadata=INTERNAL)
+    # the timeline plot's series (analysis/timeline.py), for renderers; not part of the JSON,
+    # in the document (`Diagnosis.to_doc`) for the devices a report draws
+    plot: Series | None = field(default=None, repr=False, compare=False, metadata=INTERNAL)
 
 
 @dataclass
@@ -148,17 +150,37 @@ class Diagnosis:
             "framework": self.framework,
         }
 
+    def to_doc(self) -> dict[str, Any]:
+        """The document every input's diagnosis travels as (from a worker process, to and
+        from the cache): the JSON (`to_dict`) plus, on each device, `plot`: the series of the
+        timeline plot (`Series.to_doc`) for the MAX_PANELS devices a report draws, else null.
+        Bounded: at most MAX_PANELS series of at most POINTS points."""
+        doc = self.to_dict()
+        drawn = {id(s) for s in panels([d.plot for d in self.devices if d.plot is not None])}
+        for dev, out in zip(self.devices, doc["devices"]):
+            out["plot"] = (dev.plot.to_doc() if dev.plot is not None and id(dev.plot) in drawn
+                           else None)
+        return doc
+
     @classmethod
     def from_dict(cls, doc: dict[str, Any]) -> Diagnosis:
-        """The inverse of `to_dict` (a fleet worker's or the cache's document); fields this
-        version does not know are ignored, so newer documents still load."""
+        """The inverse of `to_dict` and `to_doc` (a worker's or the cache's document, with the
+        plot series); fields this version does not know are ignored, so newer documents still
+        load. ValueError for a plot series that is not one (`Series.from_doc`)."""
         if doc.get("schema") != SCHEMA:
             raise ValueError(f"not a {SCHEMA} document")
         return cls(source=doc["source"], rank=doc["rank"], format=doc["format"],
                    provenance=doc["provenance"], warnings=list(doc["warnings"]),
-                   devices=[_known(DeviceSummary, x) for x in doc["devices"]],
+                   devices=[_device(x) for x in doc["devices"]],
                    findings=[_known(Finding, x) for x in doc["findings"]], tool=doc["tool"],
                    framework=dict(doc.get("framework") or {}))
+
+
+def _device(d: dict[str, Any]) -> DeviceSummary:
+    plot = d.get("plot")
+    dev = _known(DeviceSummary, {k: v for k, v in d.items() if k != "plot"})
+    dev.plot = None if plot is None else Series.from_doc(plot)
+    return dev
 
 
 def _known(cls, d: dict[str, Any]):

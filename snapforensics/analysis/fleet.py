@@ -3,7 +3,9 @@
     f = fleet(docs)          # the per-rank documents `parallel.run` gathers
     f.ranks[0]               # the worst rank: most anomalous rules, then the highest peak
     f.spread                 # median / min / max peak, spread %, the rank furthest off
-    f.findings               # one row per rule: on every rank, or which ranks (rank-specific)
+    f.findings               # one row per rule: on every rank, or which ranks (rank-specific),
+                             # its fix and the peak predicted after it on the worst such rank
+    f.worst                  # the worst rank's Diagnosis: the plot the reports draw
 
 A finding present on every rank is one line (a configuration bug: every rank runs the same
 code); one present on some ranks only is called out with its ranks (data, sharding or a
@@ -44,6 +46,9 @@ class Fleet:
     # of separate runs (the same rank twice, unknown ranks, different folders and commands),
     # whose spread says nothing about balance
     mode: str = RANKS
+    # the worst rank's diagnosis (ranks[0]), with its plot series: renderers draw its plot;
+    # not in the JSON
+    worst: Diagnosis | None = field(default=None, repr=False, compare=False)
 
     @property
     def anomalies(self) -> list[dict[str, Any]]:
@@ -71,9 +76,25 @@ def fleet(docs: list[dict[str, Any]]) -> Fleet:
               "warnings": i["warnings"]} for i in inputs]
     ranks.sort(key=lambda r: (-len(r["anomalies"]), -r["peaks"]["overall_bytes"], r["label"]))
     one_run = len(diags) < 2 or _looks_like_ranks(diags)
-    return Fleet(ranks=ranks, spread=spread, findings=_by_rule(inputs, diags), errors=errors,
+    by_label = {i["label"]: (i, d) for i, d in zip(inputs, diags)}
+    worst_first = [by_label[r["label"]] for r in ranks]
+    findings = _by_rule(inputs, diags)
+    _predictions(findings, worst_first)
+    return Fleet(ranks=ranks, spread=spread, findings=findings, errors=errors,
                  warnings=_warnings(diags, inputs, RANKS) if one_run else [],
-                 mode=RANKS if one_run else RUNS)
+                 mode=RANKS if one_run else RUNS, worst=worst_first[0][1])
+
+
+def _predictions(rows: list[dict[str, Any]], worst_first: list[tuple[dict, Diagnosis]]) -> None:
+    """Each rule's peak predicted after its fix (and what that saves) on the worst rank that
+    has the finding with a prediction, named by `predicted_on` (its label): the figure beside
+    the worst rank's plot. Rules without a prediction anywhere get None."""
+    for r in rows:
+        hit = next(((inp, f) for inp, d in worst_first for f in d.findings
+                    if f.rule == r["rule"] and f.predicted_peak_bytes is not None), None)
+        r["predicted_peak_bytes"] = hit[1].predicted_peak_bytes if hit else None
+        r["saving_bytes"] = hit[1].saving_bytes if hit else None
+        r["predicted_on"] = hit[0]["label"] if hit else None
 
 
 def _by_rule(inputs: list[dict], diags: list[Diagnosis]) -> list[dict[str, Any]]:

@@ -11,55 +11,14 @@ holding the most bytes, for the HTML's hover. Reserved and predicted keep each b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding
 from snapforensics.analysis.lifetimes import Lifetimes
-from snapforensics.analysis.vocab import PHASE_LABELS
+from snapforensics.analysis.series import HOVER_STACKS, HOVER_TOP, POINTS, STACK_FRAMES, Series
 
-POINTS = 1200  # ~1 px per point on a wide screen; bounds the report for 1 GB inputs
-HOVER_STACKS = 40  # candidate stacks for the hover: a point shows its top 3 among them
-HOVER_TOP = 3
-STACK_FRAMES = 6
-
-
-@dataclass
-class Series:
-    device: int
-    rows: np.ndarray  # int64: the trace row drawn for each point
-    x: np.ndarray  # float64: seconds since the first row when the file has times, else the row
-    x_label: str
-    live: np.ndarray  # int64: live bytes at each point
-    phase: np.ndarray  # int8: phase code (PHASE_LABELS) at each point
-    categories: list[str]  # stacked layers, bottom (most bytes on average) first
-    by_category: np.ndarray  # int64 (categories, points): bytes alive per category
-    reserved: np.ndarray | None  # int64: reserved bytes, bucket max (caching allocator only)
-    predicted: np.ndarray | None  # int64: live bytes after the top fix, bucket max
-    predicted_rule: str | None  # the finding whose fix `predicted` replays
-    iterations: list[tuple[int, float]]  # (index, x of its first row)
-    peak: int  # index of the highest point
-    stacks: list[list[str]]  # text of the hover's candidate stacks (noise frames dropped)
-    stack_category: list[str]  # what made each candidate stack's blocks
-    top_stacks: np.ndarray  # int32 (points, HOVER_TOP): index into `stacks`, -1 = none
-    top_bytes: np.ndarray  # int64 (points, HOVER_TOP)
-
-    def phase_runs(self) -> list[tuple[float, float, str]]:
-        """(x from, x to, phase name) of each run of points in one phase, for shading."""
-        if not len(self.x):
-            return []
-        cut = np.flatnonzero(np.diff(self.phase)) + 1
-        starts = np.concatenate([[0], cut])
-        ends = np.concatenate([cut, [len(self.x) - 1]])
-        return [(float(self.x[a]), float(self.x[b]), PHASE_LABELS[int(self.phase[a])])
-                for a, b in zip(starts.tolist(), ends.tolist())]
-
-    def timeline_rows(self) -> list[list]:
-        """The JSON's `timeline`: [row, live bytes, phase] per point."""
-        return [[r, b, PHASE_LABELS[p]] for r, b, p in
-                zip(self.rows.tolist(), self.live.tolist(), self.phase.tolist())]
+__all__ = ["POINTS", "Series", "alive_by", "bucket_max", "buckets", "build"]
 
 
 def buckets(n: int, points: int = POINTS) -> np.ndarray:

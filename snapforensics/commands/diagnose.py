@@ -43,7 +43,7 @@ def diagnose_command(snapshots: tuple[str, ...], fmt: str | None, output: str | 
     by rank, the worst rank first."""
     from snapforensics.analysis.classify import user_categories
     from snapforensics.analysis.diagnosis import Diagnosis
-    from snapforensics.parallel import expand, is_url, run
+    from snapforensics.parallel import expand, run
     from snapforensics.report.output import choose_format, emit
     from snapforensics.snapshot.cache import full_hash
 
@@ -54,15 +54,13 @@ def diagnose_command(snapshots: tuple[str, ...], fmt: str | None, output: str | 
     user_categories(categories)  # and so does a bad --category
     # the gate keys the cache by every byte of each file (an attacker may edit one in place)
     full = full_hash(gate=fail_on != "never")
-    if single and fmt in PLOTTED and not is_url(srcs[0]):
-        d = _with_plots(srcs[0], categories, cache=not no_cache, full=full)
-    else:
-        docs = run(srcs, jobs=jobs, cache=not no_cache, scheduler=scheduler,
-                   progress=not quiet, categories=categories, expanded=True, full=full)
-        if single:
-            if "error" in docs[0]:
-                raise SnapError(f"{docs[0]['source']}: {docs[0]['error']}")
-            d = Diagnosis.from_dict(docs[0])
+    # one route for every input: worker documents carry the plot series (Diagnosis.to_doc)
+    docs = run(srcs, jobs=jobs, cache=not no_cache, scheduler=scheduler,
+               progress=not quiet, categories=categories, expanded=True, full=full)
+    if single:
+        if "error" in docs[0]:
+            raise SnapError(f"{docs[0]['source']}: {docs[0]['error']}")
+        d = Diagnosis.from_dict(docs[0])
     if single:
         if redact_paths:
             from snapforensics.report.redact import redact
@@ -82,16 +80,3 @@ def diagnose_command(snapshots: tuple[str, ...], fmt: str | None, output: str | 
                         f"{e['source']}: {e['error']})")
     return EXIT_ANOMALY if fail_on == "anomalous" and f.anomalies else 0
 
-
-# Formats that draw the timeline plot: it needs the trace, which the diagnosis documents that
-# `parallel.run` passes between processes (and caches) do not carry.
-PLOTTED = ("html", "markdown")
-
-
-def _with_plots(path: str, categories: tuple[str, ...], cache: bool, full: bool):
-    """One file diagnosed in this process, its plot series kept (the model from the cache)."""
-    from snapforensics.analysis.classify import user_categories
-    from snapforensics.analysis.engine import diagnose
-    from snapforensics.snapshot import cache as snapcache
-
-    return diagnose(snapcache.load(path, cache=cache, full=full), user_categories(categories))

@@ -2,19 +2,24 @@
 
 Every format says the same thing in the same order: the headline, the ranks worst first with
 their peaks and distance from the median, then the findings by rule (one line when on every
-rank, the ranks named when not), unreadable inputs and warnings.
+rank, the ranks named when not), each anomaly once with its fix and the peak predicted after it
+(on the worst rank that has it), the worst rank's timeline plot (Markdown: a Mermaid chart,
+and the PNG beside `-o FILE`; HTML: the SVG with its hover; the terminal names the command that
+draws it), unreadable inputs and warnings.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+from snapforensics.analysis.diagnosis import DeviceSummary
 from snapforensics.analysis.fleet import RUNS, Fleet
 from snapforensics.report.common import human
 from snapforensics.report.registry import PLAIN, Screen
 from snapforensics.report.sanitize import NAME, ROWS, TEXT, markdown_code, markdown_span
 from snapforensics.report.sanitize import markdown as md
-from snapforensics.report.terminal import t
+from snapforensics.report.terminal import print_code, t
 
 
 def headline(f: Fleet) -> str:
@@ -102,21 +107,60 @@ def terminal(f: Fleet, screen: Screen = PLAIN) -> str:
             ft.add_row(t(verdict), t(where_, TEXT), size, cell,
                        style="red" if verdict == "anomalous" and not r["on_all_ranks"] else None)
         console.print(ft)
+    for r in _fixes(f):
+        console.print(t(f"Fix for {r['rule']}", NAME, "bold") + t(f" ({_predicted(f, r)}):",
+                                                                   TEXT))
+        print_code(console, r["fix"])  # plain lines, never wrapped: copyable
     for line in _notes(f):
         console.print(t(line, TEXT, "bold" if line.startswith("the worst") else "yellow"))
     return console.file.getvalue()
 
 
-def _notes(f: Fleet) -> list[str]:
-    """The next command (the worst rank's own report: its fix, predicted peak and plot), then
+FIXES = 3  # the anomalies whose fix a fleet report prints (the JSON has every one)
+
+
+def _fixes(f: Fleet) -> list[dict[str, Any]]:
+    return [r for r in f.anomalies[:FIXES] if r.get("fix")]
+
+
+def _predicted(f: Fleet, r: dict[str, Any]) -> str:
+    """The peak after the fix, on which rank, from what."""
+    if r.get("predicted_peak_bytes") is None:
+        return "no predicted peak for this fix"
+    on = next((x for x in f.ranks if x["label"] == r["predicted_on"]), None)
+    now = f" from {human(on['peaks']['overall_bytes'])}" if on else ""
+    return (f"peak predicted after it {human(r['predicted_peak_bytes'])}{now} on "
+            f"{who(on) if on else r['predicted_on']}")
+
+
+def _worst_device(f: Fleet) -> DeviceSummary | None:
+    """The worst rank's device whose plot the report draws (its highest peak)."""
+    d = f.worst
+    drawn = [dev for dev in d.devices if dev.plot is not None] if d else []
+    return max(drawn, key=lambda dev: dev.peaks["overall_bytes"]) if drawn else None
+
+
+def _plot_title(f: Fleet, dev: DeviceSummary) -> str:
+    return (f"Live bytes over time on the worst rank, {who(f.ranks[0])}, device {dev.device} "
+            "(by what made them; the line: after the top fix)")
+
+
+def _notes(f: Fleet, plotted: bool = False) -> list[str]:
+    """Where the plot is (the terminal has none) and the worst rank's own report, then
     unreadable inputs and warnings."""
-    nxt = ([f"the worst rank's full report (fix, predicted peak, plot): snapforensics "
-            f"diagnose {f.ranks[0]['source']} -o report.html"] if f.ranks else [])
+    nxt = []
+    if f.ranks:
+        if not plotted:
+            nxt.append("the worst rank's plot: write this report with -o fleet.html (or .md)")
+        nxt.append(f"the worst rank's full report (every finding, its evidence and plot): "
+                   f"snapforensics diagnose {f.ranks[0]['source']} -o report.html")
     return (nxt + [f"unreadable: {e['source']}: {e['error']}" for e in f.errors[:ROWS]]
             + [f"warning: {w}" for w in f.warnings[:ROWS]])
 
 
-def markdown(f: Fleet, screen: Screen = PLAIN) -> str:
+def markdown(f: Fleet, screen: Screen = PLAIN, image: str | None = None) -> str:
+    """`image`: the worst rank's plot as a PNG written beside the report (`render_beside`)."""
+    from snapforensics.report import mermaid
     from snapforensics.report.pages import md_table
 
     out = ["# snapforensics fleet", "", f"**{md(headline(f), TEXT)}**", ""]
@@ -124,16 +168,37 @@ def markdown(f: Fleet, screen: Screen = PLAIN) -> str:
         out += ["## Ranks, worst first", ""] + md_table(RANK_HEAD, rank_rows(f))
     if f.findings:
         out += ["## Findings by rank", ""] + md_table(FINDING_HEAD, finding_rows(f))
-        for r in f.anomalies[:3]:
-            if r.get("fix"):
-                out += [f"Fix for {markdown_span(r['rule'])}:", "",
-                        *markdown_code(r["fix"].splitlines(), "python"), ""]
-    out += [f"- {md(x, TEXT)}" for x in _notes(f)]
+        for r in _fixes(f):
+            out += [f"Fix for {markdown_span(r['rule'])} ({md(_predicted(f, r), TEXT)}):", "",
+                    *markdown_code(r["fix"].splitlines(), "python"), ""]
+    dev = _worst_device(f)
+    chart = mermaid.chart(dev) if dev is not None else []
+    if dev is not None and chart:
+        out += [f"## {md(_plot_title(f, dev), TEXT)}", "", *chart, ""]
+        out += [f"The full plot (by what made the bytes, phases, the peak) is `{md(image, TEXT)}`, "
+                "written beside this file: attach it to the ticket." if image else
+                "The full plot (by what made the bytes, phases, the peak): write this report "
+                "with `-o fleet.md`, which also writes `fleet.png` to attach.", ""]
+    out += [f"- {md(x, TEXT)}" for x in _notes(f, plotted=bool(chart))]
     return "\n".join(out).rstrip() + "\n"
 
 
+def render_beside(f: Fleet, path: Path) -> str:
+    """The Markdown for `-o FILE`: the worst rank's plot written beside it (FILE with .png)."""
+    from snapforensics.report import plot
+    from snapforensics.report.output import write_file
+
+    dev = _worst_device(f)
+    image = Path(path).with_suffix(".png") if dev is not None and dev.plot is not None else None
+    if image is not None and dev is not None and dev.plot is not None:
+        write_file(image, plot.png([dev.plot]))
+    return markdown(f, PLAIN, image.name if image else None)
+
+
 def html(f: Fleet, screen: Screen = PLAIN) -> str:
-    """One self-contained offline page (no script, no URL fetched)."""
+    """One self-contained offline page (no URL fetched; the plot's hover script inline)."""
+    from snapforensics.report import plot
+    from snapforensics.report.html import e, scoped, script_json
     from snapforensics.report.pages import lines, page, table
     from snapforensics.report.sanitize import html as h
 
@@ -143,7 +208,15 @@ def html(f: Fleet, screen: Screen = PLAIN) -> str:
     if f.findings:
         cls = [f"{r['verdict']}{'' if r['on_all_ranks'] else ' specific'}" for r in f.findings]
         body.append("<h2>Findings by rank</h2>" + table(FINDING_HEAD, finding_rows(f), cls))
-        body += [f"<p>Fix for <code>{h(r['rule'])}</code>:</p><pre>{h(r['fix'], TEXT)}</pre>"
-                 for r in f.anomalies[:3] if r.get("fix")]
-    body += lines(_notes(f))
-    return page("snapforensics fleet", headline(f), body, f.tool)
+        body += [f"<p>Fix for <code>{h(r['rule'])}</code> ({h(_predicted(f, r), TEXT)}):</p>"
+                 f"<pre>{h(r['fix'], TEXT)}</pre>" for r in _fixes(f)]
+    dev = _worst_device(f)
+    if dev is not None and dev.plot is not None and f.worst is not None:
+        top = next((x for x in f.worst.findings if x.rule == dev.plot.predicted_rule), None)
+        body.append(f"<h2>{h(_plot_title(f, dev), TEXT)}</h2><div class='sf-report'>"
+                    + plot.svg(dev.plot, e, script_json, top.title if top else None)
+                    + "</div>")
+    body += lines(_notes(f, plotted=dev is not None))
+    css = scoped(plot.CSS) if dev is not None else ""
+    return page("snapforensics fleet", headline(f), body, f.tool, css,
+                plot.JS if dev is not None else "")

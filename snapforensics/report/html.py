@@ -220,7 +220,7 @@ def _device(dev: DeviceSummary, d: Diagnosis, drawn: set[int]) -> str:
                      'already alive before the first entry')
         out.append(f'<p class="muted">{e(note)}</p>')
     chart = _plot(dev, d) if dev.device in drawn else ""
-    if dev.plot is not None and not chart:
+    if dev.timeline and not chart:  # a series was made, and left out of the document
         out.append(f'<p class="muted">Plot left out: a report draws the {plot.MAX_PANELS} '
                    'devices with the highest peaks.</p>')
     elif chart:

@@ -1,6 +1,6 @@
 """What the fleet and compare reports share: a small self-contained HTML page (tables, one inline
-stylesheet, no script, no URL fetched) and Markdown tables. Every cell passes its sink's
-function of report/sanitize.py (file names and rule titles quote snapshots)."""
+stylesheet, no URL fetched; a script only for a plot's hover) and Markdown tables. Every cell
+passes its sink's function of report/sanitize.py (file names and rule titles quote snapshots)."""
 
 from __future__ import annotations
 
@@ -27,11 +27,14 @@ def table(head: Sequence[str], rows: Sequence[Sequence[Any]],
                       + "</tr>" for r, c in zip(rows, cls)) + "</table>")
 
 
-def page(title: str, headline: str, body: Sequence[str], footer: str = "") -> str:
+def page(title: str, headline: str, body: Sequence[str], footer: str = "", css: str = "",
+         script: str = "") -> str:
+    """`css`, `script`: ours (a plot's stylesheet and hover script), never a snapshot's."""
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>{h(title)}</title>"
-            f"<style>{CSS}</style></head><body><h1>{h(title)}</h1>"
+            f"<style>{CSS}{css}</style></head><body><h1>{h(title)}</h1>"
             f"<p><b>{h(headline, TEXT)}</b></p>" + "".join(body)
-            + f"<footer>{h(footer)}</footer></body></html>\n")
+            + f"<footer>{h(footer)}</footer>"
+            + (f"<script>{script}</script>" if script else "") + "</body></html>\n")
 
 
 def lines(items: Sequence[str], cls: str = "warn") -> list[str]:

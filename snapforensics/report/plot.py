@@ -18,7 +18,9 @@ from collections.abc import Callable
 import numpy as np
 
 from snapforensics.analysis.evidence import human
-from snapforensics.analysis.timeline import Series
+from snapforensics.analysis.series import MAX_PANELS, Series, panels
+
+__all__ = ["MAX_PANELS", "panels", "png", "svg"]
 from snapforensics.analysis.vocab import PHASE_LABELS
 from snapforensics.report.sanitize import FRAME, NAME, cap
 
@@ -49,20 +51,6 @@ CATEGORY_COLORS = {
     "other": "#7f7f7f",
     "untraced": "#e8e8e8",
 }
-# A report draws at most this many device panels, those with the highest peaks: a page (and a
-# PNG of 11 x 3.9 in per panel at 110 dpi: 1,210 x 3,432 px at most) stays readable and
-# bounded whatever number of devices a file claims; every device stays in the tables.
-MAX_PANELS = 8
-
-
-def panels(series: list[Series]) -> list[Series]:
-    """The series drawn: the MAX_PANELS with the highest peaks, in device order."""
-    if len(series) <= MAX_PANELS:
-        return list(series)
-    top = sorted(series, key=lambda s: -int(s.live[s.peak]))[:MAX_PANELS]
-    return sorted(top, key=lambda s: s.device)
-
-
 _PALETTE = ("#393b79", "#e7ba52", "#843c39", "#637939", "#7b4173", "#3182bd", "#e6550d")
 PHASE_ALPHA = 0.13  # the shading's opacity, the same in the key
 PEAK, PREDICTED, RESERVED = "#c62828", "#111111", "#6b7280"

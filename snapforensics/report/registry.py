@@ -61,6 +61,7 @@ RENDERERS: dict[str, dict[str, str]] = {
 # `render(doc, path) -> str`, used instead of the plain renderer for `-o FILE`.
 BESIDE: dict[tuple[str, str], str] = {
     ("diagnosis", "markdown"): "snapforensics.report.markdown:render_beside",
+    ("fleet", "markdown"): "snapforensics.report.fleet:render_beside",
 }
 
 

@@ -122,10 +122,10 @@ def _finding(console: Console, d: Diagnosis, f: Finding) -> None:
             console.print(t("  " + short_path(frame), FRAME, "dim"), overflow="fold")
     if f.fix:
         console.print(Text("fix:", style="bold"))
-        _code(console, f.fix)
+        print_code(console, f.fix)
 
 
-def _code(console: Console, code: str) -> None:
+def print_code(console: Console, code: str) -> None:
     """Code as plain lines: no border, no wrap, no crop; highlighted only with colours on."""
     body = "\n".join(terminal(x, FRAME) for x in lines(code, FRAMES))
     text = Syntax(body, "python", theme="ansi_dark", background_color="default").highlight(body) \
