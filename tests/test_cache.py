@@ -90,6 +90,24 @@ def test_a_hit_does_not_read_the_snapshot(cdir, monkeypatch):
     cache.load(path)  # the model too
 
 
+def test_a_cached_document_re_renders_with_its_plot(cdir, monkeypatch, tmp_path):
+    """Issue 19 item 1: the document the cache keeps carries the plot series, so a report made
+    from a hit (no snapshot read, no analysis) draws the same plot as one made from the file."""
+    from snapforensics.report import html, markdown
+
+    path = FIXTURES[0]  # a real recording of the bundled FSDP2 example
+    fresh = doccache.diagnose(path)  # a miss: analysed, stored
+    monkeypatch.setattr(loader, "load", lambda *a: pytest.fail("the loader ran on a hit"))
+    monkeypatch.setattr(doccache.cache, "load", lambda *a, **k: pytest.fail("model loaded"))
+    hit = doccache.diagnose(path)
+    assert fresh.devices[0].plot is not None and hit.devices[0].plot is not None
+    assert html.render(hit) == html.render(fresh) and "<svg" in html.render(hit)
+    md = markdown.render_beside(hit, tmp_path / "hit.md")
+    markdown.render_beside(fresh, tmp_path / "fresh.md")
+    assert "```mermaid" in md and "`hit.png`" in md
+    assert (tmp_path / "hit.png").read_bytes() == (tmp_path / "fresh.png").read_bytes()
+
+
 def _rewrite(e: Path, change) -> None:
     """Rewrite the npz entry with `change(arrays)` applied (still a well-formed npz)."""
     with np.load(e, allow_pickle=False) as z:
@@ -249,7 +267,7 @@ def test_a_cached_document_is_checked_field_by_field(cdir):
     want = doccache.diagnose(path).to_dict()
     (doc,) = [p for p in cdir.iterdir() if p.suffix == ".json"]
     good = json.loads(doc.read_text())
-    for change in ("peaks", "verdict", "fifo"):
+    for change in ("peaks", "verdict", "plot index", "plot missing", "fifo"):
         doc.unlink()
         if change == "fifo":
             os.mkfifo(doc)
@@ -257,6 +275,10 @@ def test_a_cached_document_is_checked_field_by_field(cdir):
             bad = json.loads(json.dumps(good))
             if change == "peaks":
                 bad["devices"][0]["peaks"] = [1, 2]
+            elif change == "plot index":  # a hover index past the stacks the hover reads
+                bad["devices"][0]["plot"]["top_stacks"][0][0] = 1 << 20
+            elif change == "plot missing":
+                del bad["devices"][0]["plot"]
             else:
                 bad["findings"][0]["verdict"] = "harmless"
             doc.write_text(json.dumps(bad))

@@ -4,6 +4,7 @@ fsspec URLs; one report that agrees with each rank's own diagnosis."""
 from __future__ import annotations
 
 import gzip
+import html
 import json
 import os
 import re
@@ -86,8 +87,50 @@ def test_every_format_names_ranks_and_findings(run_dir, fmt, tmp_path):
     assert r.returncode == 0, r.stderr
     text = out.read_text()
     assert RESHARD in text.replace("\\_", "_") and "rank1.pickle.gz" in text
-    if fmt == "html":
-        assert "<script" not in text and "http" not in text.replace("http-equiv", "")
+    if fmt == "html":  # offline: no URL, no script fetched; the worst rank's plot
+        assert "http" not in text.replace("http-equiv", "") and " src=" not in text
+        assert "<svg" in text
+
+
+@pytest.mark.slow
+def test_run_folder_of_recorded_ranks_shows_fix_predicted_peak_and_plot(tmp_path):
+    """Issue 18 item 2: a run folder (two ranks of a real recorded FSDP2 run with the reshard
+    bug) reads like the single-file report: the fix, the peak predicted after it and the worst
+    rank's plot, in Markdown and HTML; the numbers are the worst rank's own."""
+    pytest.importorskip("torch")
+    from recordings import recorded
+
+    from snapforensics.analysis.evidence import human
+
+    ranks = recorded("buggy")
+    folder = ranks[0].parent
+    f = json.loads(cli("diagnose", str(folder), "--format", "json", "-q").stdout)
+    worst = Path(f["ranks"][0]["source"])
+    own = single(worst)
+    mine = next(x for x in own["findings"] if x["rule"] == RESHARD)
+    row = next(x for x in f["findings"] if x["rule"] == RESHARD)
+    assert mine["predicted_peak_bytes"] < own["peaks"]["overall_bytes"]
+    assert (row["predicted_peak_bytes"], row["saving_bytes"], row["fix"]) == \
+        (mine["predicted_peak_bytes"], mine["saving_bytes"], mine["fix"])
+    peak, after = human(own["peaks"]["overall_bytes"]), human(mine["predicted_peak_bytes"])
+    fix_line = mine["fix"].splitlines()[-1].strip()
+    for fmt in ("md", "html"):
+        out = tmp_path / f"fleet.{fmt}"
+        r = cli("diagnose", str(folder), "-o", str(out), "-q")
+        assert r.returncode == 0, r.stderr
+        text = out.read_text()
+        assert text.count("Fix for") == 1  # each finding once
+        assert f"peak predicted after it {after} from {peak}" in text.replace("\\", "")
+        if fmt == "md":
+            assert fix_line in text
+            chart = text[text.index("```mermaid"):]
+            assert "line [" in chart and "bar [" in chart  # recorded and after the fix
+            png = tmp_path / "fleet.png"
+            assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "`fleet.png`" in text
+        else:
+            assert html.escape(fix_line, quote=False) in text
+            svg = text[text.index("<svg"):text.index("</svg>")]
+            assert f"peak {peak}" in svg and f"after the fix {after}" in svg
 
 
 def test_hostile_file_name_is_neutralized(tmp_path):

@@ -128,7 +128,8 @@ def document(kind: str):
     if kind == "compare_runs":
         return compare_runs(f"/a/{HTML}{ESCAPES}", f"/b/{MARKUP}", [d], [fixed])
     if kind == "fleet":
-        return fleet([d.to_dict(), dataclasses.replace(fixed, rank=1).to_dict()])
+        # documents as workers send them: the hostile rank's plot series travel too
+        return fleet([d.to_doc(), dataclasses.replace(fixed, rank=1).to_doc()])
     return d
 
 
