@@ -189,7 +189,7 @@ def test_terminal_numbers_are_not_half_highlighted():
 # ------------------------------------------------------------------------------- markdown
 
 OUR_HEADINGS = re.compile(r"^(snapforensics (diagnosis|compare|forecast|fleet)|Ranks, worst first|"
-                          r"Findings by rank|Device \d+|Findings|Peaks|"
+                          r"Findings by rank|Device \d+|Findings|Peaks|The worst rank's timeline|"
                           r"Alive at the peak|Prediction check|Imbalance|\[(ANOMALOUS|EXPECTED|"
                           r"INFO)\] )")
 

@@ -174,7 +174,7 @@ def markdown(f: Fleet, screen: Screen = PLAIN, image: str | None = None) -> str:
     dev = _worst_device(f)
     chart = mermaid.chart(dev) if dev is not None else []
     if dev is not None and chart:
-        out += [f"## {md(_plot_title(f, dev), TEXT)}", "", *chart, ""]
+        out += ["## The worst rank's timeline", "", md(_plot_title(f, dev), TEXT), "", *chart, ""]
         out += [f"The full plot (by what made the bytes, phases, the peak) is `{md(image, TEXT)}`, "
                 "written beside this file: attach it to the ticket." if image else
                 "The full plot (by what made the bytes, phases, the peak): write this report "
@@ -213,7 +213,8 @@ def html(f: Fleet, screen: Screen = PLAIN) -> str:
     dev = _worst_device(f)
     if dev is not None and dev.plot is not None and f.worst is not None:
         top = next((x for x in f.worst.findings if x.rule == dev.plot.predicted_rule), None)
-        body.append(f"<h2>{h(_plot_title(f, dev), TEXT)}</h2><div class='sf-report'>"
+        body.append(f"<h2>The worst rank's timeline</h2><p>{h(_plot_title(f, dev), TEXT)}</p>"
+                    "<div class='sf-report'>"
                     + plot.svg(dev.plot, e, script_json, top.title if top else None)
                     + "</div>")
     body += lines(_notes(f, plotted=dev is not None))
