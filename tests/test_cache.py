@@ -108,6 +108,25 @@ def test_a_cached_document_re_renders_with_its_plot(cdir, monkeypatch, tmp_path)
     assert (tmp_path / "hit.png").read_bytes() == (tmp_path / "fresh.png").read_bytes()
 
 
+@pytest.mark.parametrize("name", ["Muduard_dump_snapshot_495k.pickle", "fixture"])
+def test_the_document_carries_the_plot_exactly(name):
+    """Series.to_doc / from_doc round trip, through JSON, on a device whose stacks give the
+    hover no candidate (a (points, 0) table: the case that failed first) and on a fixture."""
+    from snapforensics.analysis.series import Series
+
+    path = FIXTURES[0] if name == "fixture" else corpus_file(name)
+    d = diagnose(loader.load(path))
+    for dev in d.devices:
+        s = dev.plot
+        back = Series.from_doc(json.loads(json.dumps(s.to_doc())))
+        for f in dataclasses.fields(Series):
+            a, b = getattr(s, f.name), getattr(back, f.name)
+            if isinstance(a, np.ndarray):
+                assert a.dtype == b.dtype and np.array_equal(a, b), f.name
+            else:
+                assert a == b, f.name
+
+
 def _rewrite(e: Path, change) -> None:
     """Rewrite the npz entry with `change(arrays)` applied (still a well-formed npz)."""
     with np.load(e, allow_pickle=False) as z:

@@ -46,8 +46,8 @@ class Series:
     peak: int  # index of the highest point
     stacks: list[list[str]]  # text of the hover's candidate stacks (noise frames dropped)
     stack_category: list[str]  # what made each candidate stack's blocks
-    top_stacks: np.ndarray  # int32 (points, HOVER_TOP): index into `stacks`, -1 = none
-    top_bytes: np.ndarray  # int64 (points, HOVER_TOP)
+    top_stacks: np.ndarray  # int32 (points, <= HOVER_TOP): index into `stacks`, -1 = none
+    top_bytes: np.ndarray  # int64 (points, <= HOVER_TOP)
 
     def phase_runs(self) -> list[tuple[float, float, str]]:
         """(x from, x to, phase name) of each run of points in one phase, for shading."""
@@ -105,7 +105,12 @@ class Series:
         if type(x_label) is not str or not (rule is None or type(rule) is str):
             raise ValueError("plot.x_label or plot.predicted_rule: not a string")
         phase = _array(doc, "phase", (n,), np.int8, 0, len(PHASE_LABELS) - 1)
-        top_stacks = _array(doc, "top_stacks", (n, HOVER_TOP), np.int32, -1, len(stacks) - 1)
+        # up to HOVER_TOP stacks a point: fewer when the device has fewer candidate stacks
+        first = _list(doc, "top_stacks")[:1]
+        k = len(first[0]) if first and type(first[0]) is list else 0
+        if k > HOVER_TOP:
+            raise ValueError(f"plot.top_stacks: {k} stacks a point (at most {HOVER_TOP})")
+        top_stacks = _array(doc, "top_stacks", (n, k), np.int32, -1, len(stacks) - 1)
         stack_category = _strings(doc, "stack_category")
         if len(stack_category) != len(stacks):
             raise ValueError("plot.stack_category: one per stack")
@@ -119,7 +124,7 @@ class Series:
                    predicted_rule=rule, iterations=[(i, float(x)) for i, x in its],
                    peak=peak, stacks=stacks, stack_category=stack_category,
                    top_stacks=top_stacks,
-                   top_bytes=_array(doc, "top_bytes", (n, HOVER_TOP), np.int64))
+                   top_bytes=_array(doc, "top_bytes", (n, k), np.int64))
 
 
 def _list(doc: dict, name: str) -> list:
