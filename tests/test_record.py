@@ -423,6 +423,80 @@ def test_a_worker_preempted_past_the_next_collective_does_not_move_the_free():
     assert peak == buf + ag  # the all-gather's two buffers, without the clone
 
 
+def _gloo_reduce_scatter_then_all_gather():
+    """Real gloo events: reduce-scatter then all-gather, three times, on a one-rank gloo group in
+    this process, profiled as the recorder profiles (allocator accounting on). The converter's
+    input: (allocations in time order, record_function ranges, the program's thread)."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from snapforensics.record import cpu
+    from snapforensics.record.backends import _cpu_allocator_accounting
+
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed, not initialized by another test")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    previous = _cpu_allocator_accounting(True)
+    try:
+        x, out, gathered = torch.ones(4096), torch.empty(4096), torch.empty(4096)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True,
+                     record_shapes=False) as prof:
+            for _ in range(3):
+                dist.reduce_scatter_tensor(out, x)
+                dist.all_gather_into_tensor(gathered, out)
+    finally:
+        _cpu_allocator_accounting(previous)
+        dist.destroy_process_group()
+    event_type, scope = cpu._event_types()
+    frames = cpu._Frames(scope.USER_SCOPE)
+    allocs, ranges = cpu._walk(prof.profiler.kineto_results.experimental_event_tree(),
+                               event_type, frames)
+    allocs.sort(key=lambda a: (a.time_ns, a.seq))
+    return allocs, ranges, cpu._main_thread(allocs), frames
+
+
+def test_a_reduce_scatter_clone_dropped_after_the_next_all_gather_is_freed_with_its_collective():
+    """Issue 22 on real gloo events. gloo's reduce-scatter clones its input on the program's
+    thread, then queues an allreduce of the clone (ProcessGroupGloo.cpp,
+    reduce_scatter_tensor_coalesced); a worker runs it (a `gloo:all_reduce` range on its own
+    thread) and drops its reference in runLoop after the range ended, outside the profiler's
+    view. Here the first clone's drop is moved past the next all-gather, as a worker preempted
+    on a loaded machine does: its free event (or its drop, if the worker already held the last
+    reference) is taken out and the allocator's running totals keep the clone until the event
+    after the all-gather. The free must still be placed at the end of the clone's own allreduce,
+    before the all-gather's buffers."""
+    from snapforensics.record.cpu import _build_trace, _recover_lost_frees, _worker_ranges
+
+    allocs, ranges, main, frames = _gloo_reduce_scatter_then_all_gather()
+    clones = [i for i, a in enumerate(allocs) if a.size > 0 and any(
+        f["name"] == "c10d::_reduce_scatter_base_" for f in a.frames)]
+    assert len(clones) == 3 and all(allocs[i].tid == main for i in clones)
+    worker = sorted(r for r in ranges if r[4] != main)
+    assert [r[3] for r in worker] == ["gloo:all_reduce", "gloo:all_gather"] * 3
+    reduce_end, gather_end = worker[0][1], worker[1][1]
+    clone = allocs[clones[0]]
+    assert clone.time_ns < worker[0][0]  # made before its collective was queued
+    after = [a for a in allocs if a.ptr == clone.ptr and a.time_ns > clone.time_ns]
+    own_free = after[0] if after and after[0].size < 0 else None  # None: the worker freed it
+    late = [a for a in allocs if a is not own_free]
+    # the drop shows at the first event after the all-gather ended: the running totals are
+    # those of the same events with the clone freed just before that event
+    seen = next(i for i, a in enumerate(late) if a.time_ns > gather_end)
+    total = allocs[0].total - allocs[0].size
+    for i, a in enumerate(late):
+        total += a.size - (clone.size if i == seen else 0)
+        a.total = total
+    events, n = _recover_lost_frees(late, frames, _worker_ranges(ranges, main))
+    trace = _build_trace(events)[0]
+    free = next(e for e in trace if e["addr"] == clone.ptr and e["action"] == "free_completed")
+    assert free["frames"][0]["name"] == "free_on_untraced_thread"
+    assert free["time_us"] == reduce_end / 1000
+    gather_buffers = [k for k, e in enumerate(trace) if e["action"] == "alloc"
+                      and "gloo:all_gather" in _frame_names(e)]
+    assert trace.index(free) < gather_buffers[0]
+
+
 def test_allocator_total_races_between_threads_do_not_invent_frees():
     """Two threads' events stamped in the opposite order of the allocator's: no lost free."""
     from snapforensics.record.cpu import _Alloc, _recover_lost_frees
