@@ -4,8 +4,6 @@ rank by rank, relative to A; `--fail-on` makes it a CI gate (exit 1)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from pathlib import Path
 
 import click
 
@@ -13,30 +11,14 @@ from snapforensics.commands._options import report_options, run_options
 from snapforensics.errors import EXIT_ANOMALY
 
 
-def compare_paths(paths: Sequence[str | Path], mode: str = "auto", **run):
-    """Expand folders and globs, diagnose each file once, compare (analysis.compare)."""
-    from snapforensics.analysis.compare import compare
-    from snapforensics.commands.inputs import diagnose_paths, expand
-    from snapforensics.errors import SnapError
-
-    files = expand(paths)
-    if len(files) < 2:
-        raise SnapError("compare needs at least two snapshots (baseline first), "
-                        f"got {len(files)}")
-    return compare(diagnose_paths(files, **run), mode=mode)
-
-
-def compare_folders(a: str, b: str, **run):
-    """Two run folders, rank by rank (analysis.gate.compare_runs)."""
-    from snapforensics.analysis.gate import compare_runs
-    from snapforensics.commands.inputs import diagnose_paths, expand
-
-    fa, fb = expand([a]), expand([b])
-    diags = diagnose_paths(fa + fb, **run)
-    return compare_runs(a, b, diags[:len(fa)], diags[len(fa):])
-
-
-@click.command("compare")
+@click.command("compare", short_help="Did the fix work? Before/after, rank vs rank, CI gate.",
+               epilog="""\b
+Examples:
+  snapforensics compare buggy/rank0.pickle fixed/rank0.pickle  # before/after
+  snapforensics compare runs/x                    # the ranks of one run
+  snapforensics compare runs/main runs/pr --fail-on regression=5% \\
+      --fail-on new-anomaly                       # two runs, a CI gate
+  snapforensics compare a.pickle b.pickle -o compare.html""")
 @click.argument("snapshots", nargs=-1, required=True)
 @report_options("compare")
 @click.option("--mode", type=click.Choice(["auto", "before-after", "ranks"]), default="auto",
@@ -55,19 +37,23 @@ def compare_command(snapshots: tuple[str, ...], fmt: str | None, output: str | N
     rank (rank0 with rank0, ...). Peaks and their change, what is alive at the peak, findings
     that appear / disappear / persist, A's predicted peak vs B's measured peak, and the rank
     that deviates most from the median."""
+    from snapforensics import runner
     from snapforensics.analysis import gate
     from snapforensics.report.output import choose_format, emit
+    from snapforensics.snapshot.cache import full_hash
 
     gate.parse(fail_on)  # a typo in the gate is an error before minutes of work
-    run = {"jobs": jobs, "cache": not no_cache, "progress": not quiet}
+    # the gate keys the cache by every byte of each file (an attacker may edit one in place)
+    run = {"jobs": jobs, "cache": not no_cache, "progress": not quiet,
+           "full": full_hash(gate=bool(fail_on))}
     folders = len(snapshots) == 2 and all(map(os.path.isdir, snapshots)) and mode != "ranks"
     kind = "compare_runs" if folders else "compare"
     choose_format(kind, fmt, output)  # a bad -o fails before the diagnoses
     if folders:
-        doc = compare_folders(*snapshots, **run)
+        doc = runner.compare_folders(*snapshots, **run)
         pairs = doc.pairs
     else:
-        doc = compare_paths(snapshots, mode=mode.replace("-", "_"), **run)
+        doc = runner.compare_paths(snapshots, mode=mode.replace("-", "_"), **run)
         pairs = [doc]
     if fail_on:
         doc.gate = gate.failures(pairs, fail_on)
