@@ -281,9 +281,25 @@ def units(d: DeviceAnalysis, it) -> tuple[list[Unit], object]:
         return {k: np.array(v, np.int64) for k, v in out.items()}
 
     fg, bg = group(fw), group(bw)
+    named = d.annotation_rows(fsdp_ranges.RANGE)
+    pre_fw = fsdp_ranges.rows_by_unit(named, ("pre_forward",))
+    # a unit whose parameters are still unsharded when its forward starts (FSDP2 with
+    # reshard_after_backward=False after the first step, or kept by the previous iteration)
+    # gathers nothing in forward: FSDP's own pre_forward range still marks it
+    empty = np.zeros(0, np.int64)
+    for name, rows in pre_fw.items():
+        if name not in fg and name not in ("", ROOT) and any(
+                it.start <= r <= fend for r in rows):
+            fg[name] = empty
+
+    def start_of(k) -> int:
+        if fg[k].size:
+            return int(d.lt.alloc_row[fg[k]].min())
+        return next(r for r in pre_fw[k] if it.start <= r <= fend)
+
     if not fg:
         return [], None
-    keys = list(fg)
+    keys = sorted(fg, key=start_of)
     alive = [k for k in keys if (d.lt.free_row[fg[k]] > fend).any()]
     root = ROOT if ROOT in fg else (
         alive[0] if alive and all(not isinstance(k, str) for k in keys) else None)
@@ -302,7 +318,6 @@ def units(d: DeviceAnalysis, it) -> tuple[list[Unit], object]:
                     matched[cand] = v
                     break
         bg = matched
-    named = d.annotation_rows(fsdp_ranges.RANGE)
     post_fw = fsdp_ranges.rows_by_unit(named, ("post_forward",))
     pre_bw = fsdp_ranges.rows_by_unit(named, ("pre_backward",))
     post_bw = fsdp_ranges.rows_by_unit(named, fsdp_ranges.POST_BACKWARD)
@@ -313,18 +328,18 @@ def units(d: DeviceAnalysis, it) -> tuple[list[Unit], object]:
 
     ag = np.flatnonzero(d.mask(Category.ALL_GATHER) & f.primary & (d.iteration == it.index))
     out = []
-    starts = [int(d.lt.alloc_row[fg[k]].min()) for k in keys]
+    starts = [start_of(k) for k in keys]
     for i, k in enumerate(keys):
         if k == root:
             continue
         v = fg[k]
-        f0 = int(d.lt.alloc_row[v].min())
+        f0 = starts[i]
         nxt = next((s for s in starts[i + 1:] if s > f0), fend)
         name = k if isinstance(k, str) else None
         f1 = first_in(post_fw.get(name, []), f0, hi) if name else -1
         if f1 < 0:
             freed = d.lt.free_row[v]
-            f1 = int(freed.max()) if (freed <= fend).all() else nxt
+            f1 = int(freed.max()) if v.size and (freed <= fend).all() else nxt
         b = bg.get(k, np.zeros(0, np.int64))
         b0 = first_in(pre_bw.get(name, []), fend, hi) if name else -1
         if b0 < 0 and b.size:
@@ -372,11 +387,12 @@ def base_plan(d: DeviceAnalysis) -> Plan:
 
 def detect_strategy(d: DeviceAnalysis, us: dict) -> str:
     """shard_grad_op when non-root units keep forward unshards alive into backward."""
-    for it in d.tl.iterations:  # the first iteration with units decides
-        if us[it.index]:
+    for it in d.tl.iterations:  # the first iteration with gathering units decides
+        if any(u.fwd.size for u in us[it.index]):
             fend = forward_end(it)
-            kept = sum(1 for u in us[it.index] if (d.lt.free_row[u.fwd] > fend).all())
-            return SHARD_GRAD_OP if kept > len(us[it.index]) // 2 else FULL_SHARD
+            gathered = [u for u in us[it.index] if u.fwd.size]
+            kept = sum(1 for u in gathered if (d.lt.free_row[u.fwd] > fend).all())
+            return SHARD_GRAD_OP if kept > len(gathered) // 2 else FULL_SHARD
     return FULL_SHARD
 
 
@@ -401,7 +417,7 @@ def to_full_shard(d: DeviceAnalysis, us: dict, p: Plan) -> None:
     flat = d.fsdp.fsdp1_flat
     for it in d.tl.iterations:
         fend = forward_end(it)
-        kept = [u for u in us[it.index] if (d.lt.free_row[u.fwd] > fend).all()]
+        kept = [u for u in us[it.index] if u.fwd.size and (d.lt.free_row[u.fwd] > fend).all()]
         order = sorted(kept, key=lambda u: u.b1 if u.b1 >= 0 else d.lt.rows)
         prev_b0 = prev_b1 = it.backward_start
         for u in order:
