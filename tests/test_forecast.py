@@ -206,7 +206,7 @@ def test_checkpointing_without_units_is_refused():
 def test_parse_size():
     assert parse_size("80GiB") == 80 * 2 ** 30
     assert parse_size("512MB") == 512 * 10 ** 6
-    assert parse_size("1e9") == 10 ** 9
+    assert parse_size("1e9B") == 10 ** 9
     with pytest.raises(ValueError):
         parse_size("lots")
 
