@@ -294,10 +294,9 @@ def units(d: DeviceAnalysis, it) -> tuple[list[Unit], object]:
     # reshard_after_backward=False after the first step, or kept by the previous iteration)
     # gathers nothing in forward: FSDP's own pre_forward range still marks it
     empty = np.zeros(0, np.int64)
-    for name, rows in pre_fw.items():
-        if name not in fg and name not in ("", ROOT) and any(
-                it.start <= r <= fend for r in rows):
-            fg[name] = empty
+    for fqn, rows in pre_fw.items():
+        if fqn not in fg and fqn not in ("", ROOT) and any(it.start <= r <= fend for r in rows):
+            fg[fqn] = empty
 
     def start_of(k) -> int:
         if fg[k].size:

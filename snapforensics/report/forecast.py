@@ -4,8 +4,8 @@ path and notes (which quote rule ids) pass through the sink's function of report
 
 from __future__ import annotations
 
-from snapforensics.analysis.evidence import human
 from snapforensics.analysis import forecast_band
+from snapforensics.analysis.evidence import human
 from snapforensics.analysis.forecast import SCALING_TEXT, Forecast, Prediction
 from snapforensics.report.registry import PLAIN, Screen
 from snapforensics.report.sanitize import FRAME, ROWS, TEXT
@@ -141,7 +141,7 @@ def terminal(f: Forecast, screen: Screen = PLAIN) -> str:
     for r in rows:
         tab.add_row(*[t(x, TEXT) for x in r])
     console.print(tab)
-    for line in _scaling_lines(f) + _fit_lines(f) + _validation_lines(f):
+    for line in _scaling_lines(f) + _fit_lines(f) + _validation_lines(f) + [_MODEL]:
         console.print(t(line, TEXT))
     return console.file.getvalue()
 
