@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from snapforensics.analysis.stacks import is_native
 from snapforensics.analysis.vocab import Category, Phase
 from snapforensics.snapshot.model import Frame
 
@@ -59,6 +60,11 @@ _BACKWARD_FUNCS = {"_engine_run_backward", "run_backward", "post_backward", "_po
 _INIT_FUNCS = {"reset_parameters", "_apply", "to_empty", "__init__", "_materialize_module",
                "_sync_module_params_and_buffers", "materialize_meta_module"}
 
+# The autograd engine's C++ frames (`stacks="all"`): the row was made while the engine evaluated a
+# node (`Engine::evaluate_function` under `Engine::thread_main`, on a device's autograd thread or
+# on the thread that called `backward()`), i.e. in backward.
+_AUTOGRAD_ENGINE = re.compile(r"torch::autograd::(?:python::Python)?Engine::")
+
 # Ranges FSDP2 names `KIND (fqn)`; the root unit's have no fqn.
 _PER_UNIT_RANGES = {"pre_forward", "post_forward", "pre_backward", "all_gather",
                     "all_gather_copy_out", "post_backward_accumulate", "post_backward_reshard",
@@ -93,7 +99,15 @@ def _is_fsdp_file(f: Frame) -> bool:
 
 
 def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
-    """Classify one stack (innermost first) with the record_function ranges open around it."""
+    """Classify one stack (innermost first) with the record_function ranges open around it.
+
+    Only Python (and CPU pseudo) frames decide, so a `stacks="all"` stack classifies as its
+    `stacks="python"` twin; its C++ frames add one hint, the autograd engine's, which a
+    python-only stack can only show by having no frames (`has_frames`)."""
+    native = [f for f in frames if is_native(f)]
+    if native:
+        frames = [f for f in frames if not is_native(f)]
+    autograd = any(_AUTOGRAD_ENGINE.search(f.name) for f in native)
     names = [f.name for f in frames]
     nameset = set(names)
     files = [f.filename.replace("\\", "/") for f in frames]
@@ -150,6 +164,8 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
         phase = Phase.FORWARD
     elif in_init:
         phase = Phase.INIT
+    elif autograd:  # a backward op with no Python frame: frameless in a python-only recording
+        phase = Phase.BACKWARD
     else:
         phase = Phase.UNKNOWN
 
