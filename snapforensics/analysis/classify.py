@@ -62,7 +62,10 @@ _INIT_FUNCS = {"reset_parameters", "_apply", "to_empty", "__init__", "_materiali
 
 # The autograd engine's C++ frames (`stacks="all"`): the row was made while the engine evaluated a
 # node (`Engine::evaluate_function` under `Engine::thread_main`, on a device's autograd thread or
-# on the thread that called `backward()`), i.e. in backward.
+# on the thread that called `backward()`). An allocation there is backward: `backward()` returns
+# only when its graph task is done. A free there need not be: the engine thread drops a node's
+# inputs after marking the task done, while the main thread already runs the next forward
+# (bcrafton_memory_snapshot: AccumulateGrad and evaluate_function frees inside forward).
 _AUTOGRAD_ENGINE = re.compile(r"torch::autograd::(?:python::Python)?Engine::")
 
 # Ranges FSDP2 names `KIND (fqn)`; the root unit's have no fqn.
@@ -90,7 +93,8 @@ class StackInfo:
     path: str | None  # how FSDP unsharded it (PATHS), for all-gather / unsharded-param blocks
     phase: Phase  # phase hint from the stack alone, UNKNOWN if none
     module: str | None  # FSDP module FQN, when a range or frame names it
-    has_frames: bool
+    has_frames: bool  # has a Python frame (a `stacks="all"` stack may have only C++ ones)
+    autograd: bool = False  # made inside the autograd engine (C++ frames, `stacks="all"` only)
 
 
 def _is_fsdp_file(f: Frame) -> bool:
@@ -102,8 +106,8 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
     """Classify one stack (innermost first) with the record_function ranges open around it.
 
     Only Python (and CPU pseudo) frames decide, so a `stacks="all"` stack classifies as its
-    `stacks="python"` twin; its C++ frames add one hint, the autograd engine's, which a
-    python-only stack can only show by having no frames (`has_frames`)."""
+    `stacks="python"` twin; its C++ frames add one fact, that the autograd engine made it
+    (`autograd`), which a python-only stack can only show by having no frames."""
     native = [f for f in frames if is_native(f)]
     if native:
         frames = [f for f in frames if not is_native(f)]
@@ -134,8 +138,11 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
     in_recompute = bool(nameset & _RECOMPUTE_FUNCS) or (
         "backward" in nameset and "CheckpointFunction" in " ".join(names)) or any(
         n == "backward" and p.endswith("utils/checkpoint.py") for n, p in zip(names, files))
+    # torch.compile's backward: AOTAutograd's `CompiledFunction.backward` runs the compiled
+    # backward graph, whose frames map back to the user's `forward` source lines.
     in_backward = in_recompute or bool(nameset & _BACKWARD_FUNCS) or any(
         n == "backward" and (p.endswith("torch/_tensor.py") or p.endswith("autograd/__init__.py"))
+        or n in ("backward", "_backward_impl") and "_functorch/_aot_autograd/" in p
         for n, p in zip(names, files)) or "pre_backward" in rfkinds or any(
         k.startswith("post_backward") for k in rfkinds) or "root_post_backward_callback" in rfkinds
     in_optim = any(p.startswith("torch/optim/") or "/torch/optim/" in p for p in files) or \
@@ -164,8 +171,6 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
         phase = Phase.FORWARD
     elif in_init:
         phase = Phase.INIT
-    elif autograd:  # a backward op with no Python frame: frameless in a python-only recording
-        phase = Phase.BACKWARD
     else:
         phase = Phase.UNKNOWN
 
@@ -198,7 +203,7 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
         category = Category.OTHER
     if category in (Category.UNSHARDED_PARAM, Category.ALL_GATHER):
         path = _unshard_path(frames, ranges, in_recompute)
-    return StackInfo(category, path, phase, module, bool(frames))
+    return StackInfo(category, path, phase, module, bool(frames), autograd)
 
 
 def _unshard_path(frames: list[Frame], ranges: tuple[str, ...], in_recompute: bool) -> str:

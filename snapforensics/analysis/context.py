@@ -17,7 +17,7 @@ from snapforensics.analysis.classify import PATHS, StackInfo, classify
 from snapforensics.analysis.fsdp_units import FsdpUnits
 from snapforensics.analysis.stacks import is_native, is_noise
 from snapforensics.analysis.vocab import BACKWARD_PHASES, CAT_CODE, CATEGORIES, Category, Phase
-from snapforensics.snapshot.model import NO_STACK, Snapshot, Trace
+from snapforensics.snapshot.model import ALLOC, NO_STACK, Snapshot, Trace
 
 PATH_CODE = {p: i for i, p in enumerate(PATHS)}
 
@@ -149,9 +149,13 @@ def analyse(snapshot: Snapshot, trace: Trace) -> DeviceAnalysis:
     # no Python frame: on CUDA, made by a backward op on the autograd thread (C++ frames only
     # with stacks="all", none with "python")
     pyless = np.array([not i.has_frames for i in infos], bool)
+    engine = np.array([i.autograd for i in infos], bool)
     row_info = inverse[: len(row_key)]
     blk_info = inverse[len(row_key):].astype(np.int32)
-    tl = phases.assign(trace, hint_of[row_info], lt.live, ctx, contexts, pyless[row_info])
+    hints = hint_of[row_info]
+    # an allocation the autograd engine made (C++ frames) with no other hint is backward
+    hints[(hints == Phase.UNKNOWN) & engine[row_info] & (trace.action == ALLOC)] = Phase.BACKWARD
+    tl = phases.assign(trace, hints, lt.live, ctx, contexts, pyless[row_info])
 
     cat = np.array([CAT_CODE[i.category] for i in infos], np.int8)[blk_info] if len(infos) \
         else np.zeros(0, np.int8)
