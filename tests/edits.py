@@ -187,3 +187,78 @@ def python_only(raw: dict) -> dict:
         for b in seg.get("blocks", ()):
             b["frames"] = keep(b.get("frames"))
     return raw
+
+
+def recording_thread_annotations(raw: dict) -> tuple[dict, int]:
+    """What torch 2.5-2.7 keeps of a recording's record_function ranges: before
+    `global_record_annotations` (torch 2.8) the allocator's RecordFunction callback is thread
+    local (`at::addThreadLocalCallback`, pytorch#153839/#154932), so only ranges opened on the
+    thread that started recording are kept. On CUDA the autograd engine runs backward on a
+    device thread: every range opened while `backward()` runs (FSDP's pre/post-backward hooks,
+    its backward prefetch, the root's final callback, a recompute's pre-forward) is lost. A
+    range is dropped when it starts inside a `backward()` call of this CPU recording: between
+    the row before its first row under the engine and the row after its last (rows of a
+    collective's worker thread, which show no engine frame, do not end the call). Also drops
+    `compile_context` (torch 2.8). Returns the edited dict and how many ranges it dropped."""
+    trace = raw["device_traces"][0]
+    state = []  # per row: 1 under the engine, 0 on the main thread, -1 a worker thread's row
+    for e in trace:
+        frames = e.get("frames") or ()
+        if any(f["name"] in ENGINE for f in frames):
+            state.append(1)
+        elif frames and all(f["filename"].startswith("<") for f in frames):
+            state.append(-1)
+        else:
+            state.append(0 if frames else -1)
+    windows = []
+    start = None
+    last_main = float("-inf")
+    for e, s in zip(trace, state):
+        if s == 1 and start is None:
+            start = last_main
+        elif s == 0:
+            if start is not None:
+                windows.append((start, e["time_us"]))
+                start = None
+            last_main = e["time_us"]
+    if start is not None:
+        windows.append((start, float("inf")))
+    kept, dropped, open_dropped = [], 0, {}
+    for a in raw.get("external_annotations", ()):
+        if a["stage"] == "START" and any(lo < a["time_us"] < hi for lo, hi in windows):
+            open_dropped[a["name"]] = open_dropped.get(a["name"], 0) + 1
+            dropped += 1
+        elif a["stage"] != "START" and open_dropped.get(a["name"]):
+            open_dropped[a["name"]] -= 1
+        else:
+            kept.append(a)
+    raw["external_annotations"] = kept
+    for t in raw["device_traces"]:
+        for e in t:
+            e.pop("compile_context", None)
+    return raw, dropped
+
+
+def without_worker_blocks(raw: dict) -> tuple[dict, int]:
+    """Drop the blocks a collective backend's worker thread allocated (gloo's staging buffers:
+    rows whose only frames are ops under a `gloo:` range, and their frees). NCCL and HCCL
+    allocate nothing from the caching allocator on such a thread, so a CUDA recording of the
+    same run has no such blocks. Returns the edited dict and how many blocks it dropped."""
+    dropped = 0
+    for t, trace in enumerate(raw["device_traces"]):
+        out, pending = [], set()
+        for e in trace:
+            frames = e.get("frames") or ()
+            if e["action"] == "alloc" and frames and all(
+                    f["filename"].startswith("<") for f in frames) and any(
+                    f["name"].startswith(("gloo:", "nccl:", "hccl:")) for f in frames):
+                pending.add(e["addr"])
+                dropped += 1
+                continue
+            if e["action"] in ("free_requested", "free_completed") and e["addr"] in pending:
+                if e["action"] == "free_completed":  # the CPU recorder writes both, in order
+                    pending.discard(e["addr"])
+                continue
+            out.append(e)
+        raw["device_traces"][t] = out
+    return raw, dropped
