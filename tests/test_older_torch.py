@@ -107,3 +107,32 @@ def test_provenance_of_cpu_and_foreign_files(fixtures_dir):
     assert load(corpus_file("kkaitlyn_ctx128_fullstep.pickle")).format["ranges"].startswith(
         "recording thread only, unless recorded with global_record_annotations=True")
     assert load(corpus_file("notHanmin_memory_snapshot_forward.pickle")).format["ranges"] == "none"
+
+
+def test_recorder_asks_for_compile_context_where_torch_has_it():
+    """torch 2.8+ takes `compile_context` (pytorch#152707) and `global_record_annotations`
+    (#154932); 2.4-2.7 take neither. Only the keywords the signature has are passed."""
+    import sys
+
+    from snapforensics.record.backends import history_call
+
+    def torch_2_7(enabled="all", context="all", stacks="all", max_entries=sys.maxsize,
+                  device=None, clear_history=False):
+        pass
+
+    def torch_2_13(enabled="all", context="all", stacks="all", max_entries=sys.maxsize,
+                   device=None, clear_history=False, compile_context=False,
+                   global_record_annotations=False, skip_actions=None):
+        pass
+
+    _, new = history_call(torch_2_13, stacks="python", max_entries=5)
+    assert new["compile_context"] is True and new["global_record_annotations"] is True
+    _, old = history_call(torch_2_7, stacks="python", max_entries=5)
+    assert "compile_context" not in old and "global_record_annotations" not in old
+    torch = pytest.importorskip("torch")
+    import inspect
+
+    args, kw = history_call(torch.cuda.memory._record_memory_history, stacks="python",
+                            max_entries=7)
+    assert kw.get("compile_context") is True
+    inspect.signature(torch.cuda.memory._record_memory_history).bind(*args, **kw)

@@ -455,7 +455,7 @@ def test_history_kwargs_follow_the_signature():
 
     assert history_call(new, stacks="python", max_entries=5) == (
         ("all",), {"context": "all", "stacks": "python", "max_entries": 5,
-                   "global_record_annotations": True})
+                   "global_record_annotations": True, "compile_context": True})
     for fn in (older, npu):
         assert history_call(fn, stacks="all", max_entries=9) == (
             ("all",), {"context": "all", "stacks": "all", "max_entries": 9})

@@ -85,6 +85,7 @@ def history_call(fn: Callable, *, stacks: str, max_entries: int,
     wanted = {"context": "all", "stacks": stacks, "max_entries": max_entries}
     if annotations:
         wanted["global_record_annotations"] = True
+        wanted["compile_context"] = True  # torch.compile regions per entry (torch 2.8+)
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # a builtin without a signature: the documented core set
