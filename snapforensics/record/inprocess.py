@@ -30,7 +30,7 @@ def recording(path: Path, *, device: str = "auto", stacks: str = "python",
 
     name = select_backend(device)
     backend = make_backend(name, stacks, max_entries)
-    started = datetime.datetime.now(datetime.UTC).astimezone().isoformat(
+    started = datetime.datetime.now(datetime.timezone.utc).astimezone().isoformat(
         timespec="seconds")
     backend.start()
     code = 1
