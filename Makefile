@@ -37,6 +37,10 @@ test: lint test-pythons
 # torch-free tier (tests that need torch skip). Interpreters from pyenv when it has them, else
 # from uv (`uv python install`).
 PYTHONS ?= 3.9 3.13
+# what runs there: the loader both ways (C extension and Python path), the cache, the CLI, the
+# classifier (PYTHONS_TESTS=tests runs every torch-free test: ~10 min each on 2 busy cores)
+PYTHONS_TESTS ?= tests/test_native.py tests/test_cache.py tests/test_cli.py \
+	tests/test_classify.py tests/test_older_torch.py
 test-pythons:
 	@for v in $(PYTHONS); do \
 	  py=$$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/$$v.* 2>/dev/null | sort -V | tail -1); \
