@@ -33,11 +33,12 @@ def timed(fn) -> float:
 
 
 def measure(path: Path) -> str:
+    from snapforensics import doccache
     from snapforensics.analysis import diagnose
     from snapforensics.snapshot import cache
 
-    first = timed(lambda: cache.diagnose(path))
-    again = timed(lambda: cache.diagnose(path))
+    first = timed(lambda: doccache.diagnose(path))
+    again = timed(lambda: doccache.diagnose(path))
     model = timed(lambda: diagnose(cache.load(path)))
     return (f"{path.name[:40]:40} {path.stat().st_size / 1e6:7.1f} {first:8.3f} {again:8.3f} "
             f"{model:8.3f} {again / first:8.3f}x {model / first:8.3f}x")

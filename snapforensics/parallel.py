@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from snapforensics.errors import SnapError
+from snapforensics.settings import number
 
 SUFFIXES = (".pickle", ".pkl", ".pickle.gz", ".pkl.gz")
 RSS_FACTOR = 8  # x the unpickled file size; see the module docstring
@@ -119,21 +120,24 @@ _ONE_AT_A_TIME = threading.Lock()  # the loader's memory guard is process-wide (
 
 
 def diagnose_one(src: str, cache: bool = True, variant: str = "",
-                 categories: tuple[str, ...] = ()) -> dict[str, Any]:
+                 categories: tuple[str, ...] = (), full: bool | None = None,
+                 fd: int | None = None) -> dict[str, Any]:
     """Runs on a worker: one input in, its diagnosis document (or its one-line error) out.
-    `categories`: user categories as `NAME=REGEX` (compiled here, in the worker)."""
-    from snapforensics.snapshot import cache as snapcache
+    `categories`: user categories as `NAME=REGEX` (compiled here, in the worker); `full`: key
+    the cache by every byte (`cache.full_hash`); `fd`: the input as the caller opened it
+    (`_open_inputs`; a forked worker inherits it), else it is opened here."""
+    from snapforensics import doccache
 
     with _ONE_AT_A_TIME:
         try:
             if not is_url(src):
-                return snapcache.diagnose(local_path(src), cache=cache, variant=variant,
-                                          categories=categories).to_dict()
+                file = os.fdopen(os.dup(fd), "rb") if fd is not None else None
+                return doccache.diagnose(local_path(src), cache, variant, categories,
+                                         full, file).to_dict()
             with tempfile.TemporaryDirectory(prefix="snapforensics-") as tmp:
                 local = os.path.join(tmp, src.rstrip("/").rsplit("/", 1)[-1] or "snapshot")
                 _fetch(src, local)
-                doc = snapcache.diagnose(local, cache=False, variant=variant,
-                                         categories=categories).to_dict()
+                doc = doccache.diagnose(local, False, variant, categories).to_dict()
             doc["source"] = src
             return doc
         except SnapError as e:
@@ -167,17 +171,25 @@ def size_of(src: str) -> int:
         return 0
 
 
-def unpickled_size(src: str, size: int) -> int:
-    """The bytes the unpickler reads: a gzip file's ISIZE trailer, else the file size."""
+def unpickled_size(src: str, size: int, f: Any = None) -> int:
+    """The bytes the unpickler reads: a gzip file's ISIZE trailer, else the file size (`f`:
+    the input already opened by `open_file`; else it is opened here, never blocking)."""
     if is_url(src) or size < 18:
         return size
+    from snapforensics.snapshot.unpickle import open_file
+
     try:
-        with open(local_path(src), "rb") as f:
-            if f.read(2) != b"\x1f\x8b":
+        g = open_file(local_path(src)) if f is None else f
+        try:
+            g.seek(0)
+            if g.read(2) != b"\x1f\x8b":
                 return size
-            f.seek(-4, os.SEEK_END)
-            isize = struct.unpack("<I", f.read(4))[0]
-    except OSError:
+            g.seek(-4, os.SEEK_END)
+            isize = struct.unpack("<I", g.read(4))[0]
+        finally:
+            if f is None:
+                g.close()
+    except (OSError, SnapError):
         return size
     return isize if isize >= size else size * 10  # wrapped mod 4 GiB: assume 10x
 
@@ -193,9 +205,11 @@ def mem_available() -> int | None:
     return None
 
 
-def workers_for(srcs: list[str], sizes: list[int], jobs: int) -> int:
-    per = RSS_BASE + RSS_FACTOR * max((unpickled_size(s, n) for s, n in zip(srcs, sizes)),
-                                      default=0)
+def workers_for(srcs: list[str], sizes: list[int], jobs: int,
+                files: dict[int, Any] | None = None) -> int:
+    files = files or {}
+    per = RSS_BASE + RSS_FACTOR * max((unpickled_size(s, n, files.get(i))
+                                       for i, (s, n) in enumerate(zip(srcs, sizes))), default=0)
     avail = mem_available()
     fit = max(1, avail // per) if avail else jobs
     return max(1, min(jobs, len(srcs), fit))
@@ -206,20 +220,71 @@ def workers_for(srcs: list[str], sizes: list[int], jobs: int) -> int:
 def run(args: Iterable[str | os.PathLike], jobs: int | None = None, cache: bool = True,
         scheduler: str | None = None, progress: bool = True,
         variant: str = "", expanded: bool = False,
-        categories: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+        categories: tuple[str, ...] = (), full: bool | None = None) -> list[dict[str, Any]]:
     """Diagnose every input; documents (or {"source", "error"}) in input order. `expanded`:
-    the inputs are files already (`expand`'s result), not folders or globs."""
+    the inputs are files already (`expand`'s result), not folders or globs; `full`: key the
+    cache by every byte of each file (`cache.full_hash`)."""
     srcs = [str(a) for a in args] if expanded else expand(args)
     if not srcs:
         raise SnapError("no input given")
-    sizes = [size_of(s) for s in srcs]
-    n = 0 if scheduler else workers_for(srcs, sizes, jobs or os.cpu_count() or 1)
+    files, refused = ({}, {}) if scheduler else _open_inputs(srcs)
+    try:
+        sizes = [os.fstat(files[i].fileno()).st_size if i in files else size_of(s)
+                 for i, s in enumerate(srcs)]
+        n = 0 if scheduler else workers_for(srcs, sizes, jobs or os.cpu_count() or 1, files)
+        return _run(srcs, sizes, n, files, refused, cache, scheduler, progress, variant,
+                    categories, full)
+    finally:
+        for f in files.values():
+            f.close()
+
+
+def _open_inputs(srcs: list[str]) -> tuple[dict[int, Any], dict[int, dict]]:
+    """Each local input opened once, here, before any worker exists (`open_file`: a FIFO or a
+    device is refused at once); forked workers inherit the descriptors, so each reads the very
+    file checked here. ({index: open file}, {index: error document}). Where descriptors
+    would not be inherited (no fork) or would exceed the process's limit, workers open
+    their inputs themselves, through the same function."""
+    import multiprocessing as mp
+    import resource
+
+    from snapforensics.snapshot.unpickle import open_file
+
+    local = [i for i, s in enumerate(srcs) if not is_url(s)]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = len(local) + 256
+    if need > soft and (hard == resource.RLIM_INFINITY or need <= hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+            soft = need
+        except (ValueError, OSError):
+            pass
+    if "fork" not in mp.get_all_start_methods() or need > soft:
+        return {}, {}
+    files, refused = {}, {}
+    for i in local:
+        try:
+            files[i] = open_file(local_path(srcs[i]))
+        except SnapError as e:
+            refused[i] = {"source": srcs[i],
+                          "error": str(e).replace(local_path(srcs[i]) + ": ", "", 1)}
+    return files, refused
+
+
+def _run(srcs: list[str], sizes: list[int], n: int, files: dict[int, Any],
+         refused: dict[int, dict], cache: bool, scheduler: str | None, progress: bool,
+         variant: str, categories: tuple[str, ...], full: bool | None
+         ) -> list[dict[str, Any]]:
+    def fd(i: int) -> int | None:
+        return files[i].fileno() if i in files else None
+
+    todo = [i for i in range(len(srcs)) if i not in refused]
+    docs: list[Any] = [refused.get(i) for i in range(len(srcs))]
     if n == 1:  # in this thread: Ctrl-C interrupts the work itself
         with _Progress(srcs, sizes, progress, lambda: [os.getpid()]) as bar:
-            docs = []
-            for s, size in zip(srcs, sizes):
-                docs.append(diagnose_one(s, cache, variant, categories))
-                bar.advance(size)
+            for i in todo:
+                docs[i] = diagnose_one(srcs[i], cache, variant, categories, full, fd(i))
+                bar.advance(sizes[i])
         return docs
     if scheduler:
         ex, close = _dask_executor(scheduler)
@@ -227,7 +292,7 @@ def run(args: Iterable[str | os.PathLike], jobs: int | None = None, cache: bool 
         import multiprocessing as mp
 
         import snapforensics.analysis  # noqa: F401 - imported once, inherited by the forks
-        import snapforensics.snapshot.cache  # noqa: F401
+        import snapforensics.doccache  # noqa: F401
         # fork: workers start in milliseconds with everything imported, and never re-run the
         # caller's main module (a training script using the API). The pool forks all its
         # workers on the first submit, before any thread of ours (the progress bar) starts.
@@ -237,9 +302,8 @@ def run(args: Iterable[str | os.PathLike], jobs: int | None = None, cache: bool 
     futs: dict[futures.Future, int] = {}
     ok = False
     try:
-        futs = {ex.submit(diagnose_one, s, cache, variant, tuple(categories)): i
-                for i, s in enumerate(srcs)}
-        docs = [None] * len(srcs)
+        futs = {ex.submit(diagnose_one, srcs[i], cache, variant, tuple(categories), full,
+                          fd(i)): i for i in todo}
         with _Progress(srcs, sizes, progress,
                        lambda: list(getattr(ex, "_processes", None) or ())) as bar:
             for f in futures.as_completed(futs):
@@ -254,15 +318,37 @@ def run(args: Iterable[str | os.PathLike], jobs: int | None = None, cache: bool 
 
 
 def _dask_executor(address: str) -> tuple[futures.Executor, Callable]:
+    """A client of the scheduler at `address`. The handshake runs under a watchdog
+    (`SNAPFORENSICS_SCHEDULER_TIMEOUT` seconds, 10 by default: Dask's own timeout does not
+    cover a server that accepts and never answers), and any failure of the client (an HTTP
+    server answering, a frame length of exabytes, a refused connection) is one line, exit 2."""
     try:
         from distributed import Client
     except ImportError:
         raise SnapError("--scheduler needs dask.distributed: pip install "
                         "'snapforensics[fleet]'") from None
-    try:
-        client = Client(address, timeout=10)
-    except (OSError, TimeoutError, ValueError) as e:
-        raise SnapError(f"cannot reach the Dask scheduler at {address}: {e}") from None
+    wait = float(number("SNAPFORENSICS_SCHEDULER_TIMEOUT"))
+    got: list[Any] = []
+
+    def connect() -> None:
+        try:
+            got.append(Client(address, timeout=wait))
+        except BaseException as e:  # noqa: BLE001 - any client error is the user's one line
+            got.append(e)
+
+    t = threading.Thread(target=connect, name="dask-handshake", daemon=True)
+    t.start()
+    t.join(wait + 1)
+    if not got:
+        raise SnapError(f"the Dask scheduler at {address[:200]} did not complete the handshake "
+                        f"in {wait:g} s (is it a Dask scheduler? the dashboard port is not; "
+                        "SNAPFORENSICS_SCHEDULER_TIMEOUT sets the wait)")
+    if isinstance(got[0], BaseException):
+        e = got[0]
+        msg = str(e).splitlines()[0][:200] if str(e) else ""
+        raise SnapError(f"cannot use the Dask scheduler at {address[:200]}: "
+                        f"{type(e).__name__}: {msg}") from None
+    client = got[0]
     ex = client.get_executor(pure=False)
 
     def close(wait: bool = True) -> None:
@@ -283,7 +369,7 @@ class _Progress:
         self.on = enabled and sys.stderr.isatty()
         self.ranks, self.total = len(srcs), sum(sizes)
         self.done = self.bytes = 0
-        self.after = float(os.environ.get("SNAPFORENSICS_PROGRESS_AFTER", PROGRESS_AFTER_S))
+        self.after = float(number("SNAPFORENSICS_PROGRESS_AFTER"))
         self.paths = {os.path.realpath(local_path(s)) for s in srcs if not is_url(s)}
         self.pids = pids
         self.stop = threading.Event()

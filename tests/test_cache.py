@@ -18,9 +18,11 @@ import numpy as np
 import pytest
 from corpus import corpus_file
 
+from snapforensics import doccache
 from snapforensics.analysis import diagnose
 from snapforensics.snapshot import cache
 from snapforensics.snapshot.cache import loader
+from snapforensics.snapshot.unpickle import open_file
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = sorted((REPO / "fixtures").glob("*.pickle.gz"))
@@ -38,6 +40,11 @@ def cdir(tmp_path, monkeypatch) -> Path:
     monkeypatch.delenv("SNAPFORENSICS_NO_CACHE", raising=False)
     monkeypatch.delenv("SNAPFORENSICS_CACHE_SIZE", raising=False)
     return d
+
+
+def _key(path: Path) -> str | None:
+    with open_file(path) as f:
+        return cache.key(f)
 
 
 def assert_same(a, b) -> None:
@@ -77,9 +84,9 @@ def test_round_trip_equals_the_loader(cdir, name):
 
 def test_a_hit_does_not_read_the_snapshot(cdir, monkeypatch):
     path = FIXTURES[0]
-    want = cache.diagnose(path).to_dict()
-    monkeypatch.setattr(loader, "load", lambda p: pytest.fail("the loader ran on a hit"))
-    assert cache.diagnose(path).to_dict() == json.loads(json.dumps(want, default=str))
+    want = doccache.diagnose(path).to_dict()
+    monkeypatch.setattr(loader, "load", lambda *a: pytest.fail("the loader ran on a hit"))
+    assert doccache.diagnose(path).to_dict() == json.loads(json.dumps(want, default=str))
     cache.load(path)  # the model too
 
 
@@ -157,10 +164,10 @@ def test_tampered_entry_is_ignored_and_rewritten(cdir, how):
 def test_changed_file_is_a_miss(cdir, tmp_path):
     src = tmp_path / "rank0.pickle.gz"
     shutil.copy(FIXTURES[0], src)
-    k1 = cache.key(src)
+    k1 = _key(src)
     cache.load(src)
     os.utime(src, ns=(0, src.stat().st_mtime_ns + 10**9))
-    assert cache.key(src) != k1
+    assert _key(src) != k1
     shutil.copy(FIXTURES[1], src)
     assert_same(loader.load(src), cache.load(src))
 
@@ -175,9 +182,9 @@ def test_copied_file_keeps_its_own_name_and_rank(cdir, tmp_path):
     src.write_bytes(pickle.dumps(raw))
     copy = tmp_path / "snapshot_rank_5.pickle"
     shutil.copy2(src, copy)
-    assert cache.key(src) == cache.key(copy)
-    assert cache.load(src).rank == cache.diagnose(src).rank == 3
-    hit, doc = cache.load(copy), cache.diagnose(copy)
+    assert _key(src) == _key(copy)
+    assert cache.load(src).rank == doccache.diagnose(src).rank == 3
+    hit, doc = cache.load(copy), doccache.diagnose(copy)
     assert hit.source == doc.source == str(copy)
     assert hit.rank == doc.rank == loader.load(copy).rank == 5
 
@@ -198,13 +205,13 @@ def test_eviction_keeps_the_folder_under_its_bound(cdir, monkeypatch, tmp_path):
     cache.load(newest)
     left = list(cdir.iterdir())
     assert sum(x.stat().st_size for x in left) <= bound
-    assert (cdir / f"{cache.key(newest)}.npz") in left  # the most recent stays
+    assert (cdir / f"{_key(newest)}.npz") in left  # the most recent stays
     assert 1 <= len(left) < 5
 
 
 def test_disabled_cache_writes_nothing(cdir, monkeypatch):
     monkeypatch.setenv("SNAPFORENSICS_NO_CACHE", "1")
-    cache.diagnose(FIXTURES[0])
+    doccache.diagnose(FIXTURES[0])
     assert not cdir.exists() or not any(cdir.iterdir())
 
 
@@ -219,3 +226,43 @@ def test_cli_no_cache_and_rerun(cdir):
     first, again = cli(str(FIXTURES[0])), cli(str(FIXTURES[0]))
     assert sorted(p.suffix for p in cdir.iterdir()) == [".json", ".npz"]
     assert json.loads(first.stdout) == json.loads(again.stdout) == json.loads(r.stdout)
+
+
+def test_the_loader_cache_never_imports_the_analysis(cdir):
+    """snapshot/ sits below analysis/ (issue 19): loading through the model cache, a miss and a
+    hit, imports nothing from analysis/ or report/."""
+    code = ("import sys\nfrom snapforensics.snapshot import cache\n"
+            f"cache.load({str(FIXTURES[0])!r}); cache.load({str(FIXTURES[0])!r})\n"
+            "bad = [m for m in sys.modules if m.startswith(('snapforensics.analysis', "
+            "'snapforensics.report', 'snapforensics.doccache'))]\n"
+            "assert not bad, bad\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                       timeout=120, env=os.environ | {"PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.suffix for p in cdir.iterdir()) == [".npz"]
+
+
+def test_a_cached_document_is_checked_field_by_field(cdir):
+    """A document of this version with one field retyped (issue 21: exit 70 in the renderers)
+    or the entry swapped for a FIFO (a hang) is a miss: deleted and made again."""
+    path = FIXTURES[0]
+    want = doccache.diagnose(path).to_dict()
+    (doc,) = [p for p in cdir.iterdir() if p.suffix == ".json"]
+    good = json.loads(doc.read_text())
+    for change in ("peaks", "verdict", "fifo"):
+        doc.unlink()
+        if change == "fifo":
+            os.mkfifo(doc)
+        else:
+            bad = json.loads(json.dumps(good))
+            if change == "peaks":
+                bad["devices"][0]["peaks"] = [1, 2]
+            else:
+                bad["findings"][0]["verdict"] = "harmless"
+            doc.write_text(json.dumps(bad))
+        with pytest.raises(cache.BadEntry):
+            doccache.validate(json.loads(doc.read_text())) if change != "fifo" else \
+                cache.read_entry(doc, str(path))
+        got = doccache.diagnose(path).to_dict()
+        assert got == json.loads(json.dumps(want, default=str))
+        assert json.loads(doc.read_text()) == good  # rewritten

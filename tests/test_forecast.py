@@ -236,7 +236,11 @@ def test_cli_json_contract_and_bad_arguments(tmp_path, capsys):
                 "predicted_peak_bytes", "phase", "breakdown"} <= set(s)
         assert sum(s["breakdown"].values()) == s["predicted_peak_bytes"]
     for bad in (["--world-size", "four"], ["--strategy", "zero3"], ["--capacity", "lots"],
-                ["--micro-batch-scale", "-1"], ["--checkpointing", "some"]):
+                ["--micro-batch-scale", "-1"], ["--checkpointing", "some"],
+                # issue 21: out of range (int64 wrapped, -97% claimed, exit 70 before)
+                ["--micro-batch-scale", "1e12,1e14,inf"], ["--world-size", str(10 ** 26)],
+                ["--world-size", "1" + "0" * 400], ["--capacity", "1e400GiB"],
+                ["--strategy", "hsdp:0"], ["--micro-batch-scale", "nan"]):
         rc, _, err = _cli(capsys, "forecast", str(FIXED), *bad)
         assert rc == 2, (bad, err)
         assert len(err.strip().splitlines()) == 1 and "Traceback" not in err

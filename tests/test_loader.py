@@ -269,7 +269,7 @@ def test_npu_mode_0200_unreadable(tmp_path, monkeypatch):
     def denied(*a, **k):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(unpickle, "open", denied, raising=False)
+    monkeypatch.setattr(unpickle.os, "open", denied)  # open_file's one open (issue 21)
     msg = bad(p)
     assert "permission denied" in msg and "0200" in msg and "torch_npu" in msg
     assert f"chmod u+r {p}" in msg
@@ -519,7 +519,7 @@ FRM = ENT + ["frames", 0]
     (ENT + ["stream"], "s", "stream must be an int"),
     (ENT + ["stream"], 1 << 80, "out of range"),
     (ENT + ["time_us"], "now", "time_us must be a number"),
-    (ENT + ["time_us"], 10 ** 400, "time_us"),
+    # time_us 10 ** 400: untimed with one warning since issue 21 (test_hostile)
     (ENT + ["frames"], "abc", "device_traces[0][20]: frames must be a list"),
     (ENT + ["frames"], {"a": 1}, "frames must be a list"),
     (ENT + ["frames", 0], 3, "a frame is int"),

@@ -249,6 +249,10 @@ def _entry_kinds(frames: list[Frame], ranges: tuple[str, ...]):
             yield "pre_forward"
 
 
+# user categories: the category column is int8 (127 codes) and the built-in ones take ~15
+MAX_USER_CATEGORIES = 100
+
+
 def user_categories(spec) -> dict[str, re.Pattern]:
     """User categories from `{name: regex}` or `["NAME=REGEX", ...]` (`--category`), compiled.
 
@@ -257,8 +261,11 @@ def user_categories(spec) -> dict[str, re.Pattern]:
 
     if not spec:
         return {}
-    items = spec.items() if hasattr(spec, "items") else (
-        tuple(s.split("=", 1)) if "=" in s else (s, None) for s in spec)
+    items = list(spec.items() if hasattr(spec, "items") else (
+        tuple(s.split("=", 1)) if "=" in s else (s, None) for s in spec))
+    if len(items) > MAX_USER_CATEGORIES:
+        raise SnapError(f"{len(items)} categories: at most {MAX_USER_CATEGORIES} (a block's "
+                        "category is one byte, shared with the built-in ones)")
     out: dict[str, re.Pattern] = {}
     for name, regex in items:
         name = str(name).strip()

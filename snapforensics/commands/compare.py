@@ -36,7 +36,14 @@ def compare_folders(a: str, b: str, **run):
     return compare_runs(a, b, diags[:len(fa)], diags[len(fa):])
 
 
-@click.command("compare")
+@click.command("compare", short_help="Did the fix work? Before/after, rank vs rank, CI gate.",
+               epilog="""\b
+Examples:
+  snapforensics compare buggy/rank0.pickle fixed/rank0.pickle  # before/after
+  snapforensics compare runs/x                    # the ranks of one run
+  snapforensics compare runs/main runs/pr --fail-on regression=5% \\
+      --fail-on new-anomaly                       # two runs, a CI gate
+  snapforensics compare a.pickle b.pickle -o compare.html""")
 @click.argument("snapshots", nargs=-1, required=True)
 @report_options("compare")
 @click.option("--mode", type=click.Choice(["auto", "before-after", "ranks"]), default="auto",
@@ -57,9 +64,12 @@ def compare_command(snapshots: tuple[str, ...], fmt: str | None, output: str | N
     that deviates most from the median."""
     from snapforensics.analysis import gate
     from snapforensics.report.output import choose_format, emit
+    from snapforensics.snapshot.cache import full_hash
 
     gate.parse(fail_on)  # a typo in the gate is an error before minutes of work
-    run = {"jobs": jobs, "cache": not no_cache, "progress": not quiet}
+    # the gate keys the cache by every byte of each file (an attacker may edit one in place)
+    run = {"jobs": jobs, "cache": not no_cache, "progress": not quiet,
+           "full": full_hash(gate=bool(fail_on))}
     folders = len(snapshots) == 2 and all(map(os.path.isdir, snapshots)) and mode != "ranks"
     kind = "compare_runs" if folders else "compare"
     choose_format(kind, fmt, output)  # a bad -o fails before the diagnoses

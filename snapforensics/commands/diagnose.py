@@ -3,15 +3,20 @@ fleet report for a run folder, a glob or several files (every rank diagnosed in 
 
 from __future__ import annotations
 
-import os
-
 import click
 
 from snapforensics.commands._options import report_options, run_options
 from snapforensics.errors import EXIT_ANOMALY, SnapError
 
 
-@click.command("diagnose")
+@click.command("diagnose", short_help="Find what made the peak, the fix and the peak after it.",
+               epilog="""\b
+Examples:
+  snapforensics diagnose runs/a/rank0.pickle     # on the terminal
+  snapforensics diagnose rank0.pickle -o report.html  # offline, one file
+  snapforensics diagnose rank0.pickle -o report.md    # a ticket (+ .png)
+  snapforensics diagnose runs/a                  # every rank of the run
+  snapforensics diagnose s.pickle --format json --fail-on anomalous""")
 @click.argument("snapshots", nargs=-1, required=True)
 @report_options("diagnosis")
 @click.option("--fail-on", type=click.Choice(["anomalous", "never"]), default="never",
@@ -30,25 +35,30 @@ def diagnose_command(snapshots: tuple[str, ...], fmt: str | None, output: str | 
                      fail_on: str, redact_paths: bool, scheduler: str | None,
                      categories: tuple[str, ...], jobs: int | None, no_cache: bool,
                      quiet: bool) -> int:
-    """Diagnose memory snapshots (.pickle, .pkl, gzip'd too). Several files, a glob or a run
+    """Diagnose memory snapshots (.pickle, .pkl, gzip'd too; from `record`,
+    torch.cuda.memory._dump_snapshot or torch_npu): the phases and their peaks, what made every
+    block alive at the peak, findings with a verdict (anomalous, expected, info), the root
+    cause, the fix as code and the peak predicted after it. Several files, a glob or a run
     folder (its rank*.pickle) give one fleet report: peaks per rank with their spread, findings
     by rank, the worst rank first."""
     from snapforensics.analysis.classify import user_categories
     from snapforensics.analysis.diagnosis import Diagnosis
-    from snapforensics.parallel import expand, is_url, local_path, run
+    from snapforensics.parallel import expand, is_url, run
     from snapforensics.report.output import choose_format, emit
+    from snapforensics.snapshot.cache import full_hash
 
     srcs = expand(snapshots)
-    # one file (a path or URL), not a folder or a glob
-    single = len(snapshots) == 1 and srcs in ([snapshots[0]], [local_path(snapshots[0])])
+    single = len(srcs) == 1  # one file, or a folder or glob of one rank: one run's report
     kind = "diagnosis" if single else "fleet"
     fmt = choose_format(kind, fmt, output)  # a bad -o fails before the analysis
     user_categories(categories)  # and so does a bad --category
+    # the gate keys the cache by every byte of each file (an attacker may edit one in place)
+    full = full_hash(gate=fail_on != "never")
     if single and fmt in PLOTTED and not is_url(srcs[0]):
-        d = _with_plots(srcs[0], categories, cache=not no_cache)
+        d = _with_plots(srcs[0], categories, cache=not no_cache, full=full)
     else:
         docs = run(srcs, jobs=jobs, cache=not no_cache, scheduler=scheduler,
-                   progress=not quiet, categories=categories, expanded=True)
+                   progress=not quiet, categories=categories, expanded=True, full=full)
         if single:
             if "error" in docs[0]:
                 raise SnapError(f"{docs[0]['source']}: {docs[0]['error']}")
@@ -78,12 +88,10 @@ def diagnose_command(snapshots: tuple[str, ...], fmt: str | None, output: str | 
 PLOTTED = ("html", "markdown")
 
 
-def _with_plots(path: str, categories: tuple[str, ...], cache: bool):
+def _with_plots(path: str, categories: tuple[str, ...], cache: bool, full: bool):
     """One file diagnosed in this process, its plot series kept (the model from the cache)."""
     from snapforensics.analysis.classify import user_categories
     from snapforensics.analysis.diagnose import diagnose
     from snapforensics.snapshot import cache as snapcache
 
-    if not os.path.exists(path):
-        raise SnapError(f"{path}: no such file")
-    return diagnose(snapcache.load(path, cache=cache), user_categories(categories))
+    return diagnose(snapcache.load(path, cache=cache, full=full), user_categories(categories))

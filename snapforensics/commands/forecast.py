@@ -17,32 +17,55 @@ def _list(text: str | None, conv, what: str) -> list:
     try:
         return [conv(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise SnapError(f"--{what}: cannot read {text!r}") from None
+        raise SnapError(f"--{what}: cannot read {text[:80]!r} ({RANGES[what]})") from None
+
+
+RANGES = {"world-size": "integers from 1 to 1048576",
+          "strategy": "full_shard, shard_grad_op, no_shard or hsdp:R, R from 1 to 1048576",
+          "checkpointing": "none or full",
+          "micro-batch-scale": "numbers from 1/1024 to 1024"}
+
+
+# Ranges of the options. World sizes (and HSDP replicas): up to 2^20 ranks, above the largest
+# clusters built (~1e5 devices); per-rank shards of 1/W stay whole bytes far past a real unit.
+# Micro-batch scales: 1/1024 to 1024 times the recorded one: activations scale linearly only
+# near the recording, and the scaled int64 byte counts stay exact (2^50 B x 2^10 < 2^62).
+# Capacity: up to 2^60 bytes (1 EiB), no device has more.
+MAX_WORLD = 1 << 20
+SCALES = (1 / 1024, 1024.0)
+MAX_CAPACITY = 1 << 60
 
 
 def _strategy(s: str) -> str:
     s = s.strip().lower()
     if s in ("full_shard", "shard_grad_op", "no_shard") or (
-            s.startswith("hsdp:") and s[5:].isdigit() and int(s[5:]) >= 1):
+            s.startswith("hsdp:") and s[5:].isdigit() and len(s) < 16
+            and 1 <= int(s[5:]) <= MAX_WORLD):
         return s
     raise ValueError(s)
 
 
 def _positive_int(s: str) -> int:
-    n = int(s)
-    if n < 1:
+    s = s.strip()
+    if not s.isdigit() or len(s) > 8 or not 1 <= int(s) <= MAX_WORLD:
         raise ValueError(s)
-    return n
+    return int(s)
 
 
 def _scale(s: str) -> float:
     k = float(s)
-    if not k > 0:
+    if not SCALES[0] <= k <= SCALES[1]:  # also refuses nan and inf
         raise ValueError(s)
     return k
 
 
-@click.command("forecast")
+@click.command("forecast", short_help="The peak on more ranks, another strategy or batch.",
+               epilog="""\b
+Examples:
+  snapforensics forecast runs/a/rank0.pickle --world-size 4,8,64,512
+  snapforensics forecast runs/a/rank0.pickle --capacity 80GiB \\
+      --strategy full_shard,hsdp:8 --checkpointing none,full \\
+      --micro-batch-scale 0.5,2""")
 @click.argument("snapshot", type=click.Path(path_type=Path))
 @click.option("--world-size", help="World sizes to forecast, comma-separated (e.g. 4,8,64,512).")
 @click.option("--strategy", help="full_shard | shard_grad_op | no_shard | hsdp:R (R replicas), "
@@ -55,7 +78,11 @@ def _scale(s: str) -> float:
 @report_options("forecast")
 def forecast_command(snapshot: Path, world_size, strategy, checkpointing, micro_batch_scale,
                      capacity, fmt: str | None, output: str | None) -> int:
-    """Forecast the peak of the recorded run under other settings (docs/forecast.md)."""
+    """Forecast the peak of the recorded run under other settings: world sizes, sharding
+    strategies, activation checkpointing and micro-batch sizes, each block scaled by what made
+    it and the trace replayed; with --capacity, which scenarios fit. A run with an anomaly is
+    forecast as recorded and with the fix applied. Model and limits: docs/forecast.md in the
+    project's repository."""
     from snapforensics.analysis.forecast import forecast, parse_size
     from snapforensics.report.output import choose_format, emit
     from snapforensics.snapshot import load
@@ -65,8 +92,10 @@ def forecast_command(snapshot: Path, world_size, strategy, checkpointing, micro_
     if capacity:
         try:
             cap = parse_size(capacity)
-        except ValueError as e:
-            raise SnapError(f"--capacity: {e}") from None
+        except (ValueError, OverflowError) as e:
+            raise SnapError(f"--capacity: {str(e)[:120]}") from None
+        if not 1 <= cap <= MAX_CAPACITY:
+            raise SnapError(f"--capacity {capacity[:40]!r}: expected 1 B to 1 EiB")
     ckpt = _list(checkpointing, str.strip, "checkpointing")
     if any(c not in ("none", "full") for c in ckpt):
         raise SnapError(f"--checkpointing: expected none or full, got {checkpointing!r}")

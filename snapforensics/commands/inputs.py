@@ -16,9 +16,10 @@ from snapforensics.parallel import expand
 __all__ = ["diagnose_paths", "expand"]
 
 def diagnose_paths(paths: Sequence[str | Path], jobs: int | None = None, cache: bool = True,
-                   progress: bool = False) -> list[Diagnosis]:
+                   progress: bool = False, full: bool | None = None) -> list[Diagnosis]:
     """Diagnose each input once (a file given twice is read once), in order, in parallel
-    processes and through the cache (`parallel.run`). Every local path is checked first, so a
+    processes and through the cache (`parallel.run`; `full`: key it by every byte). Every
+    local path is checked first, so a
     typo in the last one fails before minutes of work; the first unreadable input is the
     error."""
     from snapforensics.parallel import is_url, run
@@ -29,7 +30,7 @@ def diagnose_paths(paths: Sequence[str | Path], jobs: int | None = None, cache: 
         raise SnapError(f"{missing[0]}: no such file")
     unique = list(dict.fromkeys(srcs))
     docs = dict(zip(unique, run(unique, jobs=jobs, cache=cache, progress=progress,
-                                expanded=True)))
+                                expanded=True, full=full)))
     bad = next((d for d in docs.values() if "error" in d), None)
     if bad is not None:
         raise SnapError(f"{bad['source']}: {bad['error']}")

@@ -17,9 +17,8 @@ as it walks, before expanding anything, and stops with exit 2:
 
 from __future__ import annotations
 
-import os
-
 from snapforensics.errors import SnapError
+from snapforensics.settings import number
 
 UNITS_PER_BYTE = 4
 UNITS_FLOOR = 1 << 20  # small files: analysis cost is negligible below this
@@ -29,10 +28,7 @@ ENV = "SNAPFORENSICS_EXPANSION"
 
 
 def factor() -> float:
-    try:
-        return max(0.0, float(os.environ.get(ENV, "1")))
-    except ValueError:
-        return 1.0
+    return float(number(ENV))
 
 
 class Budget:

@@ -17,6 +17,9 @@ from snapforensics.errors import SnapError
 MAX_BYTES = 1 << 50  # 1 PiB: no single allocation or segment is larger; bigger means corrupt
 MAX_TOTAL = 1 << 62  # sums of sizes must stay far from int64 overflow
 MAX_DEVICE = 1 << 16
+# |time_us| beyond this (285 years from the epoch) is no clock's reading: such a trace is
+# untimed. Below it, spans and differences of times stay finite and exact in float64.
+MAX_TIME_US = float(1 << 53)
 _INT = {int}
 _NUM_OR_NONE = {int, float, type(None)}
 LISTS = (list, tuple)
@@ -72,17 +75,22 @@ def check_int(v: Any, where: str, field: str, *, lo: int = 0, hi: int = (1 << 64
 
 
 def check_time(v: Any, where: str) -> float:
+    """A time in µs; NaN when missing, inf when too large for a float (`absurd_times` says
+    which are usable)."""
     if v is None:
         return math.nan
     if type(v) not in (int, float):
         raise SnapError(f"{where}: time_us must be a number, got {tname(v)}")
     try:
-        t = float(v)
+        return float(v)
     except OverflowError:
-        raise SnapError(f"{where}: time_us {short(v)} is out of range") from None
-    if math.isinf(t):
-        raise SnapError(f"{where}: time_us {short(v)} is out of range")
-    return t
+        return math.inf
+
+
+def absurd_times(t: np.ndarray) -> bool:
+    """Whether any time is infinite or beyond MAX_TIME_US (NaN: missing, not absurd)."""
+    with np.errstate(invalid="ignore"):
+        return bool((np.abs(t) > MAX_TIME_US).any())
 
 
 def column(entries: list, key: str, default: Any = None) -> list:
@@ -124,11 +132,6 @@ def check_size_total(arr: np.ndarray, where_dev: str, field: str) -> None:
 def time_column(col: list, where_dev: str) -> np.ndarray:
     check_types(col, _NUM_OR_NONE, where_dev, "time_us", "a number")
     try:
-        arr = np.array(col, np.float64)
-    except (OverflowError, ValueError, TypeError):
-        arr = None
-    if arr is None or np.isinf(arr).any():
-        for i, v in enumerate(col):
-            check_time(v, f"{where_dev}[{i}]")
-        raise SnapError(f"{where_dev}: time_us is out of range")
-    return arr
+        return np.array(col, np.float64)
+    except (OverflowError, ValueError, TypeError):  # an int too large for a float
+        return np.array([check_time(v, where_dev) for v in col], np.float64)

@@ -1,8 +1,15 @@
 """Interning: every frame, stack, stream and pool once in a table, referenced by small ids.
 
 Frames are recognised by the identity of their dict (the pickle memoizes identical frames, so
-they are the same objects) then by value; stacks (tuples of frame ids, innermost first) by
-the identity and contents of their frames list; streams and pools by value.
+they are the same objects) then by value (file, line, name: nothing else in the dict is ever
+compared); stacks (tuples of frame ids, innermost first) by the identity of their frames list,
+then by the identities of its frames, then by frame ids; streams and pools by value. Lists are
+never compared with `==`: that would compare frames' extra keys, whatever they hold.
+
+A frame's name and file are cut to MAX_NAME characters here, where they are interned, so no
+later stage (the classifier's regexes, the renderers) ever sees a longer one: a Python frame
+name is an identifier, a C++ one a demangled symbol, a few hundred characters for deep
+templates; 4,096 keeps every real one whole.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from snapforensics.snapshot.columns import (
 from snapforensics.snapshot.model import NO_STACK, Frame
 
 _BUCKET = 16
+MAX_NAME = 4096
 _FRAMES_TYPES = {list, tuple, type(None)}
 _CHUNK_FRAMES = 1 << 20  # frames hashed per numpy pass: 8 MiB per temporary array
 _K = tuple(np.uint64(k) for k in (0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0x9E3779B97F4A7C15))
@@ -74,7 +82,7 @@ class Interner:
         self.frame_ids: dict[Frame, int] = {}
         self.by_obj: dict[int, int] = {}  # id(frame dict) -> frame id
         self.buckets: dict[tuple[int, ...], list] = {}  # quick key -> [(frames list, stack id)]
-        self.by_ids: dict[tuple[int, ...], int] = {}  # frame-dict ids -> stack id (overflow)
+        self.by_ids: dict[tuple, int] = {}  # (list type, frame-dict ids) -> stack id (overflow)
         self.keep_alive: list[Any] = []  # id() keys are only valid while the objects live
         self.stacks: list[tuple[int, ...]] = []
         self.stack_ids: dict[tuple[int, ...], int] = {}
@@ -102,7 +110,7 @@ class Interner:
             raise SnapError(f"{where}: frame line must be an int, got {tname(line)}")
         if not -(1 << 31) <= line < (1 << 31):
             raise SnapError(f"{where}: frame line {short(line)} is out of range")
-        frame = Frame(clean_str(filename), line, clean_str(name))
+        frame = Frame(_cap(filename), line, _cap(name))
         fid = _index(self.frames, self.frame_ids, frame)
         self.by_obj[id(f)] = fid
         self.keep_alive.append(f)
@@ -133,30 +141,31 @@ class Interner:
             return NO_STACK
         qk = (n, id(frames[0]), id(frames[n >> 1]), id(frames[-1]), id(frames[n >> 2]))
         bucket = self.buckets.get(qk)
+        if bucket is not None and len(bucket) >= _BUCKET:
+            # Many stacks share the sampled frames: exact identity key instead.
+            key = (type(frames), *map(id, frames))
+            sid = self.by_ids.get(key)
+            if sid is None:
+                sid = self.by_ids[key] = self._intern_stack(frames, where, row)
+                self.keep_alive.append(frames)
+            return sid
         if bucket is not None:
             for j, (cand, sid) in enumerate(bucket):
-                try:
-                    same = cand == frames
-                except RecursionError:  # only hostile extra keys in frames can nest
-                    same = False
-                if same:
+                if _same(cand, frames):
                     if j:  # move to front: the next entry likely repeats this stack
                         bucket[0], bucket[j] = bucket[j], bucket[0]
                     return sid
-            if len(bucket) >= _BUCKET:
-                # Many stacks share the sampled frames: exact identity key instead.
-                key = tuple(map(id, frames))
-                sid = self.by_ids.get(key)
-                if sid is None:
-                    sid = self._intern_stack(frames, where, row)
-                    self.by_ids[key] = sid
-                    self.keep_alive.append(frames)
-                return sid
+            # the work of comparing with every list of the bucket, counted like frames (at
+            # most _BUCKET - 1 lists: a full bucket's lists are found by identity key)
+            self.budget.add(n * len(bucket), "frames compared")
         sid = self._intern_stack(frames, where, row)
         if bucket is None:
             self.buckets[qk] = [(frames, sid)]
         else:
             bucket.append((frames, sid))
+            if len(bucket) >= _BUCKET:
+                for cand, s in bucket:
+                    self.by_ids.setdefault((type(cand), *map(id, cand)), s)
         return sid
 
     def _intern_stack(self, frames: list | tuple, where: str, row: int | None) -> int:
@@ -230,10 +239,7 @@ class Interner:
         rep = g_first[g_inv.reshape(-1)]
         other = np.flatnonzero(rep != np.arange(len(e)))
         if len(other):
-            try:
-                same = np.fromiter(map(operator.eq, e[other], e[rep[other]]), bool, len(other))
-            except RecursionError:  # only hostile extra keys in frames can nest
-                same = np.zeros(len(other), bool)
+            same = np.fromiter(map(_same, e[other], e[rep[other]]), bool, len(other))
             rep[other[~same]] = other[~same]
         # Representatives are interned one by one, in order of first appearance, so stack and
         # frame ids are those a row-by-row walk would give.
@@ -293,6 +299,19 @@ class Interner:
             return -1  # (0, 0): the default pool
         pid = _index(self.pools, self.pool_ids, key)
         return pid
+
+
+def _same(a: Any, b: Any) -> bool:
+    """The same frame objects in the same order, in the same kind of sequence (`_native.c`'s
+    `same_frames`): pointer compares, never a frame's `==`."""
+    return type(a) is type(b) and len(a) == len(b) and all(map(operator.is_, a, b))
+
+
+def _cap(s: str) -> str:
+    """A name or file from the file, at most MAX_NAME characters, valid UTF-8."""
+    if len(s) > MAX_NAME:
+        s = f"{s[:MAX_NAME]}...[{len(s) - MAX_NAME:,} more characters]"
+    return clean_str(s)
 
 
 def _index(table: list, ids: dict, key: Any) -> int:

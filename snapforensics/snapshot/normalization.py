@@ -23,7 +23,9 @@ from snapforensics.snapshot.columns import (
     LISTS,
     MAX_BYTES,
     MAX_DEVICE,
+    MAX_TIME_US,
     MAX_TOTAL,
+    absurd_times,
     check_int,
     check_size_total,
     check_time,
@@ -60,13 +62,15 @@ OTHER = A["other"]
 DEVICE_UNITS = 1024  # each device is analysed on its own: a fixed cost of about 1,000 rows
 
 
-def load(path: str | os.PathLike) -> Snapshot:
+def load(path: str | os.PathLike, file: Any = None) -> Snapshot:
+    """The model of the snapshot at `path` (`file`: `path` already opened by
+    `unpickle.open_file`; consumed)."""
     # The GC stays off from the first unpickled object to the model: re-enabling it while the
     # raw graph is alive would make the next allocation walk millions of containers (a young
     # collection: every object made while the GC was off counts as young). So the raw graph is
     # freed before the GC comes back.
     with gc_paused():
-        raw, warnings, info = read_raw_info(path)
+        raw, warnings, info = read_raw_info(path, file)
         try:
             snap = normalize(raw, source=str(path), warnings=warnings, file_info=info)
         except SnapError as e:
@@ -76,7 +80,7 @@ def load(path: str | os.PathLike) -> Snapshot:
 
 
 def _trace(entries: Any, device: int, it: Interner, inline_ann: list[Annotation],
-           keys_seen: set) -> Trace:
+           keys_seen: set, untimed: list[str]) -> Trace:
     where_dev = f"device_traces[{device}]"
     if type(entries) not in LISTS:
         raise SnapError(f"{where_dev} must be a list, got {tname(entries)}")
@@ -85,6 +89,9 @@ def _trace(entries: Any, device: int, it: Interner, inline_ann: list[Annotation]
         return Trace.empty(device)
     action, addr, size, stream, time_us, stack = (_native_columns(entries, where_dev, it)
                                                   or _checked_columns(entries, where_dev, it))
+    if absurd_times(time_us):  # one warning per file, in normalize
+        untimed.append(f"device {device}")
+        time_us = np.full(n, np.nan)
     # Which optional fields this file has: first and last entries suffice.
     for e in entries[:500] if n <= 1000 else entries[:500] + entries[-500:]:
         keys_seen.update(e)
@@ -325,7 +332,8 @@ def _dflt(d: dict, key: str, default: Any) -> Any:
     return default if v is None else v
 
 
-def _place_annotations(raw: Any, traces: list[Trace], it: Interner) -> list[Annotation]:
+def _place_annotations(raw: Any, traces: list[Trace], it: Interner,
+                       untimed: list[str]) -> list[Annotation]:
     """External annotations carry only a time: place each before the first later trace row."""
     if raw is None:
         return []
@@ -350,6 +358,9 @@ def _place_annotations(raw: Any, traces: list[Trace], it: Interner) -> list[Anno
         dev = a.get("device", 0)
         dev = dev if type(dev) is int else 0
         t = check_time(a.get("time_us"), where)
+        if abs(t) > MAX_TIME_US:
+            untimed.append(f"external annotation {i}")
+            continue
         trace = by_dev[dev] if dev in by_dev else (traces[0] if traces else None)
         if trace is None or math.isnan(t):
             continue
@@ -435,15 +446,21 @@ def normalize(raw: Any, source: str = "<memory>", warnings: list[str] | None = N
     it.budget.add(sum(len(e) for e in dt if type(e) in LISTS), "trace entries")
     inline: list[Annotation] = []
     keys: set = set()
-    traces = [_trace(entries, d, it, inline, keys) for d, entries in enumerate(dt)]
+    untimed: list[str] = []
+    traces = [_trace(entries, d, it, inline, keys, untimed) for d, entries in enumerate(dt)]
     if float(sum(float(t.size.sum(dtype=np.float64)) for t in traces)) > MAX_TOTAL:
         raise SnapError("trace sizes add up to more memory than any device could hold")
     for t in traces:
         if (len(t) > 1 and not np.isnan(t.time_us).any() and (np.diff(t.time_us) < 0).any()
                 and not (t.action == A["workspace_snapshot"]).any()):
             warnings.append(f"device {t.device}: trace times go backwards; kept file order")
-    annotations = sorted(_place_annotations(raw.get("external_annotations"), traces, it) + inline,
-                         key=lambda a: (a.device, a.row))
+    annotations = sorted(_place_annotations(raw.get("external_annotations"), traces, it, untimed)
+                         + inline, key=lambda a: (a.device, a.row))
+    if untimed:
+        shown = ", ".join(untimed[:3]) + (f" and {len(untimed) - 3} more" if len(untimed) > 3
+                                          else "")
+        warnings.append(f"time_us infinite or beyond ±2^53 µs ({shown}): no clock reads that; "
+                        "treated as untimed (rows in file order)")
     it.check_strings(sum(len(a.name) for a in annotations))
     trace_devices = {t.device for t in traces if len(t)} - seg_devices
     it.budget.add(DEVICE_UNITS * len(trace_devices), "units of per-device analysis")

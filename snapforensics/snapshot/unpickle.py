@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from snapforensics.errors import SnapError
+from snapforensics.settings import number
 from snapforensics.snapshot.columns import short, tname
 
 
@@ -66,12 +67,8 @@ def _memory_guard(budget: int) -> Iterator[int | None]:
     Yields the cap in bytes (None when no cap applies). `SNAPFORENSICS_LOAD_MEMORY` overrides the
     budget in bytes; 0 disables the guard.
     """
-    env = os.environ.get("SNAPFORENSICS_LOAD_MEMORY")
-    if env is not None:
-        try:
-            budget = int(env)
-        except ValueError:
-            pass
+    if os.environ.get("SNAPFORENSICS_LOAD_MEMORY", "").strip():
+        budget = int(number("SNAPFORENSICS_LOAD_MEMORY"))
     try:
         import resource
     except ImportError:  # not POSIX
@@ -126,7 +123,16 @@ def _not_pickle_message(p: Path, head: bytes) -> str:
             "torch.cuda.memory._dump_snapshot writes)")
 
 
-def _open(p: Path) -> tuple[Any, int]:
+def open_file(path: str | os.PathLike) -> Any:
+    """`path` opened for reading, once, as a regular file; every reader of a snapshot (the
+    cache key, the loader, the workers) gets this file object, so none can block or read a
+    device: the path is looked up without opening it (a symlink to `/dev/zero`, a FIFO, a
+    socket are refused before any open), then opened with O_NONBLOCK (a FIFO swapped in between
+    opens at once instead of waiting for a writer) and checked again on the descriptor itself.
+    One SnapError line for every way it fails."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise SnapError(f"expected a path to a snapshot file, got {tname(path)}")
+    p = Path(path)
     try:
         st = os.stat(p)
     except FileNotFoundError:
@@ -136,17 +142,32 @@ def _open(p: Path) -> tuple[Any, int]:
                         "directory permissions)") from None
     except (OSError, ValueError) as e:
         raise SnapError(f"{p}: cannot read: {getattr(e, 'strerror', None) or e}") from None
-    if stat.S_ISDIR(st.st_mode):
-        raise SnapError(f"{p}: is a directory, expected a snapshot file (e.g. {p}/rank0.pickle)")
-    if not stat.S_ISREG(st.st_mode):
-        raise SnapError(f"{p}: not a regular file (a pipe or device?); pass a snapshot file")
+    _regular(p, st.st_mode)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | \
+        getattr(os, "O_CLOEXEC", 0)
     try:
-        f = open(p, "rb")  # noqa: SIM115 (closed by the caller's with)
+        fd = os.open(p, flags)
     except PermissionError:
         raise SnapError(_permission_message(p, st.st_mode)) from None
-    except OSError as e:
-        raise SnapError(f"{p}: cannot read: {e.strerror or e}") from None
-    return f, st.st_size
+    except (OSError, ValueError) as e:
+        raise SnapError(f"{p}: cannot read: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        st = os.fstat(fd)
+        _regular(p, st.st_mode)
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb")
+
+
+def _regular(p: Path, mode: int) -> None:
+    if stat.S_ISDIR(mode):
+        raise SnapError(f"{p}: is a directory, expected a snapshot file (e.g. {p}/rank0.pickle)")
+    if not stat.S_ISREG(mode):
+        raise SnapError(f"{p}: not a regular file (a pipe, socket or device?); pass a snapshot "
+                        "file")
 
 
 def _permission_message(p: Path, mode: int) -> str:
@@ -243,10 +264,17 @@ def _load(stream: Any, bound: int, budget: int) -> Any:
     return result[0]
 
 
-def read_raw_info(path: str | os.PathLike) -> tuple[Any, list[str], dict]:
-    """Unpickle `path` safely. Returns the raw object, loader warnings and facts about the file."""
+def read_raw_info(path: str | os.PathLike, file: Any = None) -> tuple[Any, list[str], dict]:
+    """Unpickle `path` safely. Returns the raw object, loader warnings and facts about the file.
+    `file`: `path` already opened by `open_file` (read from its start; closed here)."""
+    f = open_file(path) if file is None else file
     p = Path(path)
-    f, size = _open(p)
+    try:
+        f.seek(0)
+        size = os.fstat(f.fileno()).st_size
+    except (OSError, ValueError) as e:
+        f.close()
+        raise SnapError(f"{p}: cannot read: {getattr(e, 'strerror', None) or e}") from None
     info: dict[str, Any] = {"file_bytes": size, "gzip": False, "stale_bytes": 0}
     warnings: list[str] = []
     cut, damaged = False, ""
@@ -327,4 +355,7 @@ def read_raw(path: str | os.PathLike) -> tuple[Any, list[str]]:
     """Unpickle `path` safely. Returns the raw object and loader warnings."""
     obj, warnings, _ = read_raw_info(path)
     return obj, warnings
+
+
+__all__ = ["open_file", "read_raw", "read_raw_info", "gc_paused"]
 

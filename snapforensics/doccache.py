@@ -1,0 +1,171 @@
+"""The cache of diagnosis documents: a re-run on an unchanged snapshot also skips the analysis.
+
+    from snapforensics import doccache
+    d = doccache.diagnose(path)      # the finished Diagnosis: the cached document, else the
+                                     # cached model (snapshot/cache.py), else the file
+
+It sits above both the loader (snapshot/) and the analysis: the loader's package never imports
+the analysis. Beside the model entry `<key>.npz`, `<key>.<analysis>.json` holds the document
+(`Diagnosis.to_dict()`) for one version of the analysis code and one set of options.
+
+A document is read as strictly as a snapshot: through the loader's `open_file` (a regular file,
+never a FIFO or a device; at most DOC_MAX, 64 MiB), parsed by orjson (plain JSON: no NaN, ints
+within 64 bits), then every field is checked against the type its dataclass declares
+(`Diagnosis`, `DeviceSummary`, `Finding`; `Any` admits any JSON value) and the peaks and
+segments dicts must hold the keys the renderers read. Anything else is a bad entry: deleted,
+and the document is made again from the snapshot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import fields
+from typing import IO, Any
+
+import orjson
+
+from snapforensics.analysis.diagnosis import DeviceSummary, Diagnosis, Finding
+from snapforensics.analysis.vocab import Verdict
+from snapforensics.snapshot import cache
+from snapforensics.snapshot import normalization as loader
+from snapforensics.snapshot.npz import BadEntry
+from snapforensics.snapshot.unpickle import open_file
+
+
+def diagnose(path: str | os.PathLike, cache_on: bool = True, variant: str = "",
+             categories: tuple[str, ...] = (), full: bool | None = None,
+             file: IO[bytes] | None = None) -> Diagnosis:
+    """The finished Diagnosis of `path` (`variant`: the options that change an analysis;
+    `categories`: user categories, `NAME=REGEX`; `full`: key by every byte of the file, see
+    `cache.full_hash`; `file`: `path` already opened by `open_file`, consumed), reusing the
+    cached document, else the cached model, else loading the file."""
+    from snapforensics.analysis import diagnose as analyse
+    from snapforensics.analysis.classify import user_categories
+
+    try:
+        user = user_categories(categories)
+    except BaseException:
+        if file is not None:
+            file.close()
+        raise
+    f = open_file(path) if file is None else file
+    try:
+        k = cache.key(f, full) if cache_on and cache.enabled() else None
+        if k is None:
+            return analyse(loader.load(path, f), user)
+        variant = "\n".join([variant, *categories])
+        vtag = hashlib.blake2b(f"{cache.tag('analysis', 'snapshot')} {variant}".encode(),
+                               digest_size=8).hexdigest()
+        name = f"{k}.{vtag}.json"
+        d = cache.read(name, _parse, DOC_MAX)
+        if d is not None:
+            d.source, d.rank = str(path), _rank(d.provenance, str(path))
+            return d
+        d = analyse(cache.load(path, file=f, k=k), user)
+    finally:
+        f.close()
+    cache.write(name, lambda out: out.write(orjson.dumps(d.to_dict(), default=str,
+                                                         option=orjson.OPT_NON_STR_KEYS)))
+    return d
+
+
+def _rank(provenance: dict, source: str) -> int | None:
+    from snapforensics.snapshot.format import rank_from_name
+
+    rank = provenance.get("rank")
+    return rank if type(rank) is int and 0 <= rank < (1 << 31) else rank_from_name(source)
+
+
+# ------------------------------------------------------------------------------- validation
+
+# A document is tens of kB (a 1,000-device run's a few MB): a bigger entry is not one of ours.
+DOC_MAX = 64 << 20
+REQUIRED = {"peaks": ("forward_bytes", "backward_bytes", "overall_bytes"),
+            "segments": ("allocated_bytes", "reserved_bytes", "count")}
+
+
+def _parse(f: IO[bytes]) -> Diagnosis:
+    try:
+        doc = orjson.loads(f.read())
+    except (OSError, orjson.JSONDecodeError) as e:
+        raise BadEntry(f"not JSON: {e}") from None
+    return validate(doc)
+
+
+def validate(doc: Any) -> Diagnosis:
+    """The Diagnosis a document describes when every field has the type it declares; BadEntry
+    for anything else."""
+    if type(doc) is not dict:
+        raise BadEntry("not an object")
+    _fields(Diagnosis, doc, skip={"devices", "findings"})
+    for name, cls in (("devices", DeviceSummary), ("findings", Finding)):
+        items = doc.get(name)
+        if type(items) is not list or not all(type(x) is dict for x in items):
+            raise BadEntry(f"{name}: not a list of objects")
+        for x in items:
+            _fields(cls, x)
+    try:
+        return Diagnosis.from_dict(doc)
+    except (ValueError, TypeError, KeyError) as e:
+        raise BadEntry(f"{type(e).__name__}: {e}") from None
+
+
+def _fields(cls: type, d: dict, skip: frozenset | set = frozenset()) -> None:
+    for fl in fields(cls):
+        if fl.metadata.get("json") is False or fl.name in skip:
+            continue
+        if fl.name not in d:
+            raise BadEntry(f"{cls.__name__}.{fl.name}: missing")
+        v = d[fl.name]
+        if not _is(v, str(fl.type)):
+            raise BadEntry(f"{cls.__name__}.{fl.name}: not {fl.type}")
+        need = REQUIRED.get(fl.name)
+        if need and not all(k in v for k in need):
+            raise BadEntry(f"{cls.__name__}.{fl.name}: lacks {need}")
+
+
+_SIMPLE: dict[str, Any] = {"str": (str,), "int": (int,), "float": (float, int),
+                           "bool": (bool,), "None": (type(None),)}
+_VERDICTS = {v.value for v in Verdict}
+
+
+def _split(s: str, sep: str) -> list[str]:
+    """`s` split at `sep` outside brackets."""
+    out, depth, cur = [], 0, ""
+    for ch in s:
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == sep and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    return [*out, cur.strip()]
+
+
+def _is(v: Any, ann: str) -> bool:
+    """Whether the JSON value `v` has the type the annotation text `ann` names."""
+    alts = _split(ann, "|")
+    if len(alts) > 1:
+        return any(_is(v, a) for a in alts)
+    if ann == "Any":
+        return True
+    if ann in _SIMPLE:
+        return type(v) in _SIMPLE[ann] and not (ann == "int" and type(v) is bool)
+    if ann == "Verdict":
+        return v in _VERDICTS
+    m = re.fullmatch(r"(\w+)\[(.*)\]", ann)
+    head, args = (m.group(1), _split(m.group(2), ",")) if m else (ann, [])
+    if head == "list":
+        return type(v) is list and (not args or all(_is(x, args[0]) for x in v))
+    if head == "dict":
+        return type(v) is dict and (not args or all(
+            _is(k, args[0]) and _is(x, args[1]) for k, x in v.items()))
+    if head == "tuple":
+        return type(v) is list
+    return False  # a type this checker does not know: never trusted
+
+
+__all__ = ["diagnose", "validate"]
