@@ -64,4 +64,4 @@ bench: setup
 	$(BIN)/python benchmarks/bench_load.py
 
 clean:
-	rm -rf $(VENV) .venv-py* snapforensics-out .pytest_cache
+	rm -rf $(VENV) .venv-py* snapforensics-out .pytest_cache .recordings
