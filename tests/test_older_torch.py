@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from edits import cuda_shaped, recording_thread_annotations, without_worker_blocks
 
-from snapforensics.analysis.diagnose import diagnose_devices
+from snapforensics.analysis.engine import diagnose_devices
 from snapforensics.snapshot import normalize, read_raw
 
 

@@ -17,7 +17,7 @@ from corpus import corpus_file, corpus_files
 from edits import cuda_all_shaped, cuda_shaped, python_only
 
 from snapforensics.analysis.context import analyse
-from snapforensics.analysis.diagnose import diagnose_devices
+from snapforensics.analysis.engine import diagnose_devices
 from snapforensics.analysis.vocab import CAT_CODE, Category, Phase
 from snapforensics.snapshot import normalize, read_raw
 
