@@ -72,10 +72,12 @@ class Cell(IntEnum):
 # recording, a class instance costs ~4x more). frame: None until an allocation needs it, then the
 # interned frame, False for "not a frame", or _STOP (the recorder's own frames start there).
 EVENT, KIND, FRAME, START = range(4)
-@dataclass(slots=True)
+@dataclass
 class _Alloc:
     """One allocator event (``size`` < 0 for a free) on the profiler's CPU device."""
 
+    # slots=True needs Python 3.10; the fields have no defaults, so __slots__ does the same
+    __slots__ = ("time_ns", "seq", "ptr", "size", "frames", "tid", "starts", "total")
     time_ns: int
     seq: int
     ptr: int
