@@ -218,6 +218,12 @@ class _Ranks:
     def on_signal(self, signum, frame) -> None:
         self.signals += 1
         self._send(signum if self.signals == 1 else signal.SIGKILL)
+        if self.signals == 1:
+            # a rank that never answers (blocked where neither Python nor the watcher runs) is
+            # killed after the same grace as when a rank fails
+            self.stop_at = time.monotonic() + STOP_GRACE_S
+            name = "interrupted" if signum == signal.SIGINT else signal.Signals(signum).name
+            _say(False, f"{name}: writing snapshots ... (again to stop without them)")
 
     def wait(self) -> list[int]:
         handlers = _install(_FORWARDED, self.on_signal)
@@ -258,9 +264,11 @@ class _OutLock:
         self.out = out
         self.force = force
         self.fd: int | None = None
+        self.created = False
 
     def __enter__(self) -> _OutLock:
         try:
+            self.created = not self.out.exists()
             self.out.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.out / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as e:
@@ -300,6 +308,11 @@ class _OutLock:
         (self.out / LOCK_NAME).unlink(missing_ok=True)
         os.close(self.fd)
         self.fd = None
+        if self.created:  # made by this record and nothing written (Ctrl-C at start-up)
+            try:
+                self.out.rmdir()
+            except OSError:  # not empty: it holds what was written
+                pass
 
 
 def record(target: str, script_args: list[str], *, module: bool = False, out: Path | None = None,
@@ -390,6 +403,10 @@ def _result(statuses: list[dict], out_dir: Path, *, expected: list[int], codes: 
     ooms = [Path(by_rank[r]["oom_snapshot"]) for r in expected
             if r in by_rank and by_rank[r].get("oom_snapshot")]
     rank_codes = {r: _rank_code(by_rank.get(r), codes[i]) for i, r in enumerate(expected)}
+    if statuses and all(s.get("interrupted_before_start") for s in statuses):
+        _say(quiet, "nothing was recorded: interrupted before the script started")
+        return RecordResult(exit_code=max(int(s["exit_code"]) for s in statuses),
+                            out_dir=out_dir, snapshots=[])
     order = ([first_failed] if first_failed is not None else []) + expected
     failing = next((r for r in order if rank_codes.get(r)), None)
     exit_code = rank_codes[failing] if failing is not None else 0
@@ -405,6 +422,8 @@ def _result(statuses: list[dict], out_dir: Path, *, expected: list[int], codes: 
                         f"{detail})")
         elif s and s.get("error"):
             problems.append(s["error"])
+        elif s and s.get("interrupted_before_start"):
+            problems.append(f"rank {r} was interrupted before its script started")
         else:
             problems.append(f"rank {r} wrote no snapshot (its process ended with code "
                             f"{rank_codes[r]} before the recorder could dump: os._exit, or killed)")
