@@ -177,6 +177,7 @@ def _check_torch() -> None:
 STOP_GRACE_S = 120.0
 LOCK_NAME = ".snapforensics-record.lock"
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_HELD = {signal.SIGINT, signal.SIGTERM}  # as the bootstrap's _HELD
 
 
 def _free_port() -> int:
@@ -201,15 +202,33 @@ class _Ranks:
 
     def __init__(self, cmd: list[str], envs: list[dict[str, str]]) -> None:
         self.procs: list[subprocess.Popen] = []
-        for env in envs:
-            group = self.procs[0].pid if self.procs else 0
-            self.procs.append(subprocess.Popen(cmd, env=env, process_group=group))
-        self.pgid = self.procs[0].pid
+        self.pgid: int | None = None
         self.signals = 0
+        self.first_signal: int | None = None
         self.failed: list[int] = []  # ranks that exited nonzero, in the order they did
         self.stop_at: float | None = None
+        # forwarding from before the first rank starts: a Ctrl-C meanwhile is not lost
+        self.handlers = _install(_FORWARDED, self.on_signal)
+        # each rank starts with SIGINT/SIGTERM blocked (the mask is inherited through exec): it
+        # holds them until its script starts, so a Ctrl-C during its imports ends it quietly
+        held = _HELD.intersection(signal.pthread_sigmask(signal.SIG_BLOCK, _HELD))
+        try:
+            for env in envs:
+                group = self.procs[0].pid if self.procs else 0
+                self.procs.append(subprocess.Popen(cmd, env=env, process_group=group))
+                self.pgid = self.procs[0].pid
+        except BaseException:
+            self._send(signal.SIGKILL)
+            _install(_FORWARDED, self.handlers)
+            raise
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD - held)
+        if self.first_signal is not None:  # came while the ranks were being started
+            self._send(self.first_signal)
 
     def _send(self, sig: int) -> None:
+        if self.pgid is None:
+            return
         try:
             os.killpg(self.pgid, sig)
         except (ProcessLookupError, PermissionError):
@@ -219,14 +238,14 @@ class _Ranks:
         self.signals += 1
         self._send(signum if self.signals == 1 else signal.SIGKILL)
         if self.signals == 1:
+            self.first_signal = signum
             # a rank that never answers (blocked where neither Python nor the watcher runs) is
             # killed after the same grace as when a rank fails
             self.stop_at = time.monotonic() + STOP_GRACE_S
             name = "interrupted" if signum == signal.SIGINT else signal.Signals(signum).name
-            _say(False, f"{name}: writing snapshots ... (again to stop without them)")
+            _say(False, f"{name}: writing snapshots ...")
 
     def wait(self) -> list[int]:
-        handlers = _install(_FORWARDED, self.on_signal)
         try:
             while True:
                 for r, p in enumerate(self.procs):
@@ -241,7 +260,7 @@ class _Ranks:
                     self._send(signal.SIGKILL)
                 time.sleep(0.05)
         finally:
-            _install(_FORWARDED, handlers)
+            _install(_FORWARDED, self.handlers)
 
 
 def _install(signals, handler):
@@ -367,9 +386,9 @@ def record(target: str, script_args: list[str], *, module: bool = False, out: Pa
            *script_args]
     what = f"-m {target}" if module else target
     with _OutLock(out_dir, force):
-        _say(quiet, f"recording {what} on {nproc_per_node} rank(s), device {device} -> {out_dir}")
         port = _free_port()
         launched = _Ranks(cmd, [_rank_env(env, r, nproc_per_node, port) for r in ranks])
+        _say(quiet, f"recording {what} on {nproc_per_node} rank(s), device {device} -> {out_dir}")
         codes = launched.wait()
         statuses = []
         for r in ranks:

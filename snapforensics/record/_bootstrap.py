@@ -147,12 +147,17 @@ def _hold_signals() -> bool:
     return True
 
 
+def _pending(held: bool) -> int:
+    """The held signal that has arrived (its number), else 0."""
+    return next((int(s) for s in _HELD if s in signal.sigpending()), 0) if held else 0
+
+
 def _release_signals(held: bool) -> int:
     """Unblock what ``_hold_signals`` blocked; a signal that arrived meanwhile is discarded and
     returned (its number, else 0): the rank then ends before its script runs."""
     if not held:
         return 0
-    pending = next((int(s) for s in _HELD if s in signal.sigpending()), 0)
+    pending = _pending(held)
     previous = {}
     if pending:
         for s in _HELD:  # pending signals are delivered at unblock: discard them
@@ -511,7 +516,7 @@ def run_recorded(opts: dict, target: str, args: list[str]) -> dict:
     code: int | None = None
     window = _StepWindow(backend, opts.get("steps"))
     before: dict[str, Any] = {}
-    if backend_name == "cpu":
+    if backend_name == "cpu" and not _pending(held):  # interrupted: skip the imports
         sys.argv[:] = [target, *args]  # as the script will see them when it imports
         before["imported_before_recording"] = _import_prefix(script_path,
                                                              target if module else None)
