@@ -40,4 +40,4 @@ bench: setup
 	$(BIN)/python benchmarks/bench_load.py
 
 clean:
-	rm -rf $(VENV) snapforensics-out .pytest_cache
+	rm -rf $(VENV) snapforensics-out .pytest_cache .recordings

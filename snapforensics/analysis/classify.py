@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from snapforensics.analysis.fsdp_ranges import parse as parse_range
 from snapforensics.analysis.vocab import Category, Phase
 from snapforensics.snapshot.model import Frame
 
@@ -63,7 +64,6 @@ _INIT_FUNCS = {"reset_parameters", "_apply", "to_empty", "__init__", "_materiali
 _PER_UNIT_RANGES = {"pre_forward", "post_forward", "pre_backward", "all_gather",
                     "all_gather_copy_out", "post_backward_accumulate", "post_backward_reshard",
                     "post_backward_reduce", "post_backward_rs_wait"}
-_FQN = re.compile(r"^FSDP::(\w+)(?: \((.*)\)| for (.*))?$")
 # FSDP1 record_function ranges (no FQN), as the FSDP2 kind they correspond to.
 _FSDP1_RANGES = {
     "FullyShardedDataParallel._root_pre_forward": "root_pre_forward",
@@ -107,12 +107,11 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
     for r in rf:  # innermost first
         if r in _FSDP1_RANGES:
             continue
-        m = _FQN.match(r)
+        m = parse_range(r)
         if m:
-            rfkinds.setdefault(m.group(1), r)
+            rfkinds.setdefault(m.kind, r)
             if module is None:
-                module = m.group(2) or m.group(3) or (
-                    "(root)" if m.group(1) in _PER_UNIT_RANGES else None)
+                module = m.fqn or ("(root)" if m.kind in _PER_UNIT_RANGES else None)
     rftext = " ".join(rf)
 
     # Reentrant checkpoint: the recompute runs inside CheckpointFunction.backward (on CUDA the
@@ -204,8 +203,8 @@ def _entry_kinds(frames: list[Frame], ranges: tuple[str, ...]):
     for f in frames:  # innermost first
         name = f.name
         if f.filename == "<record_function>":
-            m = _FQN.match(name)
-            name = _FSDP1_RANGES.get(name) or (m.group(1) if m else name)
+            m = parse_range(name)
+            name = _FSDP1_RANGES.get(name) or (m.kind if m else name)
             if name in ("forward_prefetch", "backward_prefetch"):
                 yield "prefetch"
             elif name in ("pre_backward", "pre_forward", "root_pre_forward"):
@@ -218,8 +217,8 @@ def _entry_kinds(frames: list[Frame], ranges: tuple[str, ...]):
         elif name in _PRE_FORWARD_FUNCS:
             yield "pre_forward"
     for r in reversed(ranges):  # innermost open range first
-        m = _FQN.match(r)
-        kind = _FSDP1_RANGES.get(r) or (m.group(1) if m else None)
+        m = parse_range(r)
+        kind = _FSDP1_RANGES.get(r) or (m.kind if m else None)
         if kind in ("forward_prefetch", "backward_prefetch"):
             yield "prefetch"
         elif kind == "pre_backward":

@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from snapforensics.analysis import fsdp_ranges
 from snapforensics.analysis.context import DeviceAnalysis, analyse
 from snapforensics.analysis.fsdp_units import ROOT, forward_end
 from snapforensics.analysis.rules import RULES
@@ -61,9 +62,6 @@ SCALAR_BYTES = 64
 # a forecast size is rounded when the recorded one was; CPU recordings keep exact sizes.
 ALLOC_ROUND = 512
 
-_POST_BW = re.compile(r"^FSDP::post_backward_(?:accumulate|reshard|reduce) \((.+)\)$")
-_POST_FW = re.compile(r"^FSDP::post_forward \((.+)\)$")
-_PRE_BW = re.compile(r"^FSDP::pre_backward \((.+)\)$")
 # Frames under which FSDP consumes a parameter's unsharded gradient (reduce-scatter copy-in).
 _REDUCE_FRAMES = {"foreach_reduce", "post_backward", "_post_backward_hook", "_reduce_grad",
                   "_reduce_grad_no_shard", "foreach_reduce_scatter_copy_in"}
@@ -168,8 +166,9 @@ def _param_grads(d: DeviceAnalysis, blocks: np.ndarray, flat_sizes: set[int]) ->
             names = {f.name for f in d.snapshot.stack_frames(key[0])} if key[0] >= 0 else set()
             ranges = d.tl.contexts[key[1]] if d.tl.contexts else ()
             seen[key] = bool(names & _REDUCE_FRAMES) or any(
-                r.startswith(("FSDP::post_backward", "FullyShardedDataParallel._post_backward"))
-                for r in ranges) or any(n.endswith(_SPLIT_BACKWARD) for n in names)
+                r.startswith("FullyShardedDataParallel._post_backward")
+                or _kind(r).startswith("post_backward") for r in ranges) or any(
+                n.endswith(_SPLIT_BACKWARD) for n in names)
         out[k] = seen[key]
     return out
 
@@ -253,13 +252,9 @@ class Unit:
     bwd_ag: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
 
-def _named_rows(d: DeviceAnalysis, pattern: re.Pattern) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    for row, name in d.annotation_rows(pattern):
-        m = pattern.match(name)
-        if m:
-            out.setdefault(m.group(1), []).append(row)
-    return out
+def _kind(name: str) -> str:
+    r = fsdp_ranges.parse(name)
+    return r.kind if r else ""
 
 
 def units(d: DeviceAnalysis, it) -> tuple[list[Unit], object]:
@@ -307,8 +302,10 @@ def units(d: DeviceAnalysis, it) -> tuple[list[Unit], object]:
                     matched[cand] = v
                     break
         bg = matched
-    post_fw = _named_rows(d, _POST_FW)
-    pre_bw, post_bw = _named_rows(d, _PRE_BW), _named_rows(d, _POST_BW)
+    named = d.annotation_rows(fsdp_ranges.RANGE)
+    post_fw = fsdp_ranges.rows_by_unit(named, ("post_forward",))
+    pre_bw = fsdp_ranges.rows_by_unit(named, ("pre_backward",))
+    post_bw = fsdp_ranges.rows_by_unit(named, fsdp_ranges.POST_BACKWARD)
 
     def first_in(rows, a, b):
         r = [x for x in rows if a <= x <= b]

@@ -1,8 +1,8 @@
 """Turn a CPU profile (``profile_memory=True, with_stack=True``) into a memory snapshot dict.
 
-The output has the shape of ``torch.cuda.memory._snapshot()`` (see
-``/work/shared/reference/snapshot-format.md``) so that every reader downstream is
-backend-agnostic:
+The output has the shape of ``torch.cuda.memory._snapshot()`` (documented in that function's
+docstring, ``torch/cuda/memory.py``; what the loader reads is ``snapshot/normalization.py``) so
+that every reader downstream is backend-agnostic:
 
 - ``device_traces``: ``[trace]``, one list for the CPU, oldest first, only the last
   ``max_entries`` entries (ring-buffer semantics). An allocation becomes an ``alloc`` entry, a

@@ -21,6 +21,7 @@ __all__ = [
     "peak_line",
     "phase_peaks",
     "provenance_line",
+    "framework_line",
     "ratio",
     "saving_peak",
     "verdict_order",
@@ -102,6 +103,24 @@ def provenance_line(d: Diagnosis) -> str:
     if p.get("cpu_recorded"):
         parts.append("CPU-recorded (profiler allocator events, no caching allocator)")
     return ", ".join(x for x in parts if x)
+
+
+def framework_line(d: Diagnosis) -> str | None:
+    """"framework: HF Trainer (accelerate, transformers), FSDP2; layer LlamaDecoderLayer at
+    model.layers.N (N = 0-3)", or None for a file that shows no framework and no FSDP."""
+    fw = d.framework or {}
+    label = fw.get("label")
+    if not label or (fw.get("owner") == "torch" and not fw.get("fsdp")
+                     and not fw.get("layer_class")):
+        return None
+    out = f"framework: {cap(label, NAME)}"
+    cls, cont = fw.get("layer_class"), fw.get("layer_container")
+    if cls or cont:
+        ix = fw.get("layer_indices") or []
+        where = f" at {cap(cont, NAME)}.N" + (f" (N = {ix[0]}-{ix[-1]})" if ix else "") \
+            if cont else ""
+        out += f"; layer {cap(cls or '(class not in the file)', NAME)}{where}"
+    return out
 
 
 def command_line(d: Diagnosis) -> str | None:

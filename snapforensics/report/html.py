@@ -18,6 +18,7 @@ from snapforensics.report.common import (
     command_line,
     dump_line,
     finding_lines,
+    framework_line,
     headline,
     human,
     peak_line,
@@ -154,6 +155,9 @@ def _header(d: Diagnosis) -> str:
            '</div>',
            f'<p>{e(peak_line(d))}</p>',
            f'<p class="muted">{e(provenance_line(d))}</p>']
+    fw = framework_line(d)
+    if fw:
+        out.append(f'<p class="muted">{e(fw)}</p>')
     cmd = command_line(d)
     if cmd:
         out.append(f'<div>command:</div><pre>{e(cmd, FRAME)}</pre>')

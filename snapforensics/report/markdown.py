@@ -18,6 +18,7 @@ from snapforensics.report.common import (
     command_line,
     dump_line,
     finding_lines,
+    framework_line,
     headline,
     human,
     peak_line,
@@ -45,6 +46,9 @@ def render(d: Diagnosis, screen: Screen = PLAIN, image: str | None = None) -> st
                 *code(lines(top.fix, FRAMES), "python"), ""]
     out += _pictures(d, image)
     out += [f"- {md(peak_line(d), TEXT)}", f"- {md(provenance_line(d), TEXT)}"]
+    fw = framework_line(d)
+    if fw:
+        out.append(f"- {md(fw, TEXT)}")
     cmd = command_line(d)
     if cmd:
         out.append(f"- command: {md(cmd, FRAME)}")
