@@ -21,6 +21,7 @@ import numpy as np
 
 from snapforensics.analysis import fsdp_ranges
 from snapforensics.analysis.phases import Iteration
+from snapforensics.analysis.stacks import python_frames
 from snapforensics.analysis.vocab import BACKWARD_PHASES, CAT_CODE, Category
 
 if TYPE_CHECKING:
@@ -309,7 +310,7 @@ def reshard_rows(d: DeviceAnalysis, blocks: np.ndarray, *, per_micro_batch: bool
 def _stack_names(d: DeviceAnalysis, stack_id: int) -> frozenset[str]:
     """Frame names of a stack, plus the marker _C10D when a frame is in the c10d Python layer
     (the collective's own allocation, e.g. gloo's same-size all-gather buffer)."""
-    frames = d.snapshot.stack_frames(stack_id) if stack_id >= 0 else []
+    frames = python_frames(d.snapshot.stack_frames(stack_id)) if stack_id >= 0 else []
     names = {fr.name for fr in frames}
     if any(fr.filename.replace("\\", "/").endswith(_C10D_FILES) for fr in frames):
         names.add(_C10D)

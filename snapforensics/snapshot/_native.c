@@ -375,7 +375,8 @@ static PyObject *trace_columns(PyObject *self, PyObject *args) {
     result = PyTuple_Pack(7, c_action, c_addr, c_size, c_stream, c_time, c_group, c_reps);
     goto done;
 irregular:
-    result = Py_NewRef(Py_None);
+    Py_INCREF(Py_None);  /* Py_NewRef is Python 3.10+ */
+    result = Py_None;
 done:
     PyMem_Free(recent);
     PyMem_Free(by_content.slots);
