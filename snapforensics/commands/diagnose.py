@@ -61,7 +61,6 @@ def diagnose_command(snapshots: tuple[str, ...], fmt: str | None, output: str | 
         if "error" in docs[0]:
             raise SnapError(f"{docs[0]['source']}: {docs[0]['error']}")
         d = Diagnosis.from_dict(docs[0])
-    if single:
         if redact_paths:
             from snapforensics.report.redact import redact
             d = redact(d)
