@@ -112,7 +112,7 @@ typedef struct {
     Val *memo;
     size_t memo_cap, memo_filled;
     /* the structure */
-    PyObject *root; /* borrowed: stack[0] when it is the first dict */
+    PyObject *root; /* owned: the first dict, when it is the first object */
     int have_dt;
     PyObject *dt_list; /* owned: the list of trace tuples */
     Trace *tr;
@@ -942,7 +942,7 @@ static int step(R *r, int *stop) {
             PyObject *d = PyDict_New();
             if (push_obj(r, d) < 0)
                 return -1;
-            r->root = d;
+            r->root = Py_NewRef(d); /* held: its address is compared until the end */
             return 0;
         }
         int ti = parent(r, T_TRACE, T_ENTRY);
@@ -1140,6 +1140,7 @@ static void cleanup(R *r) {
     for (int b = 0; b < 64; b++)
         Py_XDECREF(r->key_obj[b]);
     Py_XDECREF(r->dt_list);
+    Py_XDECREF(r->root);
 }
 
 static PyObject *stream_read(PyObject *self, PyObject *args) {
@@ -1161,8 +1162,9 @@ static PyObject *stream_read(PyObject *self, PyObject *args) {
         for (size_t i = 0; i < r.ntr && !r.why; i++)
             if (!r.tr[i].done)
                 decline(&r, "a trace not in device_traces");
-        if (r.have_dt && !r.why && (r.root == NULL || PyDict_GetItemString(r.root,
-                                                                      "device_traces") != r.dt_list))
+        if (r.have_dt && !r.why &&
+            (r.st[0].tag != T_OBJ || r.st[0].v.o != r.root ||
+             PyDict_GetItemString(r.root, "device_traces") != r.dt_list))
             decline(&r, "device_traces replaced");
         if (!r.why) {
             PyObject *root = obj_of(&r, &r.st[0]);

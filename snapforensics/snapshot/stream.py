@@ -14,7 +14,6 @@ from __future__ import annotations
 import gzip
 import os
 import zlib
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -80,7 +79,6 @@ def read_info(path: str | os.PathLike, f: Any) -> tuple[Any, list[str], dict] | 
     mod = reader()
     if mod is None:
         return None
-    p = Path(path)
     try:
         size = os.fstat(f.fileno()).st_size
         f.seek(0)
