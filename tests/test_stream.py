@@ -54,8 +54,8 @@ def _both(path, monkeypatch):
 
 
 def test_the_streaming_reader_is_built_where_a_c_compiler_is():
-    import sysconfig
     import shutil
+    import sysconfig
     if shutil.which(sysconfig.get_config_var("CC").split()[0] or "cc"):
         assert reader() is not None
 
