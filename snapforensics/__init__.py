@@ -3,13 +3,13 @@
     import snapforensics as sf
     report = sf.diagnose("runs/a/rank0.pickle")   # see docs/api.md
 
-The API (`load`, `diagnose`, `compare`, `Report`) is imported on first use, so `import
-snapforensics` stays cheap (no numpy, no pandas, never torch).
+The API (`load`, `diagnose`, `compare`, `forecast` and their results) is imported on first
+use, so `import snapforensics` stays cheap (no numpy, no pandas, never torch).
 """
 
 __version__ = "0.1.0"
 
-_API = ("load", "diagnose", "compare", "Report")
+_API = ("load", "diagnose", "compare", "forecast", "Report", "Comparison", "Forecast")
 __all__ = ["__version__", *_API]
 
 

@@ -8,6 +8,9 @@
     d.categories_at_peak
     d.stack(stack_id)   # the frames of a stack, innermost first
     d.diagnosis         # the plain Diagnosis every renderer reads; d.to_dict() is the JSON
+    sf.compare(a, b)    # a Comparison; sf.forecast(path, world_sizes=[8, 64]) a Forecast
+
+In a notebook each shows as its HTML report (report/notebook.py: readable under any theme).
 
 DataFrames are built from the interned model's numpy arrays (strings as categoricals built
 from codes), never from one Python object per row. pandas is imported on first use.
@@ -23,17 +26,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from snapforensics.analysis.compare import Comparison as _Comparison
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Diagnosis
+from snapforensics.analysis.forecast import Forecast as _Forecast
 from snapforensics.analysis.stacks import is_noise
 from snapforensics.snapshot.model import Frame, Snapshot
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from snapforensics.analysis.compare import Comparison
-
-__all__ = ["load", "diagnose", "compare", "Report"]
+__all__ = ["load", "diagnose", "compare", "forecast", "Report", "Comparison", "Forecast"]
 
 # a frame in torch or any installed library is not the user's (recorded paths may be relative)
 _LIBRARY = re.compile(r"(^|[\\/])(torch|site-packages|dist-packages|lib[\\/]python[\d.]*)[\\/]")
@@ -67,12 +70,49 @@ def compare(*inputs: str | Path | Snapshot | Report | Diagnosis, mode: str = "au
     if len(paths) == len(inputs):
         from snapforensics.commands.compare import compare_paths
 
-        return compare_paths(paths, mode=mode)
+        return _shown(Comparison, compare_paths(paths, mode=mode))
     from snapforensics.analysis.compare import compare as _compare
 
     diags = [x.diagnosis if isinstance(x, Report) else x if isinstance(x, Diagnosis)
              else diagnose(x).diagnosis for x in inputs]
-    return _compare(diags, mode=mode)
+    return _shown(Comparison, _compare(diags, mode=mode))
+
+
+def forecast(source: str | Path | Snapshot, world_sizes=(), strategies=(), checkpointing=(),
+             micro_batch_scales=(), capacity: int | str | None = None) -> Forecast:
+    """The peak of the recorded run under other settings (`snapforensics forecast`): world
+    sizes, strategies (full_shard, shard_grad_op, no_shard, hsdp:R), checkpointing (none,
+    full), micro-batch scales; `capacity` in bytes or a size with its unit ("80GiB").
+    `.to_frame()` is one row per scenario."""
+    from snapforensics.analysis.forecast import forecast as _forecast
+    from snapforensics.analysis.forecast import parse_size
+
+    snap = source if isinstance(source, Snapshot) else load(source)
+    cap = parse_size(capacity) if isinstance(capacity, str) else capacity
+    return _shown(Forecast, _forecast(snap, list(world_sizes), list(strategies),
+                                      list(checkpointing), list(micro_batch_scales), cap))
+
+
+def _shown(cls: type, doc: Any) -> Any:
+    """`doc` as `cls`, its subclass that a notebook displays (same fields, same JSON)."""
+    import dataclasses
+
+    return cls(**{f.name: getattr(doc, f.name) for f in dataclasses.fields(doc)})
+
+
+class Comparison(_Comparison):
+    """A comparison (analysis.compare.Comparison) that a notebook shows as its HTML report and
+    a console as one line."""
+
+    def __repr__(self) -> str:
+        from snapforensics.report.compare import headline
+
+        return f"<snapforensics.Comparison {self.mode}: {headline(self)}>"
+
+    def _repr_html_(self) -> str:
+        from snapforensics.report import notebook
+
+        return notebook.document("compare", self)
 
 
 class Report:
@@ -154,8 +194,10 @@ class Report:
 
     @cached_property
     def timeline(self) -> pd.DataFrame:
-        """One row per trace row: live bytes right after it, reserved bytes (NaN without a
-        caching allocator or when the dump cannot anchor them), phase and iteration."""
+        """One row per trace row: its time (`time_s`: seconds since the device's first row,
+        the plot's x axis; `time_us`: the file's own clock, epoch microseconds; NaN where the
+        file has no times), live bytes right after it, reserved bytes (NaN without a caching
+        allocator or when the dump cannot anchor them), phase and iteration."""
         import pandas as pd
 
         from snapforensics.analysis.vocab import PHASE_LABELS
@@ -167,6 +209,7 @@ class Report:
                 "device": np.full(n, d.device, np.int32),
                 "row": np.arange(n, dtype=np.int64),
                 "time_us": d.trace.time_us,
+                "time_s": _seconds(d.trace.time_us, n),
                 "live_bytes": d.lt.live,
                 "reserved_bytes": res.astype(np.float64) if res is not None
                 else np.full(n, np.nan),
@@ -209,9 +252,17 @@ class Report:
                 f"{len(d.findings)} findings; {headline(d)}>")
 
     def _repr_html_(self) -> str:
-        from snapforensics.report import html
+        from snapforensics.report import notebook
 
-        return html.fragment(self.diagnosis)
+        return notebook.diagnosis(self.diagnosis)
+
+
+def _seconds(t: np.ndarray, n: int) -> np.ndarray:
+    """Seconds since the first row (as the plot's x axis), NaN when the file has no times."""
+    t = np.asarray(t, np.float64)
+    if len(t) != n or not n or not np.isfinite(t).all() or float(t.max() - t.min()) <= 0:
+        return np.full(n, np.nan)
+    return (t - t[0]) / 1e6
 
 
 def _times(t: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -238,3 +289,20 @@ def _concat(parts: list) -> pd.DataFrame:
     for c in cat_cols:
         df[c] = merged[c]
     return df[parts[0].columns]
+
+
+
+class Forecast(_Forecast):
+    """A forecast (analysis.forecast.Forecast) that a notebook shows as its HTML report and a
+    console as one line."""
+
+    def __repr__(self) -> str:
+        from snapforensics.report.common import human
+
+        return (f"<snapforensics.Forecast {self.source!r}: {len(self.scenarios)} scenarios "
+                f"from a recorded peak of {human(self.baseline.get('peak_bytes', 0))}>")
+
+    def _repr_html_(self) -> str:
+        from snapforensics.report import notebook
+
+        return notebook.document("forecast", self)

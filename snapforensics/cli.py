@@ -23,10 +23,22 @@ from snapforensics.errors import (
 )
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(context_settings={"help_option_names": ["-h", "--help"]},
+             epilog="""\b
+Start here:
+  snapforensics demo                 # the bundled example: bug, fix
+  snapforensics record --out runs/a train.py   # runs/a/rank{R}.pickle
+  snapforensics diagnose runs/a -o report.html # to read or attach
+  snapforensics COMMAND --help       # options and examples
+
+Exit codes: 0 ok, 1 a --fail-on gate matched, 2 a usage or input error, 3 record could not
+start the script or write a snapshot, 70 a bug (SNAPFORENSICS_DEBUG=1 shows the traceback),
+130 interrupted; record exits with the script's own code.""")
 @click.version_option(__version__, prog_name="snapforensics")
 def cli() -> None:
-    """Forensics for PyTorch device-memory snapshots (FSDP + activation checkpointing)."""
+    """Forensics for PyTorch device-memory snapshots: what made each block, which growth is
+    expected and which is a bug (FSDP, activation checkpointing), the fix as code and the peak
+    predicted after it."""
 
 
 def _register() -> None:
@@ -57,6 +69,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(e.exit_code)
     except (click.exceptions.Abort, KeyboardInterrupt):
         sys.exit(EXIT_INTERRUPTED)
+    except click.exceptions.NoArgsIsHelpError as e:  # `snapforensics` alone: its help, as click
+        click.echo(e.ctx.get_help())  # prints it standalone (exit 2), but on stdout, readable
+        sys.exit(EXIT_BAD_INPUT)
     except click.UsageError as e:  # one line, like every other user error
         cmd = e.ctx.command_path if e.ctx else "snapforensics"
         echo_error(f"{e.format_message()} (see {cmd} --help)")

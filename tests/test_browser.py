@@ -70,6 +70,11 @@ def test_report_opens_offline_and_hover_shows_what_is_alive(page, tmp_path):
     assert "live" in text and "MiB" in text
     assert "optimizer_state" in text  # alive from the first step on: in every later point
     assert "allocated by:" in text  # its top stacks
+    # the box stays small and beside the cursor on the side already read (it covered half the
+    # plot, to the right of the cursor, over the curve ahead)
+    tb, pb = tip.bounding_box(), page.locator(".sf-plot svg").first.bounding_box()
+    assert tb["width"] * tb["height"] < 0.4 * pb["width"] * pb["height"], (tb, pb)
+    assert tb["x"] + tb["width"] <= box["x"] + box["width"] * 0.62, (tb, box)
 
     shot = page.screenshot(full_page=False)  # the plot with its tooltip
     keep = os.environ.get("SNAPFORENSICS_SCREENSHOTS")

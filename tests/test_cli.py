@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import click
 import pytest
 from corpus import corpus_file
 
@@ -89,7 +90,37 @@ def test_analyzer_needs_no_torch():
     assert json.loads(r.stdout)["peaks"]["overall_bytes"] > 0
 
 
+COMMANDS = ("record", "diagnose", "compare", "forecast", "demo")
+
+
+def test_no_arguments_prints_the_help():
+    """`snapforensics` alone: the help as click formats it (lines, not one error line with
+    literal \\n), exit 2 like any usage error."""
+    r = run()
+    assert r.returncode == 2, r.returncode
+    assert r.stdout.startswith("Usage: snapforensics") and "\\n" not in r.stdout + r.stderr
+    assert all(f"  {c} " in r.stdout for c in COMMANDS)
+
+
+def test_every_command_has_a_complete_description_and_examples():
+    top = run("--help").stdout
+    listed = {ln.split()[0]: ln for ln in top.split("Commands:")[1].splitlines()
+              if ln.startswith("  ") and ln.split()[0] in COMMANDS}
+    assert set(listed) == set(COMMANDS)
+    assert not [ln for ln in listed.values() if ln.rstrip().endswith("...")], listed
+    for c in COMMANDS:
+        h = run(c, "--help").stdout
+        assert "Examples:" in h and f"snapforensics {c} " in h.split("Examples:")[1], c
+    from snapforensics.cli import cli
+
+    # every option says what it does (demo's --steps had no help)
+    bare = [(c, p.name) for c, cmd in cli.commands.items() for p in cmd.params
+            if isinstance(p, click.Option) and not p.help]
+    assert not bare, bare
+
+
 @pytest.mark.parametrize("args", [["diagnose", "--bogus"], ["diagnose"], ["nosuchcommand"],
+                                  ["record"], ["record", "--device", "tpu", "x.py"],
                                   ["diagnose", "x.pickle", "--format", "pdf"],
                                   ["compare", "a.pickle", "b.pickle", "--mode", "sideways"]])
 def test_usage_errors_are_one_line_exit_2(args):

@@ -28,7 +28,15 @@ def _pixels(png: bytes) -> np.ndarray:
     return imread(io.BytesIO(png), format="png")
 
 
-def test_markdown_writes_the_png_beside_and_links_it(tmp_path):
+def _mermaid(text: str) -> dict[str, list[float]]:
+    """The series of the report's Mermaid chart (its `bar` and `line` data, in its unit)."""
+    block = text.split("```mermaid\n", 1)[1].split("```", 1)[0]
+    assert "xychart-beta" in block
+    return {m[1]: json.loads(m[2]) for m in re.finditer(r"^\s+(bar|line) (\[.*\])$", block,
+                                                         re.M)}
+
+
+def test_markdown_carries_its_chart_and_names_the_png_to_attach(tmp_path):
     out = tmp_path / "report.md"
     r = run("--format", "markdown", "-o", str(out), "--category", "bad $x^$=rms_norm")
     assert r.returncode == 0, r.stderr
@@ -36,7 +44,13 @@ def test_markdown_writes_the_png_beside_and_links_it(tmp_path):
     img = _pixels(png.read_bytes())
     assert img.shape[1] >= 1000 and len(np.unique(img.reshape(-1, img.shape[-1]), axis=0)) > 50
     text = out.read_text()
-    assert "](report.png)" in text  # relative: the pair can be attached or committed together
+    # a relative image link breaks once pasted into an issue: the text says to attach it
+    assert "](report.png)" not in text and "`report.png`" in text and "attach it" in text
+    # the picture that survives pasting: a Mermaid chart of the live bytes (bars, exact at the
+    # peak to the unit's rounding) and of the replay after the fix (the line)
+    series = _mermaid(text)
+    assert max(series["bar"]) == 256.8 and max(series["line"]) == 194.8  # MiB, as reported
+    assert "peak 256.8 MiB" in text and "predicted peak after it 194.8 MiB" in text
     # the fix comes before any stack, stacks are collapsed, the share column is there
     assert text.index("```python") < text.index("<details>")
     assert text.count("<details>") == text.count("</details>") >= 3
@@ -44,9 +58,29 @@ def test_markdown_writes_the_png_beside_and_links_it(tmp_path):
     assert re.search(r"\| \d+% \|", text)
 
 
-def test_markdown_to_stdout_has_no_image():
+def test_markdown_to_stdout_says_where_the_plot_is():
+    """No PNG is written for stdout: the chart is in the text and one line says how to get
+    the PNG (the plot was dropped silently)."""
     r = run("--format", "markdown")
-    assert r.returncode == 0 and "![" not in r.stdout and ".png" not in r.stdout
+    assert r.returncode == 0 and "![" not in r.stdout
+    assert max(_mermaid(r.stdout)["bar"]) == 256.8
+    assert "`-o report.md`, which also writes `report.png`" in r.stdout
+
+
+def test_markdown_raw_text_has_no_needless_escapes(tmp_path):
+    """What people paste reads as written: `72.0 MiB`, `~62.0 MiB`, `+0.0%`, while the text
+    still renders to the same words."""
+    from mdtext import rendered_text
+
+    text = run("--format", "markdown").stdout
+    cmp = subprocess.run([sys.executable, "-m", "snapforensics", "compare", str(BUGGY),
+                          str(BUGGY), "--format", "markdown"], capture_output=True, text=True,
+                         cwd=REPO, timeout=120).stdout
+    for doc in (text, cmp):
+        outside = re.sub(r"```.*?```", "", doc, flags=re.S)
+        assert not re.findall(r"\\[.+~\-]", outside), re.findall(r".{20}\\[.+~\-].{10}", outside)
+    assert "- 72.0 MiB in 36 blocks" in text and "saves ~62.0 MiB" in text
+    assert "saves ~62.0 MiB" in rendered_text(text)
 
 
 def test_html_plot_draws_every_category_the_peak_and_the_prediction():
@@ -98,7 +132,8 @@ def test_markdown_renders_as_github_does(tmp_path):
     assert any("torch/optim/adam.py" in t.content for t in fences[1:])  # a stack
     images = [c for t in toks if t.type == "inline" for c in t.children or []
               if c.type == "image"]
-    assert [i.attrs["src"] for i in images] == ["my%20report.png"]
+    assert images == []  # no link that breaks where the text is pasted
+    assert [t.info for t in fences].count("mermaid") == 1  # GitHub and GitLab draw it
     assert (tmp_path / "my report.png").stat().st_size > 10_000
     assert any(t.type == "th_open" for t in toks)
 

@@ -7,7 +7,7 @@ import re
 import numpy as np
 
 from snapforensics import __version__
-from snapforensics.analysis import timeline
+from snapforensics.analysis import framework_fixes, frameworks, timeline
 from snapforensics.analysis.context import DeviceAnalysis, analyse
 from snapforensics.analysis.diagnosis import DeviceSummary, Diagnosis, Finding, top_anomaly
 from snapforensics.analysis.evidence import human, top_stacks
@@ -29,6 +29,8 @@ def diagnose_devices(snapshot: Snapshot, categories: dict[str, re.Pattern] | Non
     after the rules ran (see `DeviceAnalysis.add_categories`)."""
     analyses = [analyse(snapshot, t) for t in snapshot.active_traces]
     findings = [f for d in analyses for rule in RULES for f in rule.check(d)]
+    framework = frameworks.detect(snapshot, analyses)
+    framework_fixes.localize(findings, framework)
     warnings = list(snapshot.warnings)
     for d in analyses:
         d.add_categories(categories or {})
@@ -60,7 +62,8 @@ def diagnose_devices(snapshot: Snapshot, categories: dict[str, re.Pattern] | Non
                         "segments alive at dump time only")
     diagnosis = Diagnosis(source=snapshot.source, rank=snapshot.rank, format=snapshot.format,
                           provenance=snapshot.provenance, warnings=warnings, devices=summaries,
-                          findings=findings, tool=f"snapforensics {__version__}")
+                          findings=findings, tool=f"snapforensics {__version__}",
+                          framework=framework.to_dict())
     return diagnosis, analyses
 
 

@@ -109,6 +109,8 @@ class Diagnosis:
     devices: list[DeviceSummary]
     findings: list[Finding]
     tool: str = ""
+    # the training framework and the user's layer as the run shows them (analysis/frameworks.py)
+    framework: dict[str, Any] = field(default_factory=dict)
 
     @property
     def primary(self) -> DeviceSummary | None:
@@ -143,6 +145,7 @@ class Diagnosis:
             "peaks": self.peaks,
             "devices": [public(d) for d in self.devices],
             "findings": [public(f) for f in self.findings],
+            "framework": self.framework,
         }
 
     @classmethod
@@ -154,7 +157,8 @@ class Diagnosis:
         return cls(source=doc["source"], rank=doc["rank"], format=doc["format"],
                    provenance=doc["provenance"], warnings=list(doc["warnings"]),
                    devices=[_known(DeviceSummary, x) for x in doc["devices"]],
-                   findings=[_known(Finding, x) for x in doc["findings"]], tool=doc["tool"])
+                   findings=[_known(Finding, x) for x in doc["findings"]], tool=doc["tool"],
+                   framework=dict(doc.get("framework") or {}))
 
 
 def _known(cls, d: dict[str, Any]):

@@ -103,3 +103,24 @@ def human(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"
+
+
+def seen_in(d: DeviceAnalysis, iterations, worst: int) -> str:
+    """Where a state was seen, for a cause: "in every iteration (0-2), most in 2" or "in
+    iterations 1, 2 of 0-3, most in 2": a state repeated in every iteration is a property of
+    the configuration, one seen in some only depends on what those iterations did."""
+    seen = sorted({int(i) for i in iterations})
+    n = len(d.tl.iterations)
+    every = f"0-{n - 1}" if n > 1 else "0"
+    if n <= 1:
+        return f"in iteration {worst}, the only one in the trace"
+    most = f", most in {worst}" if len(seen) > 1 else ""
+    if seen == list(range(n)):
+        return f"in every iteration ({every}){most}"
+    return f"in iteration{'s' if len(seen) > 1 else ''} {_list(seen)} of {every}{most}"
+
+
+def _list(ix: list[int]) -> str:
+    if len(ix) > 2 and ix == list(range(ix[0], ix[-1] + 1)):
+        return f"{ix[0]}-{ix[-1]}"
+    return ", ".join(map(str, ix))

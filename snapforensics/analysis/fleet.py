@@ -16,11 +16,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from snapforensics import __version__
-from snapforensics.analysis.compare import _SEVERITY, RANKS, _imbalance, _input, _labels, _warnings
+from snapforensics.analysis.compare import (
+    _SEVERITY,
+    RANKS,
+    _imbalance,
+    _input,
+    _labels,
+    _looks_like_ranks,
+    _warnings,
+)
 from snapforensics.analysis.diagnosis import Diagnosis
 from snapforensics.analysis.vocab import Verdict
 
 SCHEMA = "snapforensics.fleet/1"
+RUNS = "runs"
 
 
 @dataclass
@@ -31,14 +40,19 @@ class Fleet:
     errors: list[dict[str, str]] = field(default_factory=list)  # inputs that could not be read
     warnings: list[str] = field(default_factory=list)
     tool: str = f"snapforensics {__version__}"
+    # "ranks": distinct ranks of one run (one folder or one recorded command); "runs": files
+    # of separate runs (the same rank twice, unknown ranks, different folders and commands),
+    # whose spread says nothing about balance
+    mode: str = RANKS
 
     @property
     def anomalies(self) -> list[dict[str, Any]]:
         return [f for f in self.findings if f["verdict"] == Verdict.ANOMALOUS]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"schema": SCHEMA, "tool": self.tool, "ranks": self.ranks, "spread": self.spread,
-                "findings": self.findings, "errors": self.errors, "warnings": self.warnings}
+        return {"schema": SCHEMA, "tool": self.tool, "mode": self.mode, "ranks": self.ranks,
+                "spread": self.spread, "findings": self.findings, "errors": self.errors,
+                "warnings": self.warnings}
 
 
 def fleet(docs: list[dict[str, Any]]) -> Fleet:
@@ -56,8 +70,10 @@ def fleet(docs: list[dict[str, Any]]) -> Fleet:
               "anomalies": i["anomalies"], "findings": len(i["findings"]),
               "warnings": i["warnings"]} for i in inputs]
     ranks.sort(key=lambda r: (-len(r["anomalies"]), -r["peaks"]["overall_bytes"], r["label"]))
+    one_run = len(diags) < 2 or _looks_like_ranks(diags)
     return Fleet(ranks=ranks, spread=spread, findings=_by_rule(inputs, diags), errors=errors,
-                 warnings=_warnings(diags, inputs, RANKS))
+                 warnings=_warnings(diags, inputs, RANKS) if one_run else [],
+                 mode=RANKS if one_run else RUNS)
 
 
 def _by_rule(inputs: list[dict], diags: list[Diagnosis]) -> list[dict[str, Any]]:

@@ -36,6 +36,10 @@ class RunComparison:
     overall: dict[str, Any]  # the highest peak over ranks, before and after
     unpaired: list[str] = field(default_factory=list)  # files with no counterpart
     gate: list[str] | None = None  # why `--fail-on` failed ([] passed); None: no gate asked
+    # the timelines ([row, live bytes, phase] points) of the rank whose peak changed most, A's
+    # and B's, for the reports' before/after plot; not part of the JSON (each rank's JSON
+    # timeline is in its own diagnosis)
+    plot: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {"schema": SCHEMA, "a": self.a, "b": self.b, "overall": self.overall,
@@ -64,8 +68,12 @@ def compare_runs(a: str, b: str, diags_a: Sequence[Diagnosis],
                                                             if k not in ka]
     pa = max(p.inputs[0]["peaks"]["overall_bytes"] for p in pairs)
     pb = max(p.inputs[1]["peaks"]["overall_bytes"] for p in pairs)
-    worst = max(pairs, key=lambda p: p.deltas[0]["peaks"]["overall_bytes"]["delta_bytes"])
-    return RunComparison(a=a, b=b, pairs=pairs, unpaired=unpaired, overall={
+    n = max(range(len(pairs)),
+            key=lambda i: pairs[i].deltas[0]["peaks"]["overall_bytes"]["delta_bytes"])
+    worst, da, db = pairs[n], ka[both[n]].primary, kb[both[n]].primary
+    plot = {"label": worst.deltas[0]["label"], "rank": worst.deltas[0]["rank"],
+            "a": da.timeline if da else [], "b": db.timeline if db else []}
+    return RunComparison(a=a, b=b, pairs=pairs, unpaired=unpaired, plot=plot, overall={
         "ranks": len(pairs), "peak_bytes": _change(pa, pb),
         "largest_growth": {"label": worst.deltas[0]["label"], "rank": worst.deltas[0]["rank"],
                            **worst.deltas[0]["peaks"]["overall_bytes"]},

@@ -36,7 +36,14 @@ def compare_folders(a: str, b: str, **run):
     return compare_runs(a, b, diags[:len(fa)], diags[len(fa):])
 
 
-@click.command("compare")
+@click.command("compare", short_help="Did the fix work? Before/after, rank vs rank, CI gate.",
+               epilog="""\b
+Examples:
+  snapforensics compare buggy/rank0.pickle fixed/rank0.pickle  # before/after
+  snapforensics compare runs/x                    # the ranks of one run
+  snapforensics compare runs/main runs/pr --fail-on regression=5% \\
+      --fail-on new-anomaly                       # two runs, a CI gate
+  snapforensics compare a.pickle b.pickle -o compare.html""")
 @click.argument("snapshots", nargs=-1, required=True)
 @report_options("compare")
 @click.option("--mode", type=click.Choice(["auto", "before-after", "ranks"]), default="auto",

@@ -13,15 +13,24 @@ from snapforensics.record import DEVICES
 EXAMPLE = "snapforensics.examples.fsdp_ckpt"
 
 
-@click.command("demo")
+@click.command("demo", short_help="Record the bundled example (bug, fix) and diagnose both.",
+               epilog="""\b
+Examples:
+  snapforensics demo                      # 2 ranks on CPU, 1 on a GPU
+  snapforensics demo --steps 5 --out demo-runs""")
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="Folder for the recordings (default snapforensics-out/demo-TIME).")
-@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
+@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True,
+              help="auto: cuda if available, else npu (torch_npu), else the CPU allocator.")
 @click.option("--nproc-per-node", type=int, default=None,
               help="Ranks to launch (default 2 on CPU, 1 on an accelerator).")
-@click.option("--steps", type=int, default=3, show_default=True)
+@click.option("--steps", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Optimizer steps each run trains, every one recorded (record's --steps A:B "
+                   "instead picks a window of steps to record).")
 def demo_command(out: Path | None, device: str, nproc_per_node: int | None, steps: int) -> int:
-    """Record the FSDP + checkpoint example twice (bug, fix) and show what the fix changed."""
+    """Record the bundled FSDP + activation checkpointing example twice, with the bug
+    (parameters unsharded in backward never resharded) and with its fix, diagnose both and
+    compare them: what the fix changed and how close the predicted peak was. Needs torch."""
     from snapforensics.analysis.compare import BEFORE_AFTER, compare
     from snapforensics.commands.inputs import diagnose_paths
     from snapforensics.record import record

@@ -9,7 +9,14 @@ from snapforensics.commands._options import report_options, run_options
 from snapforensics.errors import EXIT_ANOMALY, SnapError
 
 
-@click.command("diagnose")
+@click.command("diagnose", short_help="Find what made the peak, the fix and the peak after it.",
+               epilog="""\b
+Examples:
+  snapforensics diagnose runs/a/rank0.pickle     # on the terminal
+  snapforensics diagnose rank0.pickle -o report.html  # offline, one file
+  snapforensics diagnose rank0.pickle -o report.md    # a ticket (+ .png)
+  snapforensics diagnose runs/a                  # every rank of the run
+  snapforensics diagnose s.pickle --format json --fail-on anomalous""")
 @click.argument("snapshots", nargs=-1, required=True)
 @report_options("diagnosis")
 @click.option("--fail-on", type=click.Choice(["anomalous", "never"]), default="never",
@@ -28,18 +35,20 @@ def diagnose_command(snapshots: tuple[str, ...], fmt: str | None, output: str | 
                      fail_on: str, redact_paths: bool, scheduler: str | None,
                      categories: tuple[str, ...], jobs: int | None, no_cache: bool,
                      quiet: bool) -> int:
-    """Diagnose memory snapshots (.pickle, .pkl, gzip'd too). Several files, a glob or a run
+    """Diagnose memory snapshots (.pickle, .pkl, gzip'd too; from `record`,
+    torch.cuda.memory._dump_snapshot or torch_npu): the phases and their peaks, what made every
+    block alive at the peak, findings with a verdict (anomalous, expected, info), the root
+    cause, the fix as code and the peak predicted after it. Several files, a glob or a run
     folder (its rank*.pickle) give one fleet report: peaks per rank with their spread, findings
     by rank, the worst rank first."""
     from snapforensics.analysis.classify import user_categories
     from snapforensics.analysis.diagnosis import Diagnosis
-    from snapforensics.parallel import expand, is_url, local_path, run
+    from snapforensics.parallel import expand, is_url, run
     from snapforensics.report.output import choose_format, emit
     from snapforensics.snapshot.cache import full_hash
 
     srcs = expand(snapshots)
-    # one file (a path or URL), not a folder or a glob
-    single = len(snapshots) == 1 and srcs in ([snapshots[0]], [local_path(snapshots[0])])
+    single = len(srcs) == 1  # one file, or a folder or glob of one rank: one run's report
     kind = "diagnosis" if single else "fleet"
     fmt = choose_format(kind, fmt, output)  # a bad -o fails before the analysis
     user_categories(categories)  # and so does a bad --category

@@ -59,7 +59,13 @@ def _scale(s: str) -> float:
     return k
 
 
-@click.command("forecast")
+@click.command("forecast", short_help="The peak on more ranks, another strategy or batch.",
+               epilog="""\b
+Examples:
+  snapforensics forecast runs/a/rank0.pickle --world-size 4,8,64,512
+  snapforensics forecast runs/a/rank0.pickle --capacity 80GiB \\
+      --strategy full_shard,hsdp:8 --checkpointing none,full \\
+      --micro-batch-scale 0.5,2""")
 @click.argument("snapshot", type=click.Path(path_type=Path))
 @click.option("--world-size", help="World sizes to forecast, comma-separated (e.g. 4,8,64,512).")
 @click.option("--strategy", help="full_shard | shard_grad_op | no_shard | hsdp:R (R replicas), "
@@ -72,7 +78,11 @@ def _scale(s: str) -> float:
 @report_options("forecast")
 def forecast_command(snapshot: Path, world_size, strategy, checkpointing, micro_batch_scale,
                      capacity, fmt: str | None, output: str | None) -> int:
-    """Forecast the peak of the recorded run under other settings (docs/forecast.md)."""
+    """Forecast the peak of the recorded run under other settings: world sizes, sharding
+    strategies, activation checkpointing and micro-batch sizes, each block scaled by what made
+    it and the trace replayed; with --capacity, which scenarios fit. A run with an anomaly is
+    forecast as recorded and with the fix applied. Model and limits: docs/forecast.md in the
+    project's repository."""
     from snapforensics.analysis.forecast import forecast, parse_size
     from snapforensics.report.output import choose_format, emit
     from snapforensics.snapshot import load

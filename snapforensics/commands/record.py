@@ -12,19 +12,20 @@ from pathlib import Path
 
 import click
 
-from snapforensics.errors import EXIT_BAD_INPUT, EXIT_RECORD_FAILED, SnapError
+from snapforensics.errors import EXIT_BAD_INPUT, SnapError
 from snapforensics.record.backends import DEVICES, STACKS
 
 
-@click.command("record", context_settings={"ignore_unknown_options": True,
+@click.command("record", short_help="Record a training run: one memory snapshot per rank.",
+               context_settings={"ignore_unknown_options": True,
                                            "allow_interspersed_args": False})
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Folder for rank{R}.pickle (default: a new snapforensics-out/record-TIME).")
 @click.option("--nproc-per-node", type=int, default=1, show_default=True,
               help="Ranks to launch on this machine (each with torchrun's environment).")
-@click.option("--device", metavar="|".join(DEVICES), default="auto", show_default=True,
+@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True,
               help="auto: cuda if available, else npu (torch_npu), else the CPU allocator.")
-@click.option("--stacks", metavar="|".join(STACKS), default="python", show_default=True,
+@click.option("--stacks", type=click.Choice(STACKS), default="python", show_default=True,
               help="python: Python frames only (fast); all: C++ frames too (slow to dump).")
 @click.option("--max-entries", type=int, default=1_000_000, show_default=True,
               help="Trace ring buffer size: only the last N alloc/free entries are kept.")
@@ -44,8 +45,11 @@ def record_command(out: Path | None, nproc_per_node: int, device: str, stacks: s
     """Record a training run: one memory snapshot per rank.
 
     \b
+    Examples:
       snapforensics record train.py --lr 1e-3
-      snapforensics record --nproc-per-node 2 -m snapforensics.examples.fsdp_ckpt --variant buggy
+      snapforensics record --nproc-per-node 2 --out runs/a train.py
+      snapforensics record --steps 5:7 train.py    # optimizer steps 5, 6 only
+      snapforensics record -m mypkg.train -- --config x.yaml
 
     A `--` right after SCRIPT/MODULE is dropped. Every rank gets torchrun's environment (RANK,
     WORLD_SIZE, MASTER_ADDR/PORT, ...), one rank included. Inside a torchrun launch (one rank
@@ -55,8 +59,7 @@ def record_command(out: Path | None, nproc_per_node: int, device: str, stacks: s
 
     args = list(script_args)
     if not args:
-        raise SnapError("missing SCRIPT (or -m MODULE) to record; see snapforensics record --help",
-                        exit_code=EXIT_RECORD_FAILED)
+        raise click.UsageError("missing SCRIPT (or -m MODULE) to record")
     target, rest = args[0], args[1:]
     if rest[:1] == ["--"]:
         rest = rest[1:]

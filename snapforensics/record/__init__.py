@@ -10,10 +10,11 @@
   ``torchrun --standalone``. The ranks share one new process group: SIGINT/SIGTERM/SIGHUP sent
   to the recorder are forwarded to that whole group (each rank stops its script and still writes
   what it recorded; a second signal kills them). When one rank fails, the others are stopped the
-  same way; one still running ``STOP_GRACE_S`` after that (blocked in a collective, where
-  Python never sees the signal) is killed.
+  same way (a rank blocked in a collective, where Python never sees the signal, dumps from
+  the bootstrap's watcher thread); one still running ``STOP_GRACE_S`` after that is killed.
 - already inside a torchrun launch (``TORCHELASTIC_RUN_ID``, or ``LOCAL_RANK`` + ``WORLD_SIZE``)
-  with ``nproc_per_node=1``: this process is recorded in place.
+  or an ``srun`` task (``SLURM_PROCID`` + ``SLURM_NTASKS`` + ``SLURM_STEP_ID``) with
+  ``nproc_per_node=1``: this process is recorded in place.
 
 Each rank writes ``OUT/rank{R}.pickle`` (the ``torch.cuda.memory._snapshot()`` format, plus a
 top-level ``"snapforensics"`` provenance dict). CUDA and NPU record the device caching
@@ -56,8 +57,11 @@ class RecordResult:
 
 
 def in_torchrun(environ: os._Environ[str] | dict[str, str] | None = None) -> bool:
+    """Inside a launch that gave this process its rank: torchrun's variables, or SLURM's
+    (``srun`` sets ``SLURM_PROCID``/``SLURM_LOCALID``/``SLURM_NTASKS`` in each task)."""
     env = os.environ if environ is None else environ
-    return bool(env.get("TORCHELASTIC_RUN_ID")) or ("LOCAL_RANK" in env and "WORLD_SIZE" in env)
+    return (bool(env.get("TORCHELASTIC_RUN_ID")) or ("LOCAL_RANK" in env and "WORLD_SIZE" in env)
+            or ("SLURM_PROCID" in env and "SLURM_NTASKS" in env and "SLURM_STEP_ID" in env))
 
 
 def _say(quiet: bool, msg: str) -> None:
@@ -79,6 +83,9 @@ def _default_out(cwd: Path, inside_torchrun: bool) -> Path:
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
         if run_id and run_id != "none":
             return base / f"record-torchrun-{run_id}"
+        job = os.environ.get("SLURM_JOB_ID")
+        if job and "SLURM_PROCID" in os.environ:
+            return base / f"record-slurm-{job}.{os.environ.get('SLURM_STEP_ID', '0')}"
         ppid = os.getppid()
         try:
             started = os.stat(f"/proc/{ppid}").st_ctime  # the launcher's start
@@ -333,7 +340,7 @@ def record(target: str, script_args: list[str], *, module: bool = False, out: Pa
             raise SnapError(f"cannot create {out_dir}: {e}", exit_code=EXIT_BAD_INPUT) from None
         from snapforensics.record._bootstrap import run_recorded
 
-        status = run_recorded(opts, target, script_args)
+        status = run_recorded({**opts, "in_place": True}, target, script_args)
         (out_dir / f".rank{status['rank']}.status.json").unlink(missing_ok=True)
         return _result([status], out_dir, expected=[status["rank"]], codes=[None], quiet=quiet)
 
@@ -389,6 +396,7 @@ def _result(statuses: list[dict], out_dir: Path, *, expected: list[int], codes: 
     problems = []
     for r in expected:
         s = by_rank.get(r)
+        problems.extend((s or {}).get("warnings") or [])
         if s and s.get("snapshot"):
             t = s.get("timings") or {}
             detail = "".join(f", {k[:-2].replace('_', ' ')} {v} s" for k, v in t.items())

@@ -54,6 +54,29 @@ def _env_int(name: str, default: int) -> int:
         return default
 
 
+# torchrun's variables first, then SLURM's (``srun`` without a torchrun wrapper)
+_RANK_VARS = (("RANK", "SLURM_PROCID"), ("WORLD_SIZE", "SLURM_NTASKS"),
+              ("LOCAL_RANK", "SLURM_LOCALID"))
+
+
+def rank_env(environ: dict[str, str] | None = None) -> tuple[int, int, int, bool]:
+    """``(rank, world_size, local_rank, local_known)`` from torchrun's variables, else SLURM's;
+    ``local_known``: a launcher said which local rank (device) this process is."""
+    env = os.environ if environ is None else environ
+    out = []
+    for names, default in zip(_RANK_VARS, (0, 1, 0)):
+        value = default
+        for name in names:
+            try:
+                value = int(env[name])
+                break
+            except (KeyError, ValueError):
+                continue
+        out.append(value)
+    known = any(n in env for n in _RANK_VARS[2])
+    return out[0], out[1], out[2], known
+
+
 def _exit_code_of(exc: SystemExit) -> int:
     """What ``python`` would exit with for an uncaught ``SystemExit``."""
     code = exc.code
@@ -203,6 +226,129 @@ class _StepWindow:
             self._hook = None
 
 
+class _LaunchRefused(BaseException):
+    """The script launched its ranks in a way the recorder cannot follow (a BaseException so
+    that the script's own ``except Exception`` does not swallow it)."""
+
+
+_SPAWNERS = ("spawn", "start_processes")
+
+
+def _refuse_mp_spawn() -> None:
+    """``torch.multiprocessing.spawn`` starts fresh interpreters that run the script's function
+    without the recorder: the parent would write a near-empty file for ranks it never ran.
+    Refused with one line saying how to launch instead."""
+    import importlib
+
+    try:
+        mp = importlib.import_module("torch.multiprocessing")
+        mp_spawn = importlib.import_module("torch.multiprocessing.spawn")
+    except Exception:
+        return
+
+    def refused(name: str):
+        def launch(*args: Any, **kwargs: Any) -> Any:
+            nprocs = kwargs.get("nprocs", args[2] if len(args) > 2 else None)
+            n = nprocs if isinstance(nprocs, int) else "N"
+            raise _LaunchRefused(
+                f"the script starts its ranks with torch.multiprocessing.{name}, whose processes "
+                f"are not recorded; launch the ranks with `snapforensics record --nproc-per-node "
+                f"{n} SCRIPT` (or torchrun) and have the script take RANK, LOCAL_RANK and "
+                "WORLD_SIZE from the environment")
+
+        return launch
+
+    for name in _SPAWNERS:
+        for module in (mp, mp_spawn):
+            if hasattr(module, name):
+                setattr(module, name, refused(name))
+
+
+# how long the watcher leaves the main thread to start the dump itself after SIGTERM/SIGINT:
+# a thread running Python code gets the signal's exception at its next bytecode (microseconds);
+# one still silent after this is blocked in native code (a collective waiting for a dead peer)
+WATCH_GRACE_S = 1.0
+
+
+class _Watcher:
+    """Writes the snapshot on SIGTERM/SIGINT even while the main thread is blocked in a native
+    wait (an NCCL/HCCL/gloo collective waiting for a rank that died), where the Python-level
+    handler never runs until the wait returns, and the launcher kills the rank first.
+
+    The signal's C handler writes the signal number to ``signal.set_wakeup_fd`` from any
+    thread; a daemon thread reads it (native waits release the GIL, so it runs), gives the
+    main thread ``WATCH_GRACE_S`` to start the dump itself, else dumps and ends the process
+    with 128 + the signal. Only while the recorder's own handlers are installed (a script that
+    handles SIGTERM itself keeps that), and only when no one else uses the wakeup fd.
+    """
+
+    def __init__(self, dump: Any, handlers: dict) -> None:
+        self.dump = dump
+        self.handlers = handlers  # signal -> the handler that must still be installed
+        self.main_dumping = threading.Event()
+        self.lock = threading.Lock()
+        self.fds: tuple[int, int] | None = None
+        self.thread: threading.Thread | None = None
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        try:
+            old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        except (ValueError, OSError):
+            os.close(r)
+            os.close(w)
+            return
+        if old != -1:  # someone else's: leave it
+            signal.set_wakeup_fd(old)
+            os.close(r)
+            os.close(w)
+            return
+        self.fds = (r, w)
+        self.thread = threading.Thread(target=self._run, name="snapforensics-dump", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        assert self.fds is not None
+        while True:
+            try:
+                data = os.read(self.fds[0], 64)
+            except OSError:
+                return
+            if not data or 0 in data:  # 0: remove() stops the thread
+                return
+            for signum in data:
+                want = self.handlers.get(signum)
+                if want is not None and signal.getsignal(signum) is want:
+                    if self.main_dumping.wait(WATCH_GRACE_S):
+                        return
+                    if self.lock.acquire(blocking=False):
+                        self.dump(128 + signum)  # ends the process
+                    return
+
+    def remove(self) -> None:
+        if self.fds is None:
+            return
+        try:
+            signal.set_wakeup_fd(-1)
+        except (ValueError, OSError):
+            pass
+        try:
+            os.write(self.fds[1], b"\0")
+        except OSError:
+            pass
+        if self.thread is not None:
+            self.thread.join(5)  # before its fd is closed (and its number reused)
+        for fd in self.fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.fds = None
+
+
 def run_recorded(opts: dict, target: str, args: list[str]) -> dict:
     """Record ``target`` in this process. Returns (and writes) the status dict.
 
@@ -210,16 +356,14 @@ def run_recorded(opts: dict, target: str, args: list[str]) -> dict:
     (path or None), ``oom_snapshot``, ``entries``, ``bytes``, ``error`` (a one-line message
     when recording failed), ``seconds`` (time spent converting and writing).
     """
-    rank = _env_int("RANK", 0)
-    world = _env_int("WORLD_SIZE", 1)
-    local = _env_int("LOCAL_RANK", 0)
+    rank, world, local, local_known = rank_env()
     out = Path(opts["out"])
     module = bool(opts.get("module"))
     stacks = opts.get("stacks", "python")
     max_entries = int(opts.get("max_entries", 1_000_000))
     status: dict[str, Any] = {"rank": rank, "exit_code": None, "snapshot": None,
                               "oom_snapshot": None, "entries": None, "bytes": None,
-                              "error": None, "seconds": None}
+                              "error": None, "seconds": None, "warnings": []}
 
     def finish() -> dict:
         try:
@@ -239,7 +383,8 @@ def run_recorded(opts: dict, target: str, args: list[str]) -> dict:
         from snapforensics.record.backends import make_backend, select_backend
 
         backend_name = select_backend(opts.get("device", "auto"))
-        backend = make_backend(backend_name, stacks, max_entries)
+        backend = make_backend(backend_name, stacks, max_entries,
+                               local if local_known else None)
         if module:
             command = ["-m", target, *args]
             path_entry = os.getcwd()
@@ -272,13 +417,6 @@ def run_recorded(opts: dict, target: str, args: list[str]) -> dict:
                 sys.path[0] = path_entry
             else:
                 sys.path.insert(0, path_entry)
-        if backend_name == "cuda" and "LOCAL_RANK" in os.environ:
-            # keep every rank's CUDA context off GPU 0 (what the script will do anyway)
-            try:
-                if local < torch.cuda.device_count():
-                    torch.cuda.set_device(local)
-            except Exception:
-                pass
     except SnapError as e:
         status["exit_code"] = e.exit_code
         status["error"] = str(e)
@@ -296,21 +434,23 @@ def run_recorded(opts: dict, target: str, args: list[str]) -> dict:
                 started_at=started_at)
 
     def on_oom(info: dict) -> None:
-        if status["oom_snapshot"]:
-            return  # the first OOM is the one that matters
-        try:
-            snap = info.pop("snapshot")
-            snap["snapforensics"] = {**_provenance(exit_code=None, **prov), "oom": info}
-            p = oom_snapshot_path(out, rank)
-            write_pickle(p, snap)
-            status["oom_snapshot"] = str(p)
-        except Exception as e:  # never turn an OOM into a different error
-            print(f"snapforensics record: OOM snapshot failed: {e}", file=sys.stderr)
+        """The backend's observer calls this once, at the first OOM, inside its guard."""
+        snap = info.pop("snapshot")
+        snap["snapforensics"] = {**_provenance(exit_code=None, **prov), "oom": info}
+        p = oom_snapshot_path(out, rank)
+        write_pickle(p, snap)
+        status["oom_snapshot"] = str(p)
 
     saved_argv = sys.argv[:]
     term = _TermAsExit()
     code: int | None = None
     window = _StepWindow(backend, opts.get("steps"))
+    before: dict[str, Any] = {}
+    if backend_name == "cpu":
+        sys.argv[:] = [target, *args]  # as the script will see them when it imports
+        before["imported_before_recording"] = _import_prefix(script_path,
+                                                             target if module else None)
+        sys.argv[:] = saved_argv
     try:
         window.install()
     except Exception as e:
@@ -325,7 +465,50 @@ def run_recorded(opts: dict, target: str, args: list[str]) -> dict:
     except Exception:
         pass
     term.install()
+
+    def dump(exit_code: int) -> None:
+        """Stop recording and write the snapshot (main thread at the end of the script)."""
+        status["exit_code"] = exit_code
+        window.remove()
+        t0 = time.perf_counter()
+        try:
+            if not window.started:
+                raise RuntimeError(f"the script made {window.done} optimizer step(s): step "
+                                   f"{window.first} (--steps) was never reached")
+            snap = backend.snapshot()
+            extra = snap.get("snapforensics") if isinstance(snap.get("snapforensics"), dict) else {}
+            snap["snapforensics"] = {**_provenance(exit_code=exit_code, **prov), **before,
+                                     **extra}
+            p = snapshot_path(out, rank)
+            write_pickle(p, snap)
+            status["snapshot"] = str(p)
+            status["entries"] = _count_entries(snap)
+            status["bytes"] = p.stat().st_size
+            status["timings"] = getattr(backend, "timings", None)
+            status["warnings"].extend(_empty_recording(backend, status["entries"], rank))
+        except BaseException as e:  # reported once, by the launching record
+            status["error"] = f"rank {rank}: writing the snapshot failed: {type(e).__name__}: {e}"
+        status["seconds"] = round(time.perf_counter() - t0, 3)
+
+    def dump_from_watcher(exit_code: int) -> None:
+        """The main thread is stuck in native code: dump from here and end the process."""
+        try:
+            print(f"snapforensics record: rank {rank} is blocked in native code; writing its "
+                  "snapshot from the recorder's thread", file=sys.stderr, flush=True)
+            dump(exit_code)
+            if not opts.get("in_place"):  # a launching record reads it
+                finish()
+            sys.stderr.flush()
+        finally:
+            os._exit(exit_code)
+
+    watcher = _Watcher(dump_from_watcher, {
+        int(signal.SIGTERM): term._handler if term.installed else None,
+        int(signal.SIGINT): signal.default_int_handler})
+    watcher.install()
     _hide_known_torch_warnings()
+    _refuse_mp_spawn()
+    refused: str | None = None
     try:
         sys.argv[:] = [target, *args]
         try:
@@ -339,36 +522,98 @@ def run_recorded(opts: dict, target: str, args: list[str]) -> dict:
         except KeyboardInterrupt as e:
             _print_script_traceback(e)
             code = 130
+        except _LaunchRefused as e:
+            refused = str(e)
+            code = EXIT_RECORD_FAILED
         except BaseException as e:
             _print_script_traceback(e)
             code = 1
     finally:
+        watcher.main_dumping.set()
         term.dumping()
         sys.stdout.flush()
         sys.argv[:] = saved_argv
         if saved_path0 is not None and sys.path:
             sys.path[0] = saved_path0
-        status["exit_code"] = code if code is not None else 1
-        window.remove()
-        t0 = time.perf_counter()
-        try:
-            if not window.started:
-                raise RuntimeError(f"the script made {window.done} optimizer step(s): step "
-                                   f"{window.first} (--steps) was never reached")
-            snap = backend.snapshot()
-            extra = snap.get("snapforensics") if isinstance(snap.get("snapforensics"), dict) else {}
-            snap["snapforensics"] = {**_provenance(exit_code=status["exit_code"], **prov), **extra}
-            p = snapshot_path(out, rank)
-            write_pickle(p, snap)
-            status["snapshot"] = str(p)
-            status["entries"] = _count_entries(snap)
-            status["bytes"] = p.stat().st_size
-            status["timings"] = getattr(backend, "timings", None)
-        except BaseException as e:  # reported once, by the launching record
-            status["error"] = f"rank {rank}: writing the snapshot failed: {type(e).__name__}: {e}"
-        status["seconds"] = round(time.perf_counter() - t0, 3)
+        with watcher.lock:  # held by the watcher if it dumps (it then ends the process)
+            if refused is not None:
+                status["exit_code"] = EXIT_RECORD_FAILED
+                status["error"] = refused
+                window.remove()
+                try:
+                    backend.stop()  # nothing is written; the profiler must still stop
+                except Exception:
+                    pass
+            else:
+                dump(code if code is not None else 1)
+        watcher.remove()
         term.restore()
     return finish()
+
+
+def _import_prefix(script_path: str | None, module: str | None) -> list[str]:
+    """Import, before the CPU profiler starts, the modules the script imports before its first
+    other statement (its docstring and ``from __future__`` aside): what the script does first
+    anyway, in the same order, with its ``sys.argv`` and ``sys.path``. Under the profiler's
+    Python tracer, importing a large library (transformers, lightning) records millions of
+    calls that allocate nothing, and they made most of the recorder's memory (issue 16).
+    Allocations made by these imports are then not in the trace; the allocator's accounting
+    shows their bytes as allocated before recording. Stops at the first import that fails (the
+    script then meets the same error itself). Returns the modules imported."""
+    import ast
+
+    try:
+        if module is not None:
+            spec = importlib.util.find_spec(module)
+            origin = spec.origin if spec is not None else None
+        else:
+            origin = script_path
+        if not origin or not os.path.isfile(origin):
+            return []
+        with open(origin, "rb") as f:
+            tree = ast.parse(f.read())
+    except (ImportError, ValueError, SyntaxError, OSError):
+        return []
+    done: list[str] = []
+    for i, node in enumerate(tree.body):
+        if (i == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str)):
+            continue  # docstring
+        if isinstance(node, ast.Import):
+            wanted = [(a.name, None) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module == "__future__":
+            continue
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            wanted = [(node.module, a.name) for a in node.names]
+        else:
+            break
+        for name, attr in wanted:
+            try:
+                mod = importlib.import_module(name)
+                if attr and attr != "*" and not hasattr(mod, attr):  # hasattr: lazy modules load
+                    importlib.import_module(f"{name}.{attr}")
+            except Exception:
+                return done
+            done.append(name)
+    return done
+
+
+def _empty_recording(backend: Any, entries: int | None, rank: int) -> list[str]:
+    """One line when a device recording came out empty although the script used the device."""
+    if getattr(backend, "name", "cpu") == "cpu" or entries:
+        return []
+    if not getattr(backend, "started", True):
+        why = getattr(backend, "start_error", None)
+        return [f"rank {rank}: nothing recorded: " + (
+            f"the recording could not start ({why})" if why else
+            f"the script never used {backend.name.upper()} in this process (record its "
+            "CPU allocator with --device cpu)")]
+    n = backend.allocations()
+    if n:
+        return [f"rank {rank}: the recording has 0 entries although the script allocated {n} "
+                f"block(s) on {backend.name.upper()}: something outside the recorder turned the "
+                "allocator's history off or cleared it"]
+    return []
 
 
 def _stop_with_launcher() -> None:

@@ -36,11 +36,33 @@ def _npu_available() -> bool:
 
 
 def _cuda_available() -> bool:
+    """Whether this machine has a CUDA device, WITHOUT initializing CUDA in this process.
+
+    ``torch.cuda.is_available()`` calls ``cudaGetDeviceCount``, which runs ``cuInit``: the
+    driver then reads ``CUDA_VISIBLE_DEVICES`` once (a script setting it later is ignored) and
+    processes forked afterwards cannot use CUDA. So: NVML (``nvmlDeviceGetCount``, what
+    ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` uses), else the question is asked in a child process.
+    """
     import torch
 
     try:
-        return bool(torch.cuda.is_available())
+        if not torch.backends.cuda.is_built():
+            return False
+        if torch.cuda.is_initialized():
+            return torch.cuda.device_count() > 0
+        count = torch.cuda._device_count_nvml()  # -1 when NVML is missing
     except Exception:
+        count = -1
+    if count >= 0:
+        return count > 0
+    import subprocess
+
+    try:
+        probe = subprocess.run([sys.executable, "-c",
+                                "import torch; print(torch.cuda.device_count())"],
+                               capture_output=True, text=True, timeout=120, check=False)
+        return int(probe.stdout.strip() or 0) > 0
+    except (OSError, ValueError, subprocess.SubprocessError):
         return False
 
 
@@ -57,7 +79,7 @@ def select_backend(device: str, *, cuda_available: Callable[[], bool] = _cuda_av
         return "cpu"
     if device == "cuda":
         if not cuda_available():
-            raise SnapError("--device cuda: torch.cuda.is_available() is False on this machine "
+            raise SnapError("--device cuda: no CUDA device on this machine "
                             "(use --device cpu to record the CPU allocator)",
                             exit_code=EXIT_RECORD_FAILED)
         return "cuda"
@@ -74,102 +96,286 @@ def select_backend(device: str, *, cuda_available: Callable[[], bool] = _cuda_av
     return "cpu"
 
 
+_CORE = ("context", "stacks", "max_entries")  # accepted by every 2.x wrapper, torch and torch_npu
+
+
+def _accepted(fn: Callable) -> tuple[set[str] | None, bool]:
+    """The keyword names ``fn`` really binds, and whether it is the legacy boolean form.
+
+    ``fn(enabled="all", *args, **kwargs)`` (torch_npu 2.x; torch before it set ``__signature__``)
+    hands everything to ``_record_memory_history_impl`` of its own module, which raises on a
+    keyword it lacks: that function's parameters are the ones that count. None when unknown.
+    """
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return None, False
+    names = set(params)
+    if names - {"enabled"} <= {"args", "kwargs"}:
+        impl = getattr(fn, "__globals__", {}).get("_record_memory_history_impl")
+        if impl is None:
+            return None, False
+        try:
+            names = set(inspect.signature(impl).parameters)
+        except (TypeError, ValueError):
+            return None, False
+    return names, "trace_alloc_max_entries" in names and "max_entries" not in names
+
+
 def history_call(fn: Callable, *, stacks: str, max_entries: int,
                  annotations: bool = True) -> tuple[tuple, dict]:
     """The (args, kwargs) to start allocator history with ``fn`` = ``_record_memory_history``.
 
-    Keeps only the keywords ``fn`` accepts (older torch lacks ``global_record_annotations``,
-    torch_npu lacks it too); falls back to the legacy boolean form when ``fn`` only knows
-    ``trace_alloc_max_entries`` (torch < 2.1).
+    Only keywords the real implementation accepts (``global_record_annotations`` exists from
+    torch 2.8 and in no torch_npu); the legacy boolean form for torch < 2.1.
     """
     wanted = {"context": "all", "stacks": stacks, "max_entries": max_entries}
     if annotations:
         wanted["global_record_annotations"] = True
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # a builtin without a signature: the documented core set
-        return ("all",), {k: v for k, v in wanted.items() if k != "global_record_annotations"}
-    names = set(params)
-    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    if "trace_alloc_max_entries" in names and "max_entries" not in names:
-        kwargs = {"trace_alloc_max_entries": max_entries, "trace_alloc_record_context": True}
+    names, legacy = _accepted(fn)
+    if names is None:
+        return ("all",), {k: wanted[k] for k in _CORE}
+    if legacy:
+        kwargs: dict[str, Any] = {"trace_alloc_max_entries": max_entries,
+                                  "trace_alloc_record_context": True}
         if "record_context_cpp" in names:
             kwargs["record_context_cpp"] = stacks == "all"
         return (True,), kwargs
-    if var_kw and names <= {"enabled", "args", "kwargs"}:
-        return ("all",), wanted
     return ("all",), {k: v for k, v in wanted.items() if k in names}
 
 
-class CudaBackend:
-    name = "cuda"
+class _ScriptHistoryCalls:
+    """The script's own ``_record_memory_history`` calls, kept off the recording.
 
-    def __init__(self, stacks: str, max_entries: int):
+    Both torch's and torch_npu's C++ clear the trace buffer on such a call (torch: disabling,
+    or ``clear_history``; torch_npu: every call), so a script doing what PyTorch's memory blog
+    shows (enable with ``max_entries=100000``, later ``enabled=None``) would empty the recording.
+    The C bindings (``torch._C._cuda_record_memory_history[_legacy]``,
+    ``torch_npu._C._npu_record_memory_history``) are wrapped: the recorder's own calls pass,
+    the script's are not forwarded (the recording keeps every entry, and the script's own
+    ``_snapshot()``/``_dump_snapshot()`` still get it), each is listed in the provenance and the
+    first is named on stderr in one line.
+    """
+
+    def __init__(self, module: Any, names: tuple[str, ...]) -> None:
+        self.module = module
+        self.originals: dict[str, Callable] = {}
+        self.calls: list[str] = []
+        self.own = 0
+        for name in names:
+            orig = getattr(module, name, None)
+            if orig is not None:
+                self.originals[name] = orig
+                setattr(module, name, self._wrap(name, orig))
+
+    def _wrap(self, name: str, orig: Callable) -> Callable:
+        def binding(*args: Any, **kwargs: Any) -> Any:
+            if self.own:
+                return orig(*args, **kwargs)
+            what = f"_record_memory_history(enabled={args[0] if args else None!r}"
+            if args and args[0] and len(args) > 3 and "legacy" not in name:
+                what += f", max_entries={args[3]!r}"
+            what += f") at {_caller()}"
+            self.calls.append(what)
+            if len(self.calls) == 1:
+                print(f"snapforensics record: the script called {what}; not applied while "
+                      "recording (the recording keeps every entry)", file=sys.stderr, flush=True)
+            return None
+
+        binding.__wrapped__ = orig  # type: ignore[attr-defined]
+        return binding
+
+    @contextlib.contextmanager
+    def passing(self):
+        self.own += 1
+        try:
+            yield
+        finally:
+            self.own -= 1
+
+    def remove(self) -> None:
+        for name, orig in self.originals.items():
+            setattr(self.module, name, orig)
+        self.originals = {}
+
+
+def _caller() -> str:
+    """``file:line`` of the innermost frame outside torch, torch_npu and this package."""
+    skip = (os.sep + "torch" + os.sep, os.sep + "torch_npu" + os.sep,
+            os.sep + "snapforensics" + os.sep + "record" + os.sep)
+    f = sys._getframe(2)
+    while f is not None:
+        fn = f.f_code.co_filename
+        if not any(s in fn for s in skip):
+            return f"{os.path.basename(fn)}:{f.f_lineno}"
+        f = f.f_back
+    return "?"
+
+
+class CudaBackend:
+    """The CUDA caching allocator's history (``torch.cuda.memory``).
+
+    Nothing touches CUDA before the script does: when CUDA is not initialized yet, the start
+    is queued with ``torch.cuda._lazy_call`` and runs inside the script's first CUDA
+    initialization (after its own ``CUDA_VISIBLE_DEVICES``, in the process that uses it).
+    """
+
+    name = "cuda"
+    _bindings = ("_cuda_record_memory_history", "_cuda_record_memory_history_legacy")
+
+    def __init__(self, stacks: str, max_entries: int, local_rank: int | None = None):
         self.stacks = stacks
         self.max_entries = max_entries
+        self.local_rank = local_rank
         self._taken: dict | None = None
+        self._guard: _ScriptHistoryCalls | None = None
+        self.started = False  # history is on (the script initialized the device)
+        self.start_error: str | None = None
+        self._oom_fired = False
+        if stacks == "all":  # C++ frames: torch's in-process symbolizer, not one addr2line each
+            os.environ.setdefault("TORCH_SYMBOLIZE_MODE", "fast")
 
     def _memory(self):
         import torch.cuda.memory
 
         return torch.cuda.memory
 
+    def _device(self):
+        import torch
+
+        return torch.cuda
+
+    def _c(self):
+        import torch
+
+        return torch._C
+
     def start(self) -> None:
-        mem = self._memory()
-        args, kwargs = history_call(mem._record_memory_history, stacks=self.stacks,
-                                    max_entries=self.max_entries)
-        mem._record_memory_history(*args, **kwargs)
+        if self._guard is None:
+            self._guard = _ScriptHistoryCalls(self._c(), self._bindings)
+        dev = self._device()
+        if dev.is_initialized():
+            self._start_now()
+        else:
+            dev._lazy_call(self._start_now)
+
+    def _start_now(self) -> None:
+        """Runs inside the device's lazy initialization: never raises (an error here would
+        become the script's error)."""
+        try:
+            dev = self._device()
+            if self.local_rank is not None and self.local_rank < dev.device_count():
+                dev.set_device(self.local_rank)  # each rank on its own device
+            mem = self._memory()
+            args, kwargs = history_call(mem._record_memory_history, stacks=self.stacks,
+                                        max_entries=self.max_entries)
+            assert self._guard is not None
+            with self._guard.passing():
+                mem._record_memory_history(*args, **kwargs)
+            self.started = True
+        except Exception as e:  # reported with the snapshot; the script goes on
+            self.start_error = f"{type(e).__name__}: {e}"
+            print(f"snapforensics record: cannot start {self.name} recording: "
+                  f"{self.start_error}", file=sys.stderr, flush=True)
 
     def stop(self) -> None:
         """Stop recording now: the history so far is taken for ``snapshot()``."""
-        if self._taken is None:
+        if self._taken is not None:
+            return
+        if not self.started:
+            self._taken = {"segments": [], "device_traces": []}
+        else:
             mem = self._memory()
             self._taken = _as_dict(mem._snapshot())
             try:
-                mem._record_memory_history(None)
+                assert self._guard is not None
+                with self._guard.passing():
+                    mem._record_memory_history(None)
             except Exception:
                 pass
+        if self._guard is not None:
+            self._taken.setdefault("snapforensics", {})["script_history_calls"] = list(
+                self._guard.calls)
+            self._guard.remove()
 
     def snapshot(self) -> dict:
         self.stop()
         snap, self._taken = self._taken, None
+        assert snap is not None
         return snap
 
-    def _oom_attach(self):
-        import torch
+    def allocations(self) -> int | None:
+        """How many blocks the allocator handed out in this process (its own counter, which no
+        history call resets), None when unknown or the device was never used."""
+        if not self.started:
+            return None
+        try:
+            return int(self._device().memory_stats().get("allocation.all.allocated", 0))
+        except Exception:
+            return None
 
-        return getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+    def _oom_attach(self):
+        return getattr(self._c(), "_cuda_attach_out_of_memory_observer", None)
 
     def attach_oom(self, callback: Callable[[dict], None]) -> bool:
+        """``callback(info)`` at the first OOM only, ``info["snapshot"]`` taken right then.
+
+        The C++ calls the observer inside the failing allocation, with the allocator unlocked,
+        as ``(device, alloc_size, allowed_memory_maximum or device_total, device_free)`` and
+        turns an exception raised by it into the allocation's error: so the observer returns at
+        once after the first OOM (a batch-size finder catching OOMs pays nothing) and swallows
+        everything, so that the OOM stays the error.
+        """
         attach = self._oom_attach()
         if attach is None:
             return False
 
-        def observer(device, alloc, device_alloc, device_free):
-            callback({"device": device, "requested": alloc, "device_allocated": device_alloc,
-                      "device_free": device_free, "snapshot": _as_dict(self._memory()._snapshot())})
+        def observer(device, alloc_size, device_limit, device_free):
+            if self._oom_fired:
+                return
+            self._oom_fired = True
+            try:
+                info = {"device": device, "requested_bytes": alloc_size,
+                        "device_total_or_allowed_max_bytes": device_limit,
+                        "device_free_bytes": device_free,
+                        "snapshot": _as_dict(self._memory()._snapshot())}
+                callback(info)
+            except BaseException as e:  # never replace the OOM with our own error
+                try:
+                    print(f"snapforensics record: OOM snapshot failed: {type(e).__name__}: {e}",
+                          file=sys.stderr, flush=True)
+                except BaseException:
+                    pass
 
         attach(observer)
         return True
 
 
 class NpuBackend(CudaBackend):
-    """torch_npu mirrors the CUDA API under ``torch_npu.npu.memory``. Written to that contract;
-    not exercised here (no Ascend runtime)."""
+    """torch_npu's caching allocator, through ``torch_npu.npu.memory`` (the same API as CUDA's
+    but for its signatures, read by ``history_call``). Each rank sets its own NPU
+    (``LOCAL_RANK``) before the history call initializes the device."""
 
     name = "npu"
+    _bindings = ("_npu_record_memory_history",)
 
     def _memory(self):
         import torch_npu.npu.memory  # type: ignore[import-not-found]
 
         return torch_npu.npu.memory
 
+    def _device(self):
+        import torch_npu.npu  # type: ignore[import-not-found]
+
+        return torch_npu.npu
+
+    def _c(self):
+        import torch_npu  # type: ignore[import-not-found]
+
+        return torch_npu._C
+
     def _oom_attach(self):
-        try:
-            import torch_npu  # type: ignore[import-not-found]
-        except Exception:
-            return None
-        return getattr(getattr(torch_npu, "_C", None), "_npu_attach_out_of_memory_observer", None)
+        return getattr(self._c(), "_npu_attach_out_of_memory_observer", None)
 
 
 class CpuBackend:
@@ -231,6 +437,9 @@ class CpuBackend:
 
     def attach_oom(self, callback: Callable[[dict], None]) -> bool:
         return False
+
+    def allocations(self) -> int | None:
+        return None
 
 
 # Kineto writes these on fd 2 at every profiler start/stop (USDT:/STAGE: lines, not
@@ -303,8 +512,11 @@ def _warm_imports() -> None:
 BACKENDS = {"cuda": CudaBackend, "npu": NpuBackend, "cpu": CpuBackend}
 
 
-def make_backend(name: str, stacks: str, max_entries: int):
-    return BACKENDS[name](stacks, max_entries)
+def make_backend(name: str, stacks: str, max_entries: int, local_rank: int | None = None):
+    """``local_rank``: the device this rank uses (CUDA/NPU), None to leave it to the script."""
+    if name == "cpu":
+        return CpuBackend(stacks, max_entries)
+    return BACKENDS[name](stacks, max_entries, local_rank)
 
 
 def _as_dict(snap: Any) -> dict:

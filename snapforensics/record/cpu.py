@@ -53,6 +53,7 @@ _PYCALL = re.compile(r"^(.*)\((\d+)\): (.*)$")
 _MODULE_PREFIX = "nn.Module: "
 INFERRED_FREE_FRAME = ("<snapforensics>", 0, "free_on_untraced_thread")
 UNRECORDED_FRAME = ("<snapforensics>", 0, "allocated_before_recording")
+UNDECODABLE_NAME = "<undecodable name>"
 # How late a collective's worker thread may drop its last reference and still be taken as that
 # collective's free: a runnable thread waits at most a few scheduler periods for a core (CFS:
 # 6-24 ms on a loaded machine); a tensor a thread holds on purpose is held far longer.
@@ -126,7 +127,8 @@ def events_to_snapshot(roots: list, max_entries: int, EventType: Any, RecordScop
         "segments": _segments(live, _unrecorded_bytes(allocs, live), frames),
         "device_traces": [_last(trace, max_entries)],
         "external_annotations": _annotations(ranges, main_tid),
-        "snapforensics": {"cpu_inferred_frees": inferred},
+        "snapforensics": {"cpu_inferred_frees": inferred,
+                          "cpu_undecodable_names": frames.undecodable},
     }
 
 
@@ -138,6 +140,7 @@ class _Frames:
         self._frames: dict[tuple, dict] = {}
         self._stacks: dict[tuple, list] = {}
         self._pycalls: dict[str, Any] = {}
+        self.undecodable = 0
 
     def intern(self, filename: str, line: int, name: str) -> dict:
         key = (filename, line, name)
@@ -158,7 +161,9 @@ class _Frames:
         f = self._pycalls.get(name)
         if f is not None:
             return f
-        if name.startswith(_MODULE_PREFIX):
+        if name == UNDECODABLE_NAME:
+            f = self.intern("<snapforensics>", 0, UNDECODABLE_NAME)
+        elif name.startswith(_MODULE_PREFIX):
             f = self.intern("<nn.Module>", 0, name[len(_MODULE_PREFIX):])
         else:
             m = _PYCALL.match(name)
@@ -175,8 +180,18 @@ class _Frames:
         ev = cell[EVENT]
         if cell[KIND] is Cell.OP:
             kind = "<record_function>" if ev.extra_fields.scope == self.user_scope else "<op>"
-            return self.intern(kind, 0, ev.name)
-        return self.of_pycall(ev.name)
+            return self.intern(kind, 0, self.name(ev))
+        return self.of_pycall(self.name(ev))
+
+    def name(self, ev) -> str:
+        """``ev.name``; an event whose name is not valid UTF-8 (pybind raises
+        UnicodeDecodeError reading it) gets ``UNDECODABLE_NAME`` and is counted, so that one
+        such name does not cost the recording."""
+        try:
+            return ev.name
+        except UnicodeDecodeError:
+            self.undecodable += 1
+            return UNDECODABLE_NAME
 
     def of_path(self, path: list[list]) -> tuple[list, list]:
         """The interned stack above the current event (innermost first), and each frame's start."""
@@ -223,7 +238,8 @@ def _walk(roots: list, EventType: Any, frames: _Frames) -> tuple[list[_Alloc], l
         elif tag == TORCH_OP:
             cell = [ev, Cell.OP, None, 0]
             if ev.extra_fields.scope == user_scope:
-                ranges.append((ev.start_time_ns, ev.end_time_ns, seq, ev.name, ev.start_tid))
+                ranges.append((ev.start_time_ns, ev.end_time_ns, seq, frames.name(ev),
+                               ev.start_tid))
                 seq += 1
         elif tag == ALLOC:
             ef = ev.extra_fields

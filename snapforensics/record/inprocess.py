@@ -15,7 +15,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from snapforensics.record._bootstrap import _env_int, _provenance
+from snapforensics.record._bootstrap import _provenance, rank_env
 from snapforensics.record._write import write_pickle
 
 
@@ -29,7 +29,8 @@ def recording(path: Path, *, device: str = "auto", stacks: str = "python",
     from snapforensics.record.backends import make_backend, select_backend
 
     name = select_backend(device)
-    backend = make_backend(name, stacks, max_entries)
+    rank, world, local, local_known = rank_env()
+    backend = make_backend(name, stacks, max_entries, local if local_known else None)
     started = datetime.datetime.now(datetime.UTC).astimezone().isoformat(
         timespec="seconds")
     backend.start()
@@ -41,8 +42,7 @@ def recording(path: Path, *, device: str = "auto", stacks: str = "python",
         snap = backend.snapshot()
         extra = snap.get("snapforensics") if isinstance(snap.get("snapforensics"), dict) else {}
         prov = _provenance(backend=name, torch_version=str(torch.__version__),
-                           rank=_env_int("RANK", 0), world=_env_int("WORLD_SIZE", 1),
-                           local=_env_int("LOCAL_RANK", 0),
+                           rank=rank, world=world, local=local,
                            command=command or [f"pid {os.getpid()}"], stacks=stacks,
                            max_entries=max_entries, exit_code=code, started_at=started)
         snap["snapforensics"] = {**prov, **extra}

@@ -13,12 +13,15 @@ from snapforensics.report.sanitize import NAME, cap
 
 __all__ = [
     "by_saving",
+    "dump_line",
+    "peak_stacks",
     "finding_lines",
     "headline",
     "human",
     "peak_line",
     "phase_peaks",
     "provenance_line",
+    "framework_line",
     "ratio",
     "saving_peak",
     "verdict_order",
@@ -102,6 +105,24 @@ def provenance_line(d: Diagnosis) -> str:
     return ", ".join(x for x in parts if x)
 
 
+def framework_line(d: Diagnosis) -> str | None:
+    """"framework: HF Trainer (accelerate, transformers), FSDP2; layer LlamaDecoderLayer at
+    model.layers.N (N = 0-3)", or None for a file that shows no framework and no FSDP."""
+    fw = d.framework or {}
+    label = fw.get("label")
+    if not label or (fw.get("owner") == "torch" and not fw.get("fsdp")
+                     and not fw.get("layer_class")):
+        return None
+    out = f"framework: {cap(label, NAME)}"
+    cls, cont = fw.get("layer_class"), fw.get("layer_container")
+    if cls or cont:
+        ix = fw.get("layer_indices") or []
+        where = f" at {cap(cont, NAME)}.N" + (f" (N = {ix[0]}-{ix[-1]})" if ix else "") \
+            if cont else ""
+        out += f"; layer {cap(cls or '(class not in the file)', NAME)}{where}"
+    return out
+
+
 def command_line(d: Diagnosis) -> str | None:
     cmd = d.provenance.get("command")
     if not cmd:
@@ -116,11 +137,73 @@ def phase_peaks(iteration: dict) -> list[str]:
 
 
 def finding_lines(d: Diagnosis, f: Finding) -> list[str]:
-    """Key figures of a finding as short lines."""
+    """Key figures of a finding as short lines, and how they relate (`bytes_account`)."""
     out = [f"{human(f.bytes)} in {f.blocks} blocks (device {f.device})"]
     if f.predicted_peak_bytes is not None:
         out.append(f"predicted peak after the fix: {human(f.predicted_peak_bytes)}"
                    + (f", saving {_saving(d, f)}" if f.saving_bytes else ""))
     elif f.saving_bytes:
         out.append(f"the fix saves {_saving(d, f)}")
-    return out
+    account = bytes_account(d, f)
+    return [*out, account] if account else out
+
+
+def finding_category(f: Finding) -> str | None:
+    """What made the finding's blocks (the category of its representative stacks)."""
+    stacks = (f.evidence or {}).get("stacks") or []
+    cats = {s.get("category") for s in stacks if isinstance(s, dict)}
+    return cats.pop() if len(cats) == 1 else None
+
+
+def bytes_account(d: Diagnosis, f: Finding) -> str | None:
+    """One sentence relating a finding's three figures, which differ by design: its bytes
+    (the most its blocks hold at once), their category's total at the peak (those blocks and
+    any others of that kind alive then) and what the fix saves (the peak minus the replay's
+    peak without them, which is lower when the peak moves to a moment the fix does not
+    touch)."""
+    dev = next((x for x in d.devices if x.device == f.device), None)
+    cat = finding_category(f)
+    at_peak = int(dev.categories_at_peak.get(cat, 0)) if dev is not None and cat else 0
+    parts = [f"how the figures relate: {human(f.bytes)} is the most these {f.blocks} blocks "
+             "hold at once"]
+    if at_peak > f.bytes:
+        parts.append(f"at the peak {cat} totals {human(at_peak)}: these blocks and "
+                     f"{human(at_peak - f.bytes)} of other {cat} blocks (not this finding's)")
+    elif at_peak:
+        parts.append(f"at the peak {cat} blocks total {human(at_peak)}")
+    if f.saving_bytes and f.predicted_peak_bytes is not None:
+        if f.saving_bytes < f.bytes:
+            parts.append(f"the fix saves {human(f.saving_bytes)}, less than {human(f.bytes)}: "
+                         f"without these blocks the run still peaks at "
+                         f"{human(f.predicted_peak_bytes)}, with memory this fix does not "
+                         "touch")
+        else:
+            parts.append(f"the fix saves {human(f.saving_bytes)} of the peak")
+    return "; ".join(parts) + "." if len(parts) > 1 else None
+
+
+def dump_line(d: Diagnosis, dev) -> str:
+    """What the allocator held when the snapshot was dumped, in the same words everywhere: a
+    CPU recording has no caching allocator, so it reserves nothing beyond what is alive."""
+    seg = dev.segments or {}
+    if d.format.get("backend") == "cpu" or d.provenance.get("cpu_recorded"):
+        return (f"{human(int(seg.get('allocated_bytes', 0)))} alive at dump (no caching "
+                "allocator on CPU: nothing reserved beyond it)")
+    return (f"segments reserved {human(int(seg.get('reserved_bytes', 0)))} at dump "
+            f"({human(int(seg.get('allocated_bytes', 0)))} allocated in "
+            f"{int(seg.get('count', 0))} segments)")
+
+
+def peak_stacks(dev) -> list[dict]:
+    """The top stacks alive at the peak in the order to show them: the largest stack of each
+    category, categories by their bytes at the peak (so a category spread over many stacks,
+    like one FSDP unit's unsharded parameters per stack, is not crowded out by a category
+    made by one big stack), then the other stacks by bytes."""
+    stacks = sorted(dev.top_stacks_at_peak, key=lambda s: -int(s.get("bytes", 0)))
+    rank = {c: i for i, (c, _) in enumerate(sorted(dev.categories_at_peak.items(),
+                                                   key=lambda x: -x[1]))}
+    first: dict[str, dict] = {}
+    for s in stacks:
+        first.setdefault(str(s.get("category")), s)
+    lead = sorted(first.values(), key=lambda s: rank.get(str(s.get("category")), len(rank)))
+    return lead + [s for s in stacks if not any(s is x for x in lead)]

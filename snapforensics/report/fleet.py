@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from snapforensics.analysis.fleet import Fleet
+from snapforensics.analysis.fleet import RUNS, Fleet
 from snapforensics.report.common import human
 from snapforensics.report.registry import PLAIN, Screen
 from snapforensics.report.sanitize import NAME, ROWS, TEXT, markdown_code, markdown_span
@@ -22,10 +22,16 @@ def headline(f: Fleet) -> str:
     if not n:
         return f"no readable rank ({len(f.errors)} inputs failed)"
     s = f.spread or {}
-    words = [f"{n} rank{'s' if n != 1 else ''}, worst {who(f.ranks[0])} "
-             f"peak {human(f.ranks[0]['peaks']['overall_bytes'])}",
-             f"median {human(s['median_peak_bytes'])}, spread {s['spread_pct']:.1f}%"
-             + (" (IMBALANCED)" if s.get("flagged") else "")]
+    if f.mode == RUNS:  # files of separate runs: their spread is not an imbalance
+        words = [f"{n} separate runs, not ranks of one run (compare them: snapforensics "
+                 f"compare {' '.join(r['source'] for r in f.ranks[:2])})",
+                 f"highest peak {human(f.ranks[0]['peaks']['overall_bytes'])} in "
+                 f"{who(f.ranks[0])}"]
+    else:
+        words = [f"{n} rank{'s' if n != 1 else ''}, worst {who(f.ranks[0])} "
+                 f"peak {human(f.ranks[0]['peaks']['overall_bytes'])}",
+                 f"median {human(s['median_peak_bytes'])}, spread {s['spread_pct']:.1f}%"
+                 + (" (IMBALANCED)" if s.get("flagged") else "")]
     an = f.anomalies
     if an:
         top = an[0]
@@ -97,12 +103,16 @@ def terminal(f: Fleet, screen: Screen = PLAIN) -> str:
                        style="red" if verdict == "anomalous" and not r["on_all_ranks"] else None)
         console.print(ft)
     for line in _notes(f):
-        console.print(t(line, TEXT, "yellow"))
+        console.print(t(line, TEXT, "bold" if line.startswith("the worst") else "yellow"))
     return console.file.getvalue()
 
 
 def _notes(f: Fleet) -> list[str]:
-    return ([f"unreadable: {e['source']}: {e['error']}" for e in f.errors[:ROWS]]
+    """The next command (the worst rank's own report: its fix, predicted peak and plot), then
+    unreadable inputs and warnings."""
+    nxt = ([f"the worst rank's full report (fix, predicted peak, plot): snapforensics "
+            f"diagnose {f.ranks[0]['source']} -o report.html"] if f.ranks else [])
+    return (nxt + [f"unreadable: {e['source']}: {e['error']}" for e in f.errors[:ROWS]]
             + [f"warning: {w}" for w in f.warnings[:ROWS]])
 
 

@@ -16,10 +16,13 @@ from snapforensics.analysis.diagnosis import DeviceSummary, Diagnosis, Finding
 from snapforensics.report import plot
 from snapforensics.report.common import (
     command_line,
+    dump_line,
     finding_lines,
+    framework_line,
     headline,
     human,
     peak_line,
+    peak_stacks,
     phase_peaks,
     provenance_line,
     ratio,
@@ -152,6 +155,9 @@ def _header(d: Diagnosis) -> str:
            '</div>',
            f'<p>{e(peak_line(d))}</p>',
            f'<p class="muted">{e(provenance_line(d))}</p>']
+    fw = framework_line(d)
+    if fw:
+        out.append(f'<p class="muted">{e(fw)}</p>')
     cmd = command_line(d)
     if cmd:
         out.append(f'<div>command:</div><pre>{e(cmd, FRAME)}</pre>')
@@ -200,15 +206,11 @@ def _drawn(d: Diagnosis) -> set[int]:
 
 
 def _device(dev: DeviceSummary, d: Diagnosis, drawn: set[int]) -> str:
-    seg = dev.segments
     row = f" (trace row {_num(dev.peak_row)})" if _num(dev.peak_row) >= 0 else ""
     out = [f'<section class="card" id="device-{e(dev.device)}">',
            f'<h2>Device {e(dev.device)}</h2>',
            f'<p>Peak <strong>{e(human(dev.peaks["overall_bytes"]))}</strong> in '
-           f'{e(dev.peak_phase)}{row}; segments reserved '
-           f'{e(human(_num(seg.get("reserved_bytes"))))} at dump '
-           f'({e(human(_num(seg.get("allocated_bytes"))))} allocated in '
-           f'{e(_num(seg.get("count")))} segments).</p>']
+           f'{e(dev.peak_phase)}{row}; {e(dump_line(d, dev))}.</p>']
     hist = dev.history or {}
     if hist.get("rows"):
         note = (f'{_num(hist.get("rows"))} trace rows, {_num(hist.get("allocations"))} '
@@ -254,7 +256,7 @@ def _device(dev: DeviceSummary, d: Diagnosis, drawn: set[int]) -> str:
         out += ["<h4>Alive at the peak, by what made it</h4>", _bars(rows2)]
     if dev.top_stacks_at_peak:
         out.append("<h4>Top allocating stacks alive at the peak</h4>")
-        for k, s in enumerate(dev.top_stacks_at_peak):
+        for k, s in enumerate(peak_stacks(dev)):
             out.append(f'<details{" open" if k == 0 else ""}><summary>'
                        f'{e(human(_num(s.get("bytes"))))} in {e(_num(s.get("blocks")))} blocks '
                        f'({e(s.get("category", "?"), NAME)})</summary>'
@@ -350,31 +352,21 @@ def _top_fix(d: Diagnosis) -> str:
             f'<pre class="fix"><code>{e(f.fix, FRAME * FRAMES)}</code></pre></div>')
 
 
-def _scoped(css: str, scope: str = ".sf-report") -> str:
+def scoped(css: str, scope: str = ".sf-report") -> str:
     """Every rule of `css` limited to the report's element, so the styles never leak into a
-    page the report is embedded in (a notebook)."""
+    page the report is embedded in (a notebook); `:root`, `body` and `.sf-report` rules style
+    that element itself."""
     def one(m: re.Match) -> str:
-        sels = ",".join(scope if x.strip() in (":root", ".sf-report") else f"{scope} {x.strip()}"
-                        for x in m[1].split(","))
+        sels = ",".join(scope if x.strip() in (":root", "body", ".sf-report")
+                        else f"{scope} {x.strip()}" for x in m[1].split(","))
         return f"{sels}{{{m[2]}}}"
     return re.sub(r"([^{}]+)\{([^{}]*)\}", one, css)
 
 
-def fragment(d: Diagnosis) -> str:
-    """The summary and the plots, for a notebook cell (`Report._repr_html_`)."""
-    body = _header(d) + "".join(
-        f"<h4>Device {e(dev.device)}</h4>{_plot(dev, d)}" for dev in d.devices
-        if dev.device in _drawn(d))
-    return (f'<div class="sf-report"><style>{_scoped(CSS + plot.CSS)}</style>{body}'
-            f'<script>{plot.JS}</script></div>')
-
-
-def render(d: Diagnosis, screen: Screen = PLAIN) -> str:
-    parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-             '<meta name="viewport" content="width=device-width, initial-scale=1">',
-             f"<title>snapforensics: {e(d.source, FRAME)}</title>",
-             f"<style>body{{margin:0}}{_scoped(CSS + plot.CSS)}</style></head>"
-             '<body class="sf-report"><main>', _header(d)]
+def body(d: Diagnosis) -> list[str]:
+    """The report's sections (header, devices, findings): the page's body and, isolated from
+    the notebook's styles, a notebook cell's (report/notebook.py)."""
+    parts = [_header(d)]
     drawn = _drawn(d)
     parts += [_device(dev, d, drawn) for dev in d.devices]
     parts.append('<h2 class="sec" id="findings">Findings</h2>')
@@ -382,6 +374,15 @@ def render(d: Diagnosis, screen: Screen = PLAIN) -> str:
         parts.append('<section class="card"><p class="muted">No findings: no rule matched this '
                      'snapshot.</p></section>')
     parts += [_finding(i, f, d) for i, f in enumerate(verdict_order(d.findings), start=1)]
+    return parts
+
+
+def render(d: Diagnosis, screen: Screen = PLAIN) -> str:
+    parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+             '<meta name="viewport" content="width=device-width, initial-scale=1">',
+             f"<title>snapforensics: {e(d.source, FRAME)}</title>",
+             f"<style>body{{margin:0}}{scoped(CSS + plot.CSS)}</style></head>"
+             '<body class="sf-report"><main>', *body(d)]
     parts.append(f'<footer>{e(d.tool or "snapforensics")}. The full diagnosis is embedded in '
                  'this file as JSON: <code>&lt;script type="application/json" id="diagnosis"'
                  '&gt;</code>.</footer>')

@@ -3,22 +3,26 @@
 Every string from the snapshot goes through `sanitize.markdown` (text, headings, table cells)
 or `sanitize.markdown_code` (fenced blocks), or `sanitize.html` inside the `<summary>` of a
 collapsed stack: it cannot close a fence, start a heading, shift a table cell, or carry raw HTML
-or a link. `-o report.md` also writes the timeline plot as `report.png` beside it
-(`render_beside`).
+or a link. The timeline is a Mermaid chart (report/mermaid.py: it survives pasting into an
+issue); `-o report.md` also writes the full plot as `report.png` beside it (`render_beside`)
+and says to attach it.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from urllib.parse import quote
 
 from snapforensics.analysis.diagnosis import Diagnosis
+from snapforensics.report import mermaid
 from snapforensics.report.common import (
     command_line,
+    dump_line,
     finding_lines,
+    framework_line,
     headline,
     human,
     peak_line,
+    peak_stacks,
     phase_peaks,
     provenance_line,
     verdict_order,
@@ -40,10 +44,11 @@ def render(d: Diagnosis, screen: Screen = PLAIN, image: str | None = None) -> st
                  if top.predicted_peak_bytes else "")
         out += [f"Fix first ({span(top.rule)}{after}):", "",
                 *code(lines(top.fix, FRAMES), "python"), ""]
-    if image:
-        out += [f"![live bytes over time by category, and the predicted curve after the fix]"
-                f"({quote(image)})", ""]
+    out += _pictures(d, image)
     out += [f"- {md(peak_line(d), TEXT)}", f"- {md(provenance_line(d), TEXT)}"]
+    fw = framework_line(d)
+    if fw:
+        out.append(f"- {md(fw, TEXT)}")
     cmd = command_line(d)
     if cmd:
         out.append(f"- command: {md(cmd, FRAME)}")
@@ -54,9 +59,7 @@ def render(d: Diagnosis, screen: Screen = PLAIN, image: str | None = None) -> st
     for dev in d.devices:
         out += [f"## Device {dev.device}", "",
                 f"Peak {human(dev.peaks['overall_bytes'])} in {md(dev.peak_phase)}; "
-                + (f"{human(dev.segments['allocated_bytes'])} alive at dump (no caching "
-                   "allocator on CPU)." if d.format.get("backend") == "cpu" else
-                   f"segments reserved {human(dev.segments['reserved_bytes'])} at dump."), ""]
+                f"{md(dump_line(d, dev), TEXT)}.", ""]
         if dev.iterations:
             out += ["| iteration | forward peak | backward peak | recompute peak "
                     "| optimizer peak |",
@@ -75,7 +78,7 @@ def render(d: Diagnosis, screen: Screen = PLAIN, image: str | None = None) -> st
             out.append("")
         if dev.top_stacks_at_peak:
             out += ["Top allocating stacks alive at the peak:", ""]
-            for s in dev.top_stacks_at_peak[:3]:
+            for s in peak_stacks(dev)[:3]:
                 out += _details(f"{human(s['bytes'])} in {s['blocks']} blocks "
                                 f"({s.get('category', '?')})", s["stack"][:8])
     out += ["## Findings", ""]
@@ -96,6 +99,27 @@ def render(d: Diagnosis, screen: Screen = PLAIN, image: str | None = None) -> st
         for s in (f.evidence.get("stacks") or [])[:1]:
             out += _details("Representative stack", s["stack"][:FRAMES])
     return "\n".join(out)
+
+
+def _pictures(d: Diagnosis, image: str | None) -> list[str]:
+    """The timeline where the report is pasted: a Mermaid chart per device (GitHub and GitLab
+    render it), and one line about the PNG with categories and phases: attach it (a relative
+    image link breaks once the text is pasted into an issue), or how to get it."""
+    charts = [line for dev in d.devices for line in [*mermaid.chart(dev), ""]
+              if mermaid.chart(dev)]
+    if not charts:
+        return []
+    if image:
+        note = (f"The full plot (live bytes by what made them, phases, the peak) is `{image}`, "
+                "written beside this file: attach it to the ticket (drag it into the issue).")
+    elif any(dev.plot is not None for dev in d.devices):
+        note = ("The full plot (live bytes by what made them, phases, the peak): write this "
+                "report with `-o report.md`, which also writes `report.png` to attach.")
+    else:
+        note = ("The full plot (live bytes by what made them, phases, the peak): "
+                "`snapforensics diagnose` of one file with `-o report.md` also writes "
+                "`report.png` to attach.")
+    return [*charts, note, ""]
 
 
 def _details(summary: str, stack: list[str]) -> list[str]:

@@ -16,7 +16,7 @@ CSS = ("body{font:14px/1.45 system-ui,sans-serif;margin:24px;color:#222;max-widt
        "border-bottom:1px solid #ddd;text-align:left;vertical-align:top}th{background:#f4f4f4}"
        "tr.anomalous td{color:#b00020}tr.specific td{font-weight:600}"
        "pre{background:#f6f8fa;padding:8px;overflow:auto}.warn{color:#8a6d00}"
-       ".fail{color:#b00020;font-weight:600}footer{color:#777;font-size:12px;margin-top:24px}")
+       ".fail{color:#b00020;font-weight:600}footer{color:#666;font-size:12px;margin-top:24px}")
 
 
 def table(head: Sequence[str], rows: Sequence[Sequence[Any]],

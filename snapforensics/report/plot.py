@@ -30,20 +30,24 @@ PHASE_COLORS = {
     "optimizer": "#3fae6a",
     "unknown": "#c9ccd1",
 }
+# Categories drawn side by side must stay apart: related kinds (parameters sharded and
+# unsharded, gradients and their reduce-scatter buffers) get different hues, not shades of one
+# (tests/test_views.py checks every pair's CIE76 distance, the one perceptual measure that
+# needs no library). Tableau's 20 colours, which are chosen for that.
 CATEGORY_COLORS = {
-    "parameter": "#4c8bf5",
-    "fsdp.sharded_param": "#2e86c1",
-    "fsdp.unsharded_param": "#8e44ad",
-    "fsdp.all_gather_buffer": "#b07cc6",
-    "gradient": "#e8a33d",
-    "fsdp.unsharded_grad": "#d35400",
-    "fsdp.sharded_grad": "#48c9b0",
-    "fsdp.reduce_scatter_buffer": "#16a085",
-    "activation": "#e4572e",
-    "recompute_activation": "#b5651d",
-    "optimizer_state": "#3fae6a",
-    "other": "#95a5a6",
-    "untraced": "#c9ccd1",
+    "parameter": "#1f77b4",
+    "fsdp.sharded_param": "#aec7e8",
+    "fsdp.unsharded_param": "#9467bd",
+    "fsdp.all_gather_buffer": "#f7b6d2",
+    "gradient": "#ff7f0e",
+    "fsdp.unsharded_grad": "#8c564b",
+    "fsdp.sharded_grad": "#17becf",
+    "fsdp.reduce_scatter_buffer": "#bcbd22",
+    "activation": "#d62728",
+    "recompute_activation": "#ff9896",
+    "optimizer_state": "#2ca02c",
+    "other": "#7f7f7f",
+    "untraced": "#e8e8e8",
 }
 # A report draws at most this many device panels, those with the highest peaks: a page (and a
 # PNG of 11 x 3.9 in per panel at 110 dpi: 1,210 x 3,432 px at most) stays readable and
@@ -59,7 +63,8 @@ def panels(series: list[Series]) -> list[Series]:
     return sorted(top, key=lambda s: s.device)
 
 
-_PALETTE = ("#5d6d7e", "#c0392b", "#1abc9c", "#f1c40f", "#7d3c98", "#2874a6", "#ca6f1e")
+_PALETTE = ("#393b79", "#e7ba52", "#843c39", "#637939", "#7b4173", "#3182bd", "#e6550d")
+PHASE_ALPHA = 0.13  # the shading's opacity, the same in the key
 PEAK, PREDICTED, RESERVED = "#c62828", "#111111", "#6b7280"
 
 
@@ -69,13 +74,19 @@ def color(name: str, table: dict[str, str] = CATEGORY_COLORS) -> str:
     return _PALETTE[sum(map(ord, name)) % len(_PALETTE)]  # stable across runs, unlike hash()
 
 
-def nice_scale(vmax: float) -> tuple[float, list[tuple[float, str]]]:
-    """Axis top and tick (value, label) pairs in binary units, about 4-6 ticks."""
-    vmax = max(float(vmax), 1.0)
+def binary_unit(vmax: float) -> tuple[float, str]:
+    """The largest binary unit (bytes, name) that `vmax` reaches."""
     unit, name = 1.0, "B"
     for k, nm in enumerate(("KiB", "MiB", "GiB", "TiB"), start=1):
         if vmax >= 1024 ** k:
             unit, name = float(1024 ** k), nm
+    return unit, name
+
+
+def nice_scale(vmax: float) -> tuple[float, list[tuple[float, str]]]:
+    """Axis top and tick (value, label) pairs in binary units, about 4-6 ticks."""
+    vmax = max(float(vmax), 1.0)
+    unit, name = binary_unit(vmax)
     step = _step(vmax / unit)
     n = max(1, math.ceil(vmax / unit / step - 1e-9))
     return n * step * unit, [(i * step * unit, f"{i * step:g} {name}") for i in range(n + 1)]
@@ -88,11 +99,12 @@ def _step(span: float, ticks: int = 5) -> float:
 
 
 def x_ticks(s: Series) -> list[tuple[float, str]]:
+    """About 6-10 ticks (the 1000 px plot reads them all), from the axis start."""
     lo, hi = float(s.x[0]), float(s.x[-1])
-    step = _step(hi - lo) if hi > lo else 1.0
-    first = math.ceil(lo / step) * step
+    step = _step(hi - lo, 8) if hi > lo else 1.0
+    first = math.ceil(lo / step - 0.05) * step  # 0 s when the first point is at 1.5 ms
     return [(v, f"{v:g}" if s.x_label.startswith("time") else f"{int(v)}")
-            for v in np.arange(first, hi + step * 1e-9, step).tolist()]
+            for v in np.arange(first, hi + step * 1e-9, step).round(9).tolist()]
 
 
 def overlays(s: Series, predicted_title: str | None) -> list[tuple[str, str]]:
@@ -132,7 +144,7 @@ def svg(s: Series, esc: Callable[[str], str], script_json: Callable[[object], st
     for a, b, p in s.phase_runs():
         xa, xb = L + (a - x0) / (x1 - x0) * pw, L + (b - x0) / (x1 - x0) * pw
         out.append(f'<rect x="{xa:.1f}" y="{T}" width="{max(xb - xa, 0.5):.1f}" height="{ph}" '
-                   f'fill="{color(p, PHASE_COLORS)}" fill-opacity="0.13"/>')
+                   f'fill="{color(p, PHASE_COLORS)}" fill-opacity="{PHASE_ALPHA}"/>')
     for v, label in yt:
         yy = base - v / top * ph
         out.append(f'<line x1="{L}" x2="{W - R}" y1="{yy:.1f}" y2="{yy:.1f}" stroke="#d5dae1"/>'
@@ -173,6 +185,16 @@ def svg(s: Series, esc: Callable[[str], str], script_json: Callable[[object], st
                f'stroke-width="1.5"/><text x="{px + (8 if right else -8):.1f}" '
                f'y="{max(py - 8, T + 12):.1f}" text-anchor="{"start" if right else "end"}" '
                f'font-size="13" font-weight="700" fill="{PEAK}">peak {esc(peak)}</text>')
+    if s.predicted is not None:
+        k = int(np.argmax(s.predicted))
+        qx, qy, after = float(X[k]), float(Y(s.predicted[k:k + 1])[0]), int(s.predicted[k])
+        right = qx < L + pw * 0.7
+        out.append(f'<circle cx="{qx:.1f}" cy="{qy:.1f}" r="4" fill="{PREDICTED}" '
+                   f'stroke="#fff" stroke-width="1.5"/><text x="{qx + (8 if right else -8):.1f}" '
+                   f'y="{min(qy + 16, base - 4):.1f}" text-anchor="{"start" if right else "end"}" '
+                   f'font-size="12.5" font-weight="700" fill="{PREDICTED}" stroke="#fff" '
+                   f'stroke-width="3" paint-order="stroke">after the fix '
+                   f'{esc(human(after))}</text>')
     out.append(f'<line class="sf-cursor" x1="0" x2="0" y1="{T}" y2="{base}" stroke="#1d2430" '
                'stroke-width="1" visibility="hidden"/>')
     out.append(f'<rect class="sf-hit" x="{L}" y="{T}" width="{pw}" height="{ph}" '
@@ -182,11 +204,14 @@ def svg(s: Series, esc: Callable[[str], str], script_json: Callable[[object], st
     legend += "".join(f'<span><span class="sw" style="background:{c};height:3px;'
                       f'vertical-align:3px"></span>{esc(label)}</span>'
                       for label, c in overlays(s, predicted_title))
-    legend += ('<span>shading: phases (' + ", ".join(
-        f'<span style="color:{color(p, PHASE_COLORS)}">{esc(p)}</span>'
-        for p in dict.fromkeys(p for _, _, p in s.phase_runs())) + ')</span>')
+    legend += ('<div class="phases"><span>background: the phase</span>' + "".join(
+        f'<span><span class="sw" style="background:{color(p, PHASE_COLORS)};opacity:'
+        f'{PHASE_ALPHA * 3:.2f}"></span>{esc(p)}</span>'
+        for p in dict.fromkeys(p for _, _, p in s.phase_runs())))
     if s.iterations:
-        legend += "<span>dashed: iteration starts</span>"
+        legend += ('<span><span class="sw" style="border-left:1.5px dashed #5f6b7a;'
+                   'width:0;background:none"></span>iteration start</span>')
+    legend += "</div>"
     data = {"x0": L, "pw": pw, "W": W, "x": np.round(s.x, 4).tolist(), "rows": s.rows.tolist(),
             "xl": s.x_label,
             "reserved": s.reserved.tolist() if s.reserved is not None else None,
@@ -202,20 +227,66 @@ def svg(s: Series, esc: Callable[[str], str], script_json: Callable[[object], st
             '</div>')
 
 
+def svg_before_after(series: list[tuple[np.ndarray, np.ndarray]], labels: list[str],
+                     esc: Callable[[str], str]) -> str:
+    """Two recordings' live bytes on one static SVG, x = % of each one's trace rows: A (the
+    baseline) as a grey area, B as a line, each peak labelled. `labels` are ours."""
+    pw, ph = W - L - R, H - T - B
+    top, yt = nice_scale(max(float(v.max()) for _, v in series))
+    base = T + ph
+    out = [f'<svg class="chart" viewBox="0 0 {W} {H}" role="img" aria-label="live bytes before '
+           'and after">']
+    for v, label in yt:
+        yy = base - v / top * ph
+        out.append(f'<line x1="{L}" x2="{W - R}" y1="{yy:.1f}" y2="{yy:.1f}" stroke="#d5dae1"/>'
+                   f'<text x="{L - 6}" y="{yy + 4:.1f}" text-anchor="end" font-size="12" '
+                   f'fill="#5f6b7a">{esc(label)}</text>')
+    for k in range(0, 101, 10):
+        xx = L + k / 100 * pw
+        out.append(f'<text x="{xx:.1f}" y="{base + 16}" text-anchor="middle" font-size="12" '
+                   f'fill="#5f6b7a">{k}%</text>')
+    out.append(f'<text x="{L + pw / 2:.1f}" y="{H - 4}" text-anchor="middle" font-size="12" '
+               'fill="#5f6b7a">% of each recording\'s trace rows</text>')
+    styles = [("#c9ccd1", "none", 0), (PREDICTED, "none", 1.8)]
+    for (x, v), (fill, _, width), label in zip(series, styles, labels):
+        xs, ys = L + x / 100 * pw, base - v / top * ph
+        pts = " ".join(f"{a:.1f},{b:.1f}" for a, b in zip(xs.tolist(), ys.tolist()))
+        if width:
+            out.append(f'<polyline points="{pts}" fill="none" stroke="{fill}" '
+                       f'stroke-width="{width}"/>')
+        else:
+            out.append(f'<polygon points="{L},{base} {pts} {xs[-1]:.1f},{base}" fill="{fill}"/>')
+        k, ink = int(np.argmax(v)), PEAK if width else "#4b5563"
+        out.append(f'<circle cx="{xs[k]:.1f}" cy="{ys[k]:.1f}" r="4" fill="{ink}"/>'
+                   f'<text x="{xs[k] + 6:.1f}" y="{max(ys[k] - 6, T + 10):.1f}" font-size="12.5" '
+                   f'font-weight="700" fill="{ink}">{esc(label)} peak '
+                   f'{esc(human(int(v[k])))}</text>')
+    out.append(f'<line x1="{L}" x2="{W - R}" y1="{base}" y2="{base}" stroke="#8a94a3"/></svg>')
+    legend = (f'<div class="legend" style="display:flex;gap:16px;font-size:13px">'
+              f'<span><span style="display:inline-block;width:14px;height:10px;'
+              f'background:#c9ccd1"></span> {esc(labels[0])}</span><span><span '
+              f'style="display:inline-block;width:14px;height:3px;vertical-align:3px;'
+              f'background:{PREDICTED}"></span> {esc(labels[1])}</span></div>')
+    return f'<div class="sf-plot">{"".join(out)}{legend}</div>'
+
+
 CSS = """
 .sf-plot{position:relative}
-.sf-tip{position:absolute;z-index:5;pointer-events:none;background:#fff;border:1px solid #c9d1db;
-border-radius:6px;box-shadow:0 4px 14px rgba(0,0,0,.12);padding:8px 10px;font-size:12.5px;
-max-width:520px;line-height:1.35}
-.sf-tip .h{font-weight:650;margin-bottom:4px}.sf-tip table{margin:2px 0;font-size:12px}
-.sf-tip td{padding:0 10px 0 0;border:0}.sf-tip pre{margin:2px 0 6px;padding:4px 6px;
-font-size:11px;white-space:pre-wrap;word-break:break-all}
+.sf-tip{position:absolute;z-index:5;pointer-events:none;background:#fff;color:#1d2430;
+border:1px solid #c9d1db;border-radius:6px;box-shadow:0 4px 14px rgba(0,0,0,.12);
+padding:6px 8px;font-size:11.5px;width:300px;line-height:1.3;opacity:.96}
+.sf-tip .h{font-weight:650;margin-bottom:3px}.sf-tip table{margin:2px 0;font-size:11.5px;
+border-collapse:collapse}.sf-tip td{padding:0 8px 0 0;border:0;background:none;color:inherit}
+.sf-tip pre{margin:1px 0 4px;padding:3px 5px;font-size:10.5px;white-space:pre;overflow:hidden;
+text-overflow:ellipsis;background:#f3f5f8;color:#1d2430}
+.sf-plot .legend .phases{flex-basis:100%;display:flex;flex-wrap:wrap;gap:4px 14px}
 """
 
 # Reads each plot's JSON and fills the tooltip with textContent only: no string from the
 # snapshot is ever parsed as HTML.
 JS = r"""
 (function () {
+  var TIP_ROWS = 6, TIP_STACKS = 2;  // the hover box stays a third of the plot
   function human(n) {
     var u = ["B", "KiB", "MiB", "GiB", "TiB"], i = 0;
     while (Math.abs(n) >= 1024 && i < 4) { n /= 1024; i++; }
@@ -252,22 +323,32 @@ JS = r"""
       var t = el("table"), order = [];
       d.cats.forEach(function (c, k) { if (d.by[k][i] > 0) order.push(k); });
       order.sort(function (a, b) { return d.by[b][i] - d.by[a][i]; });
-      order.forEach(function (k) {
+      var rest = order.slice(TIP_ROWS);
+      order.slice(0, TIP_ROWS).forEach(function (k) {
         var tr = el("tr");
         tr.appendChild(el("td", d.cats[k]));
         tr.appendChild(el("td", human(d.by[k][i])));
         t.appendChild(tr);
       });
+      if (rest.length) {
+        var tr = el("tr");
+        tr.appendChild(el("td", rest.length + " more"));
+        tr.appendChild(el("td", human(rest.reduce(function (a, k) { return a + d.by[k][i]; },
+                                                  0))));
+        t.appendChild(tr);
+      }
       tip.appendChild(t);
-      d.top[i].forEach(function (s, j) {
+      d.top[i].slice(0, TIP_STACKS).forEach(function (s, j) {
         if (s < 0) return;
         tip.appendChild(el("div", human(d.topb[i][j]) + " (" + d.scat[s] + ") allocated by:"));
-        tip.appendChild(el("pre", d.stacks[s].slice(0, 4).join("\n")));
+        tip.appendChild(el("pre", d.stacks[s].slice(0, 3).join("\n")));
       });
       tip.hidden = false;
-      var left = ev.clientX - box.getBoundingClientRect().left;
-      tip.style.left = Math.max(0, Math.min(left + 14, box.clientWidth - tip.offsetWidth)) + "px";
-      tip.style.top = "30px";
+      // beside the cursor, on the side already read: the curve ahead stays visible
+      var r2 = box.getBoundingClientRect(), left = ev.clientX - r2.left;
+      var x = left > box.clientWidth / 2 ? left - 14 - tip.offsetWidth : left + 14;
+      tip.style.left = Math.max(0, Math.min(x, box.clientWidth - tip.offsetWidth)) + "px";
+      tip.style.top = "24px";
     }
     hit.addEventListener("mousemove", show);
     hit.addEventListener("mouseleave", function () {
@@ -313,7 +394,21 @@ def png(series: list[Series]) -> bytes:
                     label="predicted after the fix: " + mpl_text(s.predicted_rule or ""))
         if len(s.iterations) <= 200:
             ax.vlines([xv for _, xv in s.iterations], 0, 1, color="#5f6b7a", lw=0.7, ls=":",
-                      transform=ax.get_xaxis_transform())
+                      transform=ax.get_xaxis_transform(), label="iteration start")
+        for index, xv in s.iterations if len(s.iterations) <= 16 else []:
+            ax.annotate(f"iter {index}", (xv, 1), xycoords=("data", "axes fraction"),
+                        xytext=(3, -10), textcoords="offset points", fontsize=8,
+                        color="#5f6b7a")
+        if s.predicted is not None:
+            k = int(np.argmax(s.predicted))
+            after = int(s.predicted[k])
+            ax.plot([s.x[k]], [after], "o", color=PREDICTED, ms=5)
+            from matplotlib import patheffects
+
+            ax.annotate(f"after the fix {human(after)}", (s.x[k], after), xytext=(6, -14),
+                        textcoords="offset points", color=PREDICTED, fontweight="bold",
+                        fontsize=9, path_effects=[patheffects.withStroke(linewidth=3,
+                                                                         foreground="white")])
         peak = int(s.live[s.peak])
         ax.plot([s.x[s.peak]], [peak], "o", color=PEAK, ms=6)
         ax.annotate(f"peak {human(peak)}", (s.x[s.peak], peak), xytext=(6, 6),
@@ -324,11 +419,17 @@ def png(series: list[Series]) -> bytes:
         ax.set_yticks([v for v, _ in yt], [lbl for _, lbl in yt])
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: human(v)))
         ax.set_xlim(s.x[0], s.x[-1] if s.x[-1] > s.x[0] else s.x[0] + 1)
-        ax.set_xlabel(s.x_label + "; shading: " + ", ".join(
-            dict.fromkeys(p for _, _, p in s.phase_runs())) + "; dotted: iteration starts")
+        ax.set_xlabel(s.x_label)
+        ax.set_xticks([v for v, _ in x_ticks(s)])
         ax.set_title(f"device {s.device}: live bytes by what made them", loc="left")
-        leg = ax.legend(loc="upper left", bbox_to_anchor=(0.0, -0.16), fontsize=8,
-                        frameon=False, ncol=4)
+        from matplotlib.patches import Patch
+
+        handles, labels = ax.get_legend_handles_labels()
+        for p in dict.fromkeys(p for _, _, p in runs):  # the key of the shading
+            handles.append(Patch(color=color(p, PHASE_COLORS), alpha=PHASE_ALPHA * 3, lw=0))
+            labels.append(f"phase: {p}")
+        leg = ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(0.0, -0.16),
+                        fontsize=8, frameon=False, ncol=4)
         for t in leg.get_texts():
             t.set_parse_math(False)
         ax.grid(axis="y", color="#d5dae1", lw=0.6)

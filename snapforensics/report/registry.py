@@ -37,10 +37,10 @@ RENDERERS: dict[str, dict[str, str]] = {
         "html": "snapforensics.report.compare:html",
     },
     "compare_runs": {
-        "terminal": "snapforensics.report.compare:runs_terminal",
-        "markdown": "snapforensics.report.compare:runs_markdown",
+        "terminal": "snapforensics.report.compare_runs:terminal",
+        "markdown": "snapforensics.report.compare_runs:markdown",
         "json": "snapforensics.report.json:render",
-        "html": "snapforensics.report.compare:runs_html",
+        "html": "snapforensics.report.compare_runs:html",
     },
     "fleet": {
         "terminal": "snapforensics.report.fleet:terminal",

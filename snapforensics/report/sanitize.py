@@ -9,8 +9,9 @@ each such string through exactly one function here before it reaches its sink:
   retitle the window, plant an OSC 8 link or write the clipboard (OSC 52). rich renders our
   text with markup parsing off (registry.Screen.console), so `[link=...]` or `[/]` is text.
 - `markdown`: inline text (paragraphs, headings, table cells): the terminal neutralization (a
-  newline cannot end a cell or start a heading), then `& < >` as entities (no raw HTML) and a
-  backslash before every character that Markdown would read as syntax, `|` included.
+  newline cannot end a cell or start a heading), then `<` before a tag and `&` before an
+  entity as entities (no raw HTML) and a backslash before every character that Markdown would
+  read as syntax where it stands, `|` included (not before `.` in `72.0 MiB` or a lone `~`).
 - `markdown_span`: inline code (a rule id), delimited by a backtick run longer than any inside.
 - `markdown_code`: a fenced block whose fence is longer than any run of backticks inside, so no
   line can close it.
@@ -38,13 +39,20 @@ _BIDI = [0x061C, 0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x2066, 0x206A),
 _NAMED = {0x09: "\\t", 0x0A: "\\n", 0x0D: "\\r"}
 _VISIBLE = {c: _NAMED.get(c, f"\\x{c:02x}") for c in [*range(0x20), *range(0x7F, 0xA0)]}
 _VISIBLE.update({c: f"\\u{c:04x}" for c in _BIDI})
-# Markdown inline syntax: code, emphasis, links/images, tables, strikethrough, math, headings'
-# closing #s, and what GitHub turns into autolinks (www., ://, @). `_` inside a word is never
-# emphasis (CommonMark's flanking rule), so snake_case names stay readable.
-_MD_INLINE = re.compile(r"[\\`*\[\]|~$#<>&]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])"
-                        r"|(?i:(?<=www)\.)|:(?=//)|@")
-# At the start of a line: a list, quote, heading, setext underline or ordered-list marker.
-_MD_START = re.compile(r"^(?:[-+=]|\d+(?=[.)]))")
+# Markdown inline syntax, escaped only where Markdown would read it as syntax, so the raw text
+# people paste stays clean (`72.0 MiB`, `+0.0%`, `~62.0 MiB`, not `72\\.0`, `\\+0.0`, `\\~62`):
+# code, links/images, tables, headings' closing #s, raw HTML (`<` before a tag or an autolink,
+# `&` before an entity) and what GitHub turns into autolinks (www., ://, @). `_` inside a word
+# is never emphasis (CommonMark's flanking rule), so snake_case names stay readable.
+_MD_INLINE = re.compile(r"[\\`\[\]|#]|<(?=[A-Za-z/!?])|&(?=#?\w+;)|(?<![A-Za-z0-9])_"
+                        r"|_(?![A-Za-z0-9])|(?i:(?<=www)\.)|:(?=//)|@")
+# Emphasis, strikethrough (GFM: one or two tildes) and math (`$...$`) need a closing delimiter:
+# a string with a single one of these cannot open anything, so it is escaped only when the
+# string holds two or more. Every call is one inline context (a cell, an item, a paragraph).
+_MD_PAIRED = "*~$"
+# At the start of a line: a list item (`-`, `+`, `*` or `1.`/`1)` before a space), a quote, a
+# setext underline or thematic break, a heading (`#` is escaped everywhere above).
+_MD_START = re.compile(r"^(?:[-+*](?=\s|$)|>|[-=]+\s*$|\d{1,9}(?=[.)](?:\s|$)))")
 _ENTITY = {"&": "&amp;", "<": "&lt;", ">": "&gt;"}
 _TICKS = re.compile("`+")
 
@@ -61,8 +69,19 @@ def terminal(s: object, limit: int = NAME) -> str:
 
 
 def markdown(s: object, limit: int = NAME) -> str:
-    text = _MD_INLINE.sub(lambda m: _ENTITY.get(m[0]) or "\\" + m[0], terminal(s, limit))
-    return _MD_START.sub(lambda m: m[0] + "\\" if m[0][0].isdigit() else "\\" + m[0], text)
+    text = terminal(s, limit)
+    paired = "".join(c for c in _MD_PAIRED if text.count(c) > 1)
+    text = _MD_INLINE.sub(lambda m: _ENTITY.get(m[0]) or "\\" + m[0], text)
+    if paired:
+        text = re.sub(f"[{re.escape(paired)}]", lambda m: "\\" + m[0], text)
+    return _MD_START.sub(_start, text)
+
+
+def _start(m: re.Match) -> str:
+    """Escape a line-start marker: `1\\.` for an ordered-list number, `\\-` otherwise."""
+    if m[0][0].isdigit():
+        return m[0] + "\\"
+    return "&gt;" if m[0] == ">" else "\\" + m[0]
 
 
 def markdown_span(s: object, limit: int = NAME) -> str:

@@ -17,6 +17,7 @@ from snapforensics.analysis.diagnosis import Diagnosis, Finding
 from snapforensics.report.common import (
     command_line,
     finding_lines,
+    framework_line,
     headline,
     human,
     peak_line,
@@ -50,6 +51,9 @@ def render(d: Diagnosis, screen: Screen = PLAIN) -> str:
     console.print(t(headline(d), TEXT, "bold red" if d.anomalies else "bold green"))
     console.print(t(peak_line(d), TEXT))
     console.print(t(provenance_line(d), TEXT, "dim"))
+    fw = framework_line(d)
+    if fw:
+        console.print(t(fw, TEXT, "dim"))
     cmd = command_line(d)
     if cmd:
         console.print(t(f"command: {cmd}", FRAME, "dim"))

@@ -29,6 +29,7 @@ from snapforensics.analysis.evidence import (
     counterfactual,
     human,
     lowers_peak,
+    seen_in,
     top_stacks,
 )
 from snapforensics.analysis.fsdp_units import FsdpUnits, forward_end, unit_of_event
@@ -164,7 +165,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     n_pairs = len(found[worst])
     at_peak = lowers_peak(d, d.peak_bytes - after["overall_bytes"])
     cause = (
-        f"{n_pairs} FSDP unit(s) were all-gathered twice in one backward (iteration {worst}): "
+        f"{n_pairs} FSDP unit(s) were all-gathered twice in one backward "
+        f"({seen_in(d, per_iter, worst)}): "
         f"{human(per_iter[worst])} gathered a second time. The recompute re-ran the unit's "
         "pre-forward (unshard) and post-forward (reshard), then the unit's pre-backward "
         "unshard gathered the same parameters again; every checkpointed layer pays one extra "

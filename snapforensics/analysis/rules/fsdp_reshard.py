@@ -24,6 +24,7 @@ from snapforensics.analysis.evidence import (
     human,
     lowers_peak,
     max_alive,
+    seen_in,
     top_stacks,
 )
 from snapforensics.analysis.fsdp_units import reshard_rows
@@ -64,8 +65,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     paths = by_path(d, worst_blocks)
     n_mod = len({d.module_of(b) for b in worst_blocks.tolist()})
     it = d.tl.iterations[worst]
-    where = f"iteration {worst}" if it.step == worst else \
-        f"iteration {worst}: micro-batch {it.micro_batch} of optimizer step {it.step}"
+    where = seen_in(d, per_iter, worst) + ("" if it.step == worst else
+        f"; iteration {worst} is micro-batch {it.micro_batch} of optimizer step {it.step}")
     via = ", ".join(f"{p} ({human(v)})" for p, v in sorted(paths.items(), key=lambda x: -x[1]))
     effect = (f"Resharding each unit at its post-backward puts the peak at "
               f"{human(after['overall_bytes'])} instead of {human(d.peak_bytes)}."

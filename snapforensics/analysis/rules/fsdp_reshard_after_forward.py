@@ -24,7 +24,7 @@ import numpy as np
 
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding
-from snapforensics.analysis.evidence import human, peaks, top_stacks
+from snapforensics.analysis.evidence import human, peaks, seen_in, top_stacks
 from snapforensics.analysis.fsdp_units import ROOT, forward_end
 from snapforensics.analysis.phases import Iteration
 from snapforensics.analysis.vocab import Category, Phase, Verdict
@@ -175,7 +175,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     cause = (
         f"{len(kept)} FSDP unit(s) kept their parameters unsharded from forward to backward: "
         f"{human(kept_bytes)} in {len(blocks)} blocks was still unsharded when forward ended "
-        f"(iteration {worst}, {share:.0%} of the peak), each freed only in its unit's "
+        f"({seen_in(d, per_iter, worst)}: {share:.0%} of the peak), each freed only in its unit's "
         "post-backward. That is reshard_after_forward=False (FSDP2) or "
         "ShardingStrategy.SHARD_GRAD_OP (FSDP1): it saves one all-gather per unit in backward "
         f"at the cost of holding the model unsharded across the forward/backward boundary. "

@@ -27,6 +27,7 @@ from snapforensics.analysis.evidence import (
     lowers_peak,
     max_alive,
     per_iteration,
+    seen_in,
     top_stacks,
 )
 from snapforensics.analysis.vocab import Verdict
@@ -65,7 +66,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     at_peak = lowers_peak(d, d.peak_bytes - after["overall_bytes"])
     via = ", ".join(f"{p} ({human(v)})" for p, v in sorted(paths.items(), key=lambda x: -x[1]))
     cause = (
-        f"{len(blocks)} all-gather(s) issued during backward (iteration {worst}) were never "
+        f"{len(blocks)} all-gather(s) issued during backward "
+        f"({seen_in(d, per_iter, worst)}) were never "
         f"used by their unit and were released only when FSDP finalized backward: "
         f"{human(per_iter[worst])} in total, up to {human(at_once)} alive at once, made via "
         f"{via}. A unit's forward prefetch fired inside the recompute (a fully_shard unit nested "

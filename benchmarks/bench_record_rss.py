@@ -1,0 +1,87 @@
+"""Peak RSS of a CPU-recorded run against the same run unrecorded (issue 16, item 10).
+
+    python benchmarks/bench_record_rss.py [--layers 4] [--steps 3] [--hidden 256]
+
+The run: a tiny ``transformers`` Llama built from a config (no download), trained for a few
+steps on random tokens, recorded whole (``snapforensics record --device cpu``). Needs
+``transformers`` importable (install it pinned in your own environment). Prints the peak RSS of
+the largest process of each run (``ru_maxrss`` of the waited children: for the recorded run,
+the rank) and their ratio. Figures, not assertions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+SCRIPT = """
+import sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+layers, steps, hidden = (int(a) for a in sys.argv[1:4])
+torch.manual_seed(0)
+cfg = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                  num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=8,
+                  max_position_embeddings=256)
+model = LlamaForCausalLM(cfg)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+for _ in range(steps):
+    ids = torch.randint(0, cfg.vocab_size, (2, 128))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+print("params", sum(p.numel() for p in model.parameters()))
+"""
+
+
+def peak_rss(cmd: list[str], env: dict) -> tuple[float, float, str]:
+    """(peak RSS of the largest waited descendant in GB, seconds, stderr tail) of ``cmd`` run in
+    a fresh child that reports its own children's ru_maxrss."""
+    probe = ("import resource, subprocess, sys, time;"
+             "t = time.time(); p = subprocess.run(sys.argv[1:], capture_output=True, text=True);"
+             "r = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss;"
+             "print(r, time.time() - t, p.returncode);"
+             "sys.stderr.write(p.stderr[-2000:])")
+    proc = subprocess.run([sys.executable, "-c", probe, *cmd], env=env, capture_output=True,
+                          text=True, check=False)
+    kb, secs, code = proc.stdout.split()[-3:]
+    if int(code):
+        raise SystemExit(f"{' '.join(cmd[:4])}... exited {code}: {proc.stderr[-1500:]}")
+    return int(kb) / 1e6, float(secs), proc.stderr
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--hidden", type=int, default=256)
+    a = ap.parse_args()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    with tempfile.TemporaryDirectory() as d:
+        script = Path(d) / "hf_llama.py"
+        script.write_text(textwrap.dedent(SCRIPT))
+        args = [str(a.layers), str(a.steps), str(a.hidden)]
+        plain, t_plain, _ = peak_rss([sys.executable, str(script), *args], env)
+        out = Path(d) / "out"
+        rec, t_rec, err = peak_rss([sys.executable, "-m", "snapforensics", "record", "--device",
+                                    "cpu", "--out", str(out), str(script), *args], env)
+        size = sum(p.stat().st_size for p in out.glob("rank*.pickle")) / 1e6
+    print(f"tiny Llama, {a.layers} layers, hidden {a.hidden}, {a.steps} steps, recorded whole")
+    print(f"unrecorded: peak RSS {plain:.2f} GB in {t_plain:.1f} s")
+    print(f"recorded:   peak RSS {rec:.2f} GB in {t_rec:.1f} s, snapshot {size:.1f} MB")
+    print(f"ratio: {rec / plain:.2f}x")
+    for line in err.splitlines():
+        if "rank 0:" in line:
+            print(line.strip())
+
+
+if __name__ == "__main__":
+    main()

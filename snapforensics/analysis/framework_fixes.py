@@ -1,0 +1,323 @@
+"""A fix in the user's own framework, with the raw-torch form beside it.
+
+Rules state their fix in raw torch (`fully_shard`, `set_reshard_after_backward`). Most users
+configure FSDP through a framework (`analysis/frameworks.py` recognizes which); this layer puts,
+above the rule's fix, the same change in that framework's terms (accelerate's
+`FullyShardedDataParallelPlugin` / `GradientAccumulationPlugin` fields, the HF Trainer's
+`fsdp` / `fsdp_config`, Lightning's strategy arguments, torchtitan's config fields) and names the
+user's layer class and module path as the run shows them. Where the framework has no switch for
+the change, it says so and gives the call to make after the framework has wrapped the model.
+
+API names are those of the versions this was checked against (read from their source):
+transformers 5.23.0, accelerate 1.15.0, lightning 2.6.6, torchtitan 0.3.0.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+from snapforensics.analysis.diagnosis import Finding
+from snapforensics.analysis.frameworks import Framework
+
+_RAB = "fsdp.unsharded_params_not_resharded"
+_RAF = "fsdp.reshard_after_forward_disabled"
+_SYNC = "fsdp.gradient_sync_disabled"
+_INIT = "fsdp.full_model_materialized_at_init"
+_AC = "activations.no_checkpointing"
+_DOUBLE = "fsdp.double_all_gather_in_backward"
+_RATE = "fsdp.too_many_concurrent_all_gathers"
+
+
+def localize(findings: list[Finding], fw: Framework) -> None:
+    """Rewrite each finding's fix: the run's framework and layer, the framework's form (when
+    the rule has one for it), then the rule's raw-torch fix."""
+    if fw.owner == "torch" and not fw.hf_model and not fw.layer.cls and not fw.layer.container:
+        return  # nothing to add to the rules' raw-torch fixes
+    for f in findings:
+        if not f.fix:
+            continue
+        form = _FORMS.get(f.rule, {}).get(fw.owner)
+        if form is None and fw.hf_model:
+            form = _FORMS.get(f.rule, {}).get("transformers")
+        parts = [_header(fw)]
+        if form is not None:
+            parts += [f"# In {_TERMS[fw.owner] if fw.owner in _TERMS else 'your model'}:",
+                      form(fw, f).rstrip(), "", "# Raw torch (the same change):"]
+        raw = _RAW.get(f.rule)
+        parts.append(raw(fw, f) if raw and fw.layer.container else _raw(f.fix, fw))
+        f.fix = "\n".join(parts)
+        f.evidence["framework"] = fw.owner
+
+
+_TERMS = {"accelerate": "accelerate", "hf_trainer": "the HF Trainer",
+          "lightning": "Lightning (Trainer)", "fabric": "Lightning Fabric",
+          "torchtitan": "torchtitan's config", "torch": "your model (transformers)"}
+
+
+def _header(fw: Framework) -> str:
+    lay = fw.layer
+    cls = lay.cls or "(the layer class is not in this file)"
+    where = f", FSDP units {lay.path}" if lay.path else ""
+    return f"# Run: {fw.label}; repeated layer {cls}{where}"
+
+
+def _cls(fw: Framework) -> str:
+    """The layer class for code: the run's, else its type read off the model."""
+    if fw.layer.cls:
+        return fw.layer.cls
+    return f"type(model.{_container(fw)}[0])"
+
+
+def _container(fw: Framework) -> str:
+    return fw.layer.container or "layers"
+
+
+def _raw(fix: str, fw: Framework) -> str:
+    """The rule's raw-torch fix on this run's block container and class."""
+    if fw.layer.container:
+        fix = fix.replace("model.layers", f"model.{fw.layer.container}")
+    if fw.layer.cls:
+        fix = fix.replace("TransformerBlock", fw.layer.cls)
+    return fix
+
+
+def _raw_rab(fw: Framework, f: Finding) -> str:
+    return f"""\
+# after fully_shard(layer) on each {_cls(fw)} and fully_shard(model):
+for layer in model.{_container(fw)}:
+    layer.set_reshard_after_backward(True)
+model.set_reshard_after_backward(True)  # the root unit
+# with gradient accumulation, keep False only on non-final micro-batches:
+#   model.set_reshard_after_backward(is_last_microbatch)"""
+
+
+# raw-torch forms that name the layer (used when the run names the units' container)
+_RAW: dict[str, Form] = {_RAB: _raw_rab}
+
+
+# -- per rule, per framework: the change in the framework's own terms --------------------------
+
+def _rab_accelerate(fw: Framework, f: Finding) -> str:
+    return f"""\
+# accelerate has no plugin field for reshard-after-backward (nor does the HF Trainer): after
+# model = accelerator.prepare(model), on every {_cls(fw)} unit and on the root:
+for layer in model.{_container(fw)}:
+    layer.set_reshard_after_backward(True)
+model.set_reshard_after_backward(True)
+# gradient accumulation: let accelerate skip the sync instead of keeping parameters, i.e.
+#   Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=N))"""
+
+
+def _rab_lightning(fw: Framework, f: Finding) -> str:
+    return f"""\
+# in configure_model / the parallelize_fn given to ModelParallelStrategy, after fully_shard:
+for layer in model.{_container(fw)}:  # {_cls(fw)}
+    layer.set_reshard_after_backward(True)"""
+
+
+def _rab_titan(fw: Framework, f: Finding) -> str:
+    return """\
+# torchtitan's apply_fsdp leaves reshard_after_backward at FSDP's default (True): a model or
+# training-loop change that turns it off must be removed; no config field controls it."""
+
+
+def _raf_accelerate(fw: Framework, f: Finding) -> str:
+    if fw.fsdp == "FSDP1":
+        return f"""\
+from accelerate import FullyShardedDataParallelPlugin
+plugin = FullyShardedDataParallelPlugin(
+    fsdp_version=1, sharding_strategy="FULL_SHARD",  # was SHARD_GRAD_OP
+    auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["{_cls(fw)}"])
+# accelerate config file: fsdp_config: {{fsdp_sharding_strategy: FULL_SHARD}}
+# under FSDP1 set sharding_strategy: accelerate 1.15 fills it with FULL_SHARD when unset and
+# prepares with `sharding_strategy or reshard_after_forward`, so reshard_after_forward is
+# ignored there (it is FSDP2's field)"""
+    return f"""\
+from accelerate import FullyShardedDataParallelPlugin
+plugin = FullyShardedDataParallelPlugin(
+    fsdp_version=2, reshard_after_forward=True,
+    auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["{_cls(fw)}"])
+# accelerate config file: fsdp_config: {{fsdp_version: 2, fsdp_reshard_after_forward: true}}"""
+
+
+def _raf_trainer(fw: Framework, f: Finding) -> str:
+    if fw.fsdp == "FSDP1":
+        return f"""\
+from transformers import TrainingArguments
+args = TrainingArguments(
+    "out", fsdp=True,
+    fsdp_config={{"version": 1, "reshard_after_forward": "full_shard",  # was shard_grad_op
+                 "transformer_layer_cls_to_wrap": ["{_cls(fw)}"]}})"""
+    return f"""\
+from transformers import TrainingArguments
+args = TrainingArguments(
+    "out", fsdp=True,
+    fsdp_config={{"version": 2, "reshard_after_forward": True,
+                 "transformer_layer_cls_to_wrap": ["{_cls(fw)}"]}})"""
+
+
+def _raf_lightning(fw: Framework, f: Finding) -> str:
+    if fw.fsdp == "FSDP1":
+        return f"""\
+from lightning.pytorch.strategies import FSDPStrategy  # Fabric: lightning.fabric.strategies
+strategy = FSDPStrategy(sharding_strategy="FULL_SHARD",  # was SHARD_GRAD_OP
+                        auto_wrap_policy={{{_cls(fw)}}})"""
+    return f"""\
+# ModelParallelStrategy: in configure_model / the parallelize_fn, per {_cls(fw)}:
+for layer in model.{_container(fw)}:
+    fully_shard(layer, reshard_after_forward=True)"""
+
+
+def _raf_titan(fw: Framework, f: Finding) -> str:
+    return """\
+# torchtitan 0.3 config (config_registry function or CLI --parallelism.fsdp_reshard_after_forward)
+config.parallelism.fsdp_reshard_after_forward = "always"  # "default": all but the last block"""
+
+
+def _sync_accelerate(fw: Framework, f: Finding) -> str:
+    return """\
+from accelerate import Accelerator
+from accelerate.utils import GradientAccumulationPlugin
+accelerator = Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(
+    num_steps=4, sync_each_batch=True))  # num_steps: your accumulation steps"""
+
+
+def _sync_trainer(fw: Framework, f: Finding) -> str:
+    return """\
+from transformers import TrainingArguments
+args = TrainingArguments(
+    "out", gradient_accumulation_steps=4,
+    accelerator_config={"gradient_accumulation_kwargs": {"sync_each_batch": True}})"""
+
+
+def _sync_fabric(fw: Framework, f: Finding) -> str:
+    return """\
+# Fabric: sync every micro-batch (do not skip the reduce-scatter):
+with fabric.no_backward_sync(model, enabled=False):
+    fabric.backward(loss)"""
+
+
+def _init_hf(fw: Framework, f: Finding) -> str:
+    dev = re.search(r'to_empty\(device="([\w:]+)"\)', f.fix or "")
+    return """\
+# A Hugging Face model: HF's own initialisation after sharding (not reset_parameters, which
+# leaves RoPE's inv_freq and norm weights unset and initializes Linear with torch's std)
+import torch
+from torch.distributed.fsdp import fully_shard
+from transformers import AutoModelForCausalLM
+with torch.device("meta"):
+    model = AutoModelForCausalLM.from_config(config)
+for layer in model.model.layers:  # LAYER
+    fully_shard(layer)
+fully_shard(model)
+model.to_empty(device="DEVICE")
+model.init_weights()  # HF's _init_weights on every module, buffers included
+# pretrained weights: load a checkpoint instead (from_pretrained on rank 0 with
+# accelerate's cpu_ram_efficient_loading=True, or set_model_state_dict on the sharded model)\
+""".replace("DEVICE", dev.group(1) if dev else "cuda").replace("LAYER", _cls(fw))
+
+
+def _init_accelerate(fw: Framework, f: Finding) -> str:
+    return """\
+from accelerate import FullyShardedDataParallelPlugin
+plugin = FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=True)
+# with from_pretrained: rank 0 loads, the others build on meta, FSDP broadcasts the shards
+# accelerate config file: fsdp_config: {fsdp_cpu_ram_efficient_loading: true}"""
+
+
+def _init_trainer(fw: Framework, f: Finding) -> str:
+    return """\
+from transformers import TrainingArguments
+args = TrainingArguments("out", fsdp=True, fsdp_config={"cpu_ram_efficient_loading": True})"""
+
+
+def _init_lightning(fw: Framework, f: Finding) -> str:
+    return f"""\
+# build the model in LightningModule.configure_model (Trainer: created on the meta device
+# under FSDP), or with Fabric:
+with fabric.init_module(empty_init=True):
+    model = build_model()  # then fabric.setup(model); {_cls(fw)} layers materialized per unit"""
+
+
+def _ac_accelerate(fw: Framework, f: Finding) -> str:
+    return f"""\
+from accelerate import FullyShardedDataParallelPlugin
+# accelerate 1.15 checkpoints exactly the modules its auto-wrap policy picks (fsdp2_apply_ac,
+# bottom-up): with transformer_based_wrap each {_cls(fw)} whole; with size_based_wrap every
+# module above min_num_params, sub-modules included (finer than the FSDP unit)
+plugin = FullyShardedDataParallelPlugin(
+    activation_checkpointing=True,
+    auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["{_cls(fw)}"])
+# or the model's own switch, not both: model.gradient_checkpointing_enable(
+#     gradient_checkpointing_kwargs={{"use_reentrant": False}})"""
+
+
+def _ac_trainer(fw: Framework, f: Finding) -> str:
+    return """\
+from transformers import TrainingArguments
+args = TrainingArguments("out", gradient_checkpointing=True,
+                         gradient_checkpointing_kwargs={"use_reentrant": False})"""
+
+
+def _ac_lightning(fw: Framework, f: Finding) -> str:
+    return f"""\
+from lightning.pytorch.strategies import FSDPStrategy  # Fabric: lightning.fabric.strategies
+strategy = FSDPStrategy(auto_wrap_policy={{{_cls(fw)}}},
+                        activation_checkpointing_policy={{{_cls(fw)}}})"""
+
+
+def _ac_titan(fw: Framework, f: Finding) -> str:
+    return """\
+# torchtitan 0.3 config: checkpoint every block (apply_ac wraps model.layers.N whole)
+from torchtitan.distributed.activation_checkpoint import FullAC
+config.activation_checkpoint = FullAC.Config()"""
+
+
+def _ac_hf(fw: Framework, f: Finding) -> str:
+    return """\
+model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})"""
+
+
+def _double_hf(fw: Framework, f: Finding) -> str:
+    return """\
+# HF's checkpointing is reentrant unless told otherwise; FSDP1 then gathers twice
+model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+# HF Trainer: TrainingArguments(gradient_checkpointing_kwargs={"use_reentrant": False})"""
+
+
+def _rate_accelerate(fw: Framework, f: Finding) -> str:
+    return """\
+from accelerate import FullyShardedDataParallelPlugin
+plugin = FullyShardedDataParallelPlugin(limit_all_gathers=True)"""
+
+
+def _rate_trainer(fw: Framework, f: Finding) -> str:
+    return """\
+from transformers import TrainingArguments
+# FSDP1 only: under fsdp_config["version"] = 2 (the default) the Trainer drops this key
+args = TrainingArguments("out", fsdp=True, fsdp_config={"version": 1, "limit_all_gathers": True})"""
+
+
+def _rate_lightning(fw: Framework, f: Finding) -> str:
+    return """\
+from lightning.pytorch.strategies import FSDPStrategy  # Fabric: lightning.fabric.strategies
+strategy = FSDPStrategy(limit_all_gathers=True)"""
+
+
+Form = Callable[[Framework, Finding], str]
+_FORMS: dict[str, dict[str, Form]] = {
+    _RAB: {"accelerate": _rab_accelerate, "hf_trainer": _rab_accelerate,
+           "lightning": _rab_lightning, "fabric": _rab_lightning, "torchtitan": _rab_titan},
+    _RAF: {"accelerate": _raf_accelerate, "hf_trainer": _raf_trainer,
+           "lightning": _raf_lightning, "fabric": _raf_lightning, "torchtitan": _raf_titan},
+    _SYNC: {"accelerate": _sync_accelerate, "hf_trainer": _sync_trainer,
+            "fabric": _sync_fabric},
+    _INIT: {"transformers": _init_hf, "accelerate": _init_accelerate,
+            "hf_trainer": _init_trainer, "lightning": _init_lightning, "fabric": _init_lightning},
+    _AC: {"transformers": _ac_hf, "accelerate": _ac_accelerate, "hf_trainer": _ac_trainer,
+          "lightning": _ac_lightning, "fabric": _ac_lightning, "torchtitan": _ac_titan},
+    _DOUBLE: {"transformers": _double_hf},
+    _RATE: {"accelerate": _rate_accelerate, "hf_trainer": _rate_trainer,
+            "lightning": _rate_lightning, "fabric": _rate_lightning},
+}

@@ -1,0 +1,189 @@
+"""Which training framework made the run, and the user's layer as the run names it.
+
+Most FSDP users do not call `fully_shard` themselves: they train with Hugging Face
+`transformers` (Trainer), `accelerate`'s FSDP plugin, Lightning (Trainer or Fabric) or
+torchtitan. A fix is only useful in the terms the user configures, so the report states the
+framework and the fix text (`analysis/framework_fixes.py`) speaks it.
+
+Recognized from what the file shows, never guessed from one name alone:
+- the package of the frames on the stacks (`transformers/`, `transformers/trainer.py`,
+  `accelerate/`, `lightning/pytorch/` / `pytorch_lightning/`, `lightning/fabric/` /
+  `lightning_fabric/`, `torchtitan/`), and the recorder's command line (`-m torchtitan.train`);
+- the FSDP generation from FSDP's own files (`fsdp/_fully_shard/` is FSDP2,
+  `fully_sharded_data_parallel.py` / `_flat_param.py` / `_runtime_utils.py` FSDP1) and the
+  CPU recorder's module frames (`FullyShardedDataParallel_N` FSDP1, `FSDP<Class>_N` FSDP2);
+- the user's repeated layer: its class from the module frames (`LlamaDecoderLayer_3`, FSDP2's
+  dynamic `FSDPLlamaDecoderLayer_3`), its path from the FSDP units' names (`model.layers.3`,
+  FSDP2's ranges; FSDP1 units named from the module frames, see `fsdp_units`).
+
+The framework the user configures FSDP through ("owner") is the outermost one: torchtitan,
+else Lightning, else the HF Trainer (which drives accelerate), else accelerate, else plain
+torch (an HF model under the user's own `fully_shard` is "torch" for the FSDP calls, with
+`transformers` as the model library).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from snapforensics.analysis.context import DeviceAnalysis
+    from snapforensics.snapshot.model import Snapshot
+
+# (name, path fragments of its frames): a frame's normalized filename containing one of them
+_PACKAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("torchtitan", ("torchtitan/",)),
+    ("lightning", ("lightning/pytorch/", "pytorch_lightning/")),
+    ("fabric", ("lightning/fabric/", "lightning_fabric/")),
+    ("hf_trainer", ("transformers/trainer.py", "transformers/trainer_utils.py")),
+    ("accelerate", ("accelerate/",)),
+    ("transformers", ("transformers/",)),
+)
+_FSDP2_FILES = ("fsdp/_fully_shard/", "_composable/fsdp/")
+_FSDP1_FILES = ("fsdp/fully_sharded_data_parallel.py", "fsdp/_flat_param.py",
+                "fsdp/_runtime_utils.py")
+_MODULE = re.compile(r"^([A-Za-z_]\w*?)_(\d+)$")
+_UNIT = re.compile(r"^([A-Za-z_][\w.]*)\.(\d+)$")
+
+
+@dataclass(frozen=True)
+class Layer:
+    """The user's repeated block: its class (None when the run does not show it) and where the
+    run puts its instances (`container` "model.layers", indices 0..3)."""
+
+    cls: str | None
+    container: str | None
+    indices: tuple[int, ...] = ()
+
+    @property
+    def path(self) -> str | None:
+        """"model.layers.N (N = 0-3)" style, as the run names the units."""
+        if not self.container:
+            return None
+        return f"{self.container}.N" + (f" (N = {_span(self.indices)})" if self.indices else "")
+
+
+@dataclass(frozen=True)
+class Framework:
+    owner: str  # torchtitan | lightning | fabric | hf_trainer | accelerate | torch
+    packages: tuple[str, ...]  # every framework package seen, outermost first
+    fsdp: str | None  # "FSDP2" | "FSDP1" | None
+    layer: Layer = field(default_factory=lambda: Layer(None, None))
+    evidence: tuple[str, ...] = ()
+
+    @property
+    def hf_model(self) -> bool:
+        return "transformers" in self.packages or "hf_trainer" in self.packages
+
+    @property
+    def label(self) -> str:
+        """One line for the report: "HF Trainer (accelerate, transformers), FSDP2"."""
+        rest = [_LABEL[p] for p in self.packages if p != self.owner]
+        s = _LABEL[self.owner] + (f" ({', '.join(rest)})" if rest else "")
+        return s + (f", {self.fsdp}" if self.fsdp else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"owner": self.owner, "label": self.label, "packages": list(self.packages),
+                "fsdp": self.fsdp, "layer_class": self.layer.cls,
+                "layer_container": self.layer.container,
+                "layer_indices": list(self.layer.indices), "evidence": list(self.evidence)}
+
+
+_LABEL = {"torchtitan": "torchtitan", "lightning": "Lightning Trainer",
+          "fabric": "Lightning Fabric", "hf_trainer": "HF Trainer", "accelerate": "accelerate",
+          "transformers": "transformers", "torch": "plain torch"}
+
+
+def _span(ix: tuple[int, ...]) -> str:
+    if len(ix) > 1 and list(ix) == list(range(ix[0], ix[-1] + 1)):
+        return f"{ix[0]}-{ix[-1]}"
+    return ", ".join(map(str, ix))
+
+
+def detect(snapshot: Snapshot, analyses: list[DeviceAnalysis]) -> Framework:
+    files = {f.filename.replace("\\", "/") for f in snapshot.frames}
+    seen: list[str] = []
+    evidence: list[str] = []
+    for name, frags in _PACKAGES:
+        hit = next((fn for fn in files for fr in frags if fr in fn), None)
+        if hit is not None:
+            seen.append(name)
+            evidence.append(f"{name}: frames from {_short(hit)}")
+    cmd = snapshot.provenance.get("command") if isinstance(snapshot.provenance, dict) else None
+    if "torchtitan" not in seen and isinstance(cmd, (list, tuple)) and \
+            any(isinstance(c, str) and c.startswith("torchtitan") for c in cmd):
+        seen.insert(0, "torchtitan")
+        evidence.append("torchtitan: the recorded command runs a torchtitan module")
+    modules = {f.name for f in snapshot.frames if f.filename == "<nn.Module>"}
+    fsdp = None
+    if any(fr in fn for fn in files for fr in _FSDP2_FILES) or \
+            any(m.startswith("FSDP") and not m.startswith("FullyShardedDataParallel")
+                for m in modules):
+        fsdp = "FSDP2"
+    elif any(fn.endswith(_FSDP1_FILES) for fn in files) or \
+            any(m.startswith("FullyShardedDataParallel_") for m in modules):
+        fsdp = "FSDP1"
+    if fsdp:
+        evidence.append(f"{fsdp}: FSDP's own frames")
+    owner = next((p for p in seen if p != "transformers"), "torch")
+    return Framework(owner, tuple(seen), fsdp, _layer(analyses), tuple(evidence))
+
+
+def _short(fn: str) -> str:
+    for marker in ("site-packages/", "dist-packages/"):
+        if marker in fn:
+            return fn.split(marker, 1)[1]
+    return fn[-80:]
+
+
+def _layer(analyses: list[DeviceAnalysis]) -> Layer:
+    """The repeated block: container and indices from unit names, class from module frames."""
+    units = {i.module for d in analyses for i in d.infos if i.module}
+    by_container: dict[str, set[int]] = {}
+    for u in units:
+        m = _UNIT.match(u)
+        if m:
+            by_container.setdefault(m.group(1), set()).add(int(m.group(2)))
+    container = max(by_container, key=lambda c: (len(by_container[c]), -c.count("."), c)) \
+        if by_container else None
+    indices = tuple(sorted(by_container[container])) if container else ()
+    cls = _layer_class(analyses, len(indices))
+    return Layer(cls, container, indices)
+
+
+def _layer_class(analyses: list[DeviceAnalysis], repeats: int) -> str | None:
+    """The outermost module class with `repeats` instances (any repeated class when the run
+    names no units) among the module frames of the run's stacks."""
+    if not analyses:
+        return None
+    snap = analyses[0].snapshot
+    if not any(f.filename == "<nn.Module>" for f in snap.frames):
+        return None  # only the CPU recorder writes module frames
+    inst: dict[str, set[str]] = {}
+    inside: set[tuple[str, str]] = set()  # (outer, inner) seen nested on some stack
+    for d in analyses:
+        for s in np.unique(d.lt.stack).tolist():
+            frames = snap.stack_frames(s) if s >= 0 else []
+            outer: list[str] = []
+            for f in reversed(frames):  # outermost first
+                m = _MODULE.match(f.name) if f.filename == "<nn.Module>" else None
+                if not m:
+                    continue
+                c = m.group(1)
+                if c.startswith("FSDP") and len(c) > 4 and c != "FullyShardedDataParallel":
+                    c = c[4:]  # FSDP2's dynamic class FSDP<Class>
+                inst.setdefault(c, set()).add(m.group(2))
+                inside.update((o, c) for o in outer if o != c)
+                outer.append(c)
+    skip = {"FullyShardedDataParallel", "CheckpointWrapper", "Linear", "Embedding", "Dropout",
+            "LayerNorm", "ModuleList", "Sequential"}
+    cands = [c for c, v in inst.items() if c not in skip and len(v) > 1 and
+             (not repeats or len(v) == repeats)]
+    # the outermost repeated class (the block, not the attention or a Linear inside it): a
+    # recompute's stack may start inside the block, so "outer" is read from nesting, not depth
+    top = [c for c in cands if not any((o, c) in inside for o in cands)]
+    return min(top or cands, key=lambda c: (-len(inst[c]), c)) if cands else None

@@ -1,0 +1,177 @@
+"""A tiny Hugging Face Llama trained under FSDP through the frameworks users train with.
+
+    python -m snapforensics record --nproc-per-node 2 --device cpu --out DIR \\
+        -m snapforensics.examples.hf_fsdp -- --layout raw_rab_false
+
+The model is `LlamaForCausalLM` built from a config (4 decoder layers, hidden 256, vocab 512),
+batch 2 x 32 tokens, 2 optimizer steps, CPU + gloo. Layouts (``LAYOUTS``):
+
+- ``raw_rab_false``: the user's own `fully_shard` on each `LlamaDecoderLayer` and the root,
+  HF's `gradient_checkpointing_enable`, `set_reshard_after_backward(False)` (the seed bug);
+  ``raw_fixed``: the same with True (FSDP's default).
+- ``accel_fsdp1_sgo``: accelerate's `FullyShardedDataParallelPlugin(fsdp_version=1,
+  sharding_strategy="SHARD_GRAD_OP")` wrapping `LlamaDecoderLayer` (transformer_based_wrap);
+  ``accel_fsdp1_full``: the plugin's fix, `FULL_SHARD`.
+- ``accel_fsdp2_ac``: accelerate's FSDP2 plugin with `activation_checkpointing=True`;
+  ``accel_fsdp2_gc``: the same plugin, HF's `gradient_checkpointing_enable` instead.
+
+Set by hand because accelerate refuses FSDP without an accelerator (on CPU its state is
+MULTI_CPU and `prepare` does not wrap): `acc.state.distributed_type = DistributedType.FSDP` and
+`acc.state.fsdp_plugin`; from there on `prepare` runs accelerate's own wrapping (FSDP1 with the
+plugin's auto-wrap policy, FSDP2 `fsdp2_prepare_model` / `fsdp2_apply_ac`) on the gloo group the
+recorder's launcher set up. A layout the framework still refuses exits 3 with its message.
+
+Writes ``truth.rank{R}.json`` beside the snapshot (``--truth DIR``): after every forward and
+backward the bytes of unsharded parameters FSDP holds (FSDP2 `FSDPParam.all_gather_outputs`,
+FSDP1 `_full_param_padded`), read from FSDP's state, not from the trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+LAYOUTS = ("raw_rab_false", "raw_fixed", "accel_fsdp1_sgo", "accel_fsdp1_full",
+           "accel_fsdp2_ac", "accel_fsdp2_gc")
+LAYERS, HIDDEN, VOCAB, BATCH, SEQ = 4, 256, 512, 2, 32
+
+
+def tiny_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                       num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=4,
+                       max_position_embeddings=SEQ * 2, tie_word_embeddings=False)
+
+
+def tiny_model():
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(tiny_config())
+
+
+def unsharded_bytes(model: torch.nn.Module) -> int:
+    """Bytes of unsharded parameter storage FSDP holds now, from FSDP's own state."""
+    total = 0
+    for m in model.modules():
+        state = getattr(m, "_get_fsdp_state", None)
+        if state is not None:  # FSDP2
+            pg = state()._fsdp_param_group
+            if pg is not None:
+                for p in pg.fsdp_params:
+                    for t in getattr(p, "all_gather_outputs", []) or []:
+                        total += t.untyped_storage().size()
+        handle = getattr(m, "_handle", None)
+        if handle is not None and getattr(m, "_fsdp_wrapped_module", None) is not None:
+            fp = getattr(handle.flat_param, "_full_param_padded", None)
+            if fp is not None:
+                total += fp.untyped_storage().size()
+    return total
+
+
+def _raw(layout: str, fix: str | None):
+    from torch.distributed.fsdp import fully_shard
+
+    model = tiny_model()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    if layout == "raw_rab_false":
+        for m in model.modules():
+            if hasattr(m, "set_reshard_after_backward"):
+                m.set_reshard_after_backward(False, recurse=False)
+    if fix:  # the analyzer's printed fix, run as printed on this model
+        exec(fix, {"model": model})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, opt, lambda loss: loss.backward()
+
+
+def _accelerate(layout: str, fix: str | None):
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+
+    version = 1 if "fsdp1" in layout else 2
+    kw: dict = {"fsdp_version": version, "auto_wrap_policy": "transformer_based_wrap",
+                "transformer_cls_names_to_wrap": ["LlamaDecoderLayer"]}
+    if version == 1:
+        # sharding_strategy, not reshard_after_forward: accelerate 1.15 fills sharding_strategy
+        # with FULL_SHARD when unset and FSDP1's prepare_model takes `sharding_strategy or
+        # reshard_after_forward`, so reshard_after_forward="SHARD_GRAD_OP" is ignored (measured:
+        # every layer resharded after forward)
+        kw["sharding_strategy"] = "SHARD_GRAD_OP" if layout.endswith("sgo") else "FULL_SHARD"
+    else:
+        kw["reshard_after_forward"] = True
+        kw["activation_checkpointing"] = layout.endswith("_ac")
+    plugin = FullyShardedDataParallelPlugin(**kw)
+    if fix:  # the analyzer's printed fix: its accelerate part builds a new `plugin`
+        ns: dict = {}
+        exec(fix.split("\n# Raw torch")[0], ns)
+        plugin = ns.get("plugin", plugin)
+    acc = Accelerator(fsdp_plugin=plugin)
+    # Set by hand: accelerate 1.15 enables FSDP only on an accelerator (state.py takes the
+    # plugin only for MULTI_GPU/NPU/XPU/...; on CPU it is MULTI_CPU and `prepare` would not
+    # wrap). Everything after this is accelerate's own wrapping code (prepare_model: FSDP1
+    # with the plugin's auto-wrap policy, or fsdp2_prepare_model / fsdp2_apply_ac).
+    from accelerate.utils import DistributedType
+
+    acc.state.distributed_type = DistributedType.FSDP
+    acc.state.fsdp_plugin = plugin
+    model = tiny_model()
+    if layout.endswith("_gc"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if version == 2:
+        model = acc.prepare(model)
+        opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, opt = acc.prepare(model, opt)
+    return model, opt, acc.backward
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m snapforensics.examples.hf_fsdp")
+    p.add_argument("--layout", choices=LAYOUTS, required=True)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--truth", default=None, help="folder for truth.rank{R}.json")
+    p.add_argument("--fix-file", default=None,
+                   help="Python run on the wrapped model as `model` (raw layouts), or defining "
+                        "a new accelerate `plugin` (accelerate layouts): a printed fix")
+    a = p.parse_args(argv)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    try:
+        fix = Path(a.fix_file).read_text() if a.fix_file else None
+        model, opt, backward = (_raw if a.layout.startswith("raw") else _accelerate)(
+            a.layout, fix)
+    except (RuntimeError, ValueError, NotImplementedError) as e:
+        print(f"{a.layout}: the framework refused: {e}", file=sys.stderr)
+        return 3
+    gen = torch.Generator().manual_seed(rank)
+    truth = []
+    for _ in range(a.steps):
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+        out = model(input_ids=ids, labels=ids)
+        after_fw = unsharded_bytes(model)
+        backward(out.loss)
+        truth.append({"after_forward": after_fw, "after_backward": unsharded_bytes(model)})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    if a.truth:
+        Path(a.truth).mkdir(parents=True, exist_ok=True)
+        Path(a.truth, f"truth.rank{rank}.json").write_text(json.dumps(
+            {"layout": a.layout, "steps": truth, "fsdp_version": os.environ.get(
+                "FSDP_VERSION", "")}))
+    dist.barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

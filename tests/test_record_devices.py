@@ -1,0 +1,260 @@
+"""The CUDA and Ascend recording paths, run through torch's and torch_npu's REAL Python wrappers
+(torch 2.13's ``torch.cuda``/``torch.cuda.memory``; ``torch_npu/npu/memory.py`` of the published
+torch_npu 2.14.0 and 2.1.0.post17 wheels) with only the C bindings stubbed as the C++ behaves
+(``device_stubs``). The script runs in this process under ``run_recorded``, as a rank would.
+"""
+
+from __future__ import annotations
+
+import builtins
+import textwrap
+
+import pytest
+from device_stubs import NPU_RELEASES, cuda_allocator, torch_npu_memory
+from recordings import load_strict
+
+torch = pytest.importorskip("torch")
+
+from snapforensics.record import _bootstrap  # noqa: E402
+from snapforensics.record.backends import CudaBackend, history_call  # noqa: E402
+
+NPU_VERSIONS = list(NPU_RELEASES)
+
+
+@pytest.fixture(autouse=True)
+def _clean_rank_env(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS",
+              "SLURM_LOCALID", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(k, raising=False)
+
+
+def _run(tmp_path, source: str, device: str, stacks: str = "python"):
+    script = tmp_path / "s.py"
+    script.write_text(textwrap.dedent(source))
+    out = tmp_path / "out"
+    status = _bootstrap.run_recorded({"out": str(out), "device": device, "stacks": stacks},
+                                     str(script), [])
+    return status, out
+
+
+def _entries(path, device=None):
+    snap = load_strict(path)
+    traces = snap["device_traces"]
+    return snap, [e for t in traces for e in t]
+
+
+# ------------------------------------------------------------------------ Ascend (item 1, 6)
+
+
+@pytest.mark.parametrize("version", NPU_VERSIONS)
+def test_history_call_binds_the_published_torch_npu_wrapper(version, monkeypatch):
+    """torch_npu's ``_record_memory_history(enabled="all", *args, **kwargs)`` hands everything to
+    ``_record_memory_history_impl``: ``global_record_annotations`` there is a TypeError."""
+    memory, a = torch_npu_memory(version, monkeypatch)
+    args, kwargs = history_call(memory._record_memory_history, stacks="python", max_entries=7)
+    assert "global_record_annotations" not in kwargs
+    memory._record_memory_history(*args, **kwargs)
+    assert a.record_history and a.max_entries == 7
+
+
+@pytest.mark.parametrize("version", NPU_VERSIONS)
+def test_npu_rank_records_on_its_own_npu_and_the_file_says_what_npu_lacks(version, monkeypatch,
+                                                                        tmp_path):
+    memory, a = torch_npu_memory(version, monkeypatch)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(builtins, "_sf_dev", a, raising=False)
+    status, out = _run(tmp_path, """
+        import builtins, torch_npu
+        torch_npu.npu.init()                  # the script's first NPU use
+        x = builtins._sf_dev.alloc(1 << 20)
+        builtins._sf_dev.free(x, 1 << 20)
+        builtins._sf_dev.alloc(2 << 20)
+    """, "npu")
+    assert status["exit_code"] == 0 and status["error"] is None, status
+    assert a.history_devices[0] == 1  # history started with NPU 1 current, not NPU 0
+    snap, entries = _entries(out / "rank1.pickle")
+    assert [e["action"] for e in entries] == ["alloc", "free_requested", "free_completed",
+                                              "alloc"]
+    assert not any("time_us" in e for e in entries)  # torch_npu's snapshot has no time
+    assert snap["snapforensics"]["backend"] == "npu"
+
+
+# ----------------------------------------------------- the script's own history calls (item 2)
+
+BLOG = """
+    import builtins, {mod}
+    mem = {mem}
+    {init}
+    mem._record_memory_history(max_entries=100000)   # PyTorch's memory blog
+    for _ in range(3):
+        builtins._sf_dev.alloc(1 << 20)
+    mem._dump_snapshot if hasattr(mem, "_dump_snapshot") else None
+    mem._record_memory_history(enabled=None)
+    builtins._sf_dev.alloc(4 << 20)
+"""
+
+
+def _check_history_calls_kept(status, out, capsys):
+    assert status["exit_code"] == 0, status
+    _, entries = _entries(out / "rank0.pickle")
+    assert [e["size"] for e in entries if e["action"] == "alloc"] == [1 << 20] * 3 + [4 << 20]
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if "the script called" in ln]
+    assert len(lines) == 1, err
+    assert "_record_memory_history(enabled='all', max_entries=100000) at s.py:5" in lines[0]
+    prov = load_strict(out / "rank0.pickle")["snapforensics"]
+    assert len(prov["script_history_calls"]) == 2
+    assert "enabled=None" in prov["script_history_calls"][1]
+
+
+def test_script_history_calls_keep_the_cuda_recording(monkeypatch, tmp_path, capsys):
+    a = cuda_allocator(monkeypatch)
+    monkeypatch.setattr(builtins, "_sf_dev", a, raising=False)
+    status, out = _run(tmp_path, BLOG.format(mod="torch", mem="torch.cuda.memory",
+                                             init="torch.cuda.init()"), "cuda")
+    _check_history_calls_kept(status, out, capsys)
+
+
+@pytest.mark.parametrize("version", NPU_VERSIONS)
+def test_script_history_calls_keep_the_npu_recording(version, monkeypatch, tmp_path, capsys):
+    memory, a = torch_npu_memory(version, monkeypatch)
+    monkeypatch.setattr(builtins, "_sf_dev", a, raising=False)
+    status, out = _run(tmp_path, BLOG.format(mod="torch_npu", mem="torch_npu.npu.memory",
+                                             init="torch_npu.npu.init()"), "npu")
+    _check_history_calls_kept(status, out, capsys)
+
+
+def test_an_empty_recording_of_a_script_that_allocated_is_not_silent(monkeypatch, tmp_path):
+    """History cleared where the recorder cannot see it (a C++ extension calling the
+    allocator's recordHistory): the 0-entry file comes with a warning."""
+    a = cuda_allocator(monkeypatch)
+    monkeypatch.setattr(builtins, "_sf_dev", a, raising=False)
+    status, out = _run(tmp_path, """
+        import builtins, torch
+        torch.cuda.init()
+        builtins._sf_dev.alloc(1 << 20)
+        builtins._sf_dev.record_memory_history(None, None, "python", 1)  # C++ side, unseen
+    """, "cuda")
+    assert status["entries"] == 0
+    assert any("0 entries although the script allocated 1 block" in w
+               for w in status["warnings"]), status
+
+
+# --------------------------------------------------------------------------------- OOM (item 3)
+
+OOM_SCRIPT = """
+    import builtins, sys, torch
+    torch.cuda.init()
+    keep = builtins._sf_dev.alloc(3 << 30)
+    for size in (64 << 30, 32 << 30, 16 << 30):      # a batch-size finder
+        try:
+            builtins._sf_dev.oom(size)
+        except torch.OutOfMemoryError:
+            pass
+    sys.exit(7)
+"""
+
+
+def test_oom_one_lazy_snapshot_for_the_first_oom_with_honest_fields(monkeypatch, tmp_path):
+    a = cuda_allocator(monkeypatch)
+    monkeypatch.setattr(builtins, "_sf_dev", a, raising=False)
+    calls = []
+    real = a.snapshot
+    monkeypatch.setattr(torch._C, "_cuda_memorySnapshot",
+                        lambda *x: calls.append(1) or real(*x))
+    status, out = _run(tmp_path, OOM_SCRIPT, "cuda")
+    assert status["exit_code"] == 7 and status["error"] is None, status
+    assert len(calls) == 2  # the first OOM and the final dump, not one per OOM
+    snap, entries = _entries(out / "rank0.oom.pickle")
+    assert [e["size"] for e in entries if e["action"] == "oom"] == [64 << 30]
+    assert snap["snapforensics"]["oom"] == {
+        "device": 0, "requested_bytes": 64 << 30,
+        "device_total_or_allowed_max_bytes": 80 << 30, "device_free_bytes": 1 << 20}
+
+
+def test_a_failing_oom_snapshot_leaves_the_oom_as_the_error(monkeypatch, tmp_path, capsys):
+    a = cuda_allocator(monkeypatch)
+    monkeypatch.setattr(builtins, "_sf_dev", a, raising=False)
+
+    def no_memory_left(*x):
+        raise MemoryError("host memory exhausted while building the snapshot")
+
+    a.snapshot = no_memory_left  # type: ignore[method-assign]
+    monkeypatch.setattr(torch._C, "_cuda_memorySnapshot", no_memory_left)
+    status, out = _run(tmp_path, OOM_SCRIPT, "cuda")
+    assert status["exit_code"] == 7  # the script caught torch.OutOfMemoryError each time
+    assert not (out / "rank0.oom.pickle").exists()
+    assert "OOM snapshot failed: MemoryError" in capsys.readouterr().err
+
+
+# ----------------------------------------------- no CUDA initialization before the script (5)
+
+
+def test_cuda_is_not_initialized_before_the_script_and_its_visible_devices_count(monkeypatch,
+                                                                                 tmp_path):
+    a = cuda_allocator(monkeypatch, devices=4)
+    monkeypatch.setattr(builtins, "_sf_dev", a, raising=False)
+    status, out = _run(tmp_path, """
+        import builtins, os, torch
+        os.environ["CUDA_VISIBLE_DEVICES"] = "2"    # the script picks its GPU
+        torch.cuda.init()
+        builtins._sf_dev.alloc(1 << 20)
+    """, "auto")
+    assert a.count_calls_before_init == 0  # no cudaGetDeviceCount (cuInit) before the script
+    assert a.init_env == "2"  # CUDA initialized after the script chose its device
+    snap, entries = _entries(out / "rank0.pickle")
+    assert snap["snapforensics"]["backend"] == "cuda" and len(entries) == 1
+
+
+def test_a_script_that_never_uses_cuda_says_so(monkeypatch, tmp_path):
+    a = cuda_allocator(monkeypatch)
+    status, out = _run(tmp_path, "x = 1\n", "cuda")
+    assert not a.initialized and status["entries"] == 0
+    assert any("never used CUDA" in w for w in status["warnings"]), status
+
+
+def test_stacks_all_asks_for_fast_symbolization(monkeypatch):
+    monkeypatch.delenv("TORCH_SYMBOLIZE_MODE", raising=False)
+    CudaBackend("all", 10)
+    import os
+
+    assert os.environ["TORCH_SYMBOLIZE_MODE"] == "fast"
+    monkeypatch.setenv("TORCH_SYMBOLIZE_MODE", "dladdr")  # the user's choice stays
+    CudaBackend("all", 10)
+    assert os.environ["TORCH_SYMBOLIZE_MODE"] == "dladdr"
+
+
+def test_history_call_binds_torch_213s_real_wrapper():
+    args, kwargs = history_call(torch.cuda.memory._record_memory_history, stacks="python",
+                                max_entries=7)
+    assert kwargs["global_record_annotations"] is True
+    import inspect
+
+    inspect.signature(torch.cuda.memory._record_memory_history_impl).bind(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------- install (item 11)
+
+
+@pytest.mark.parametrize("version", NPU_VERSIONS)
+def test_record_extra_is_a_range_that_admits_each_torch_npu_releases_torch(version):
+    """``[record]`` never replaces an installed torch, and ``[record,npu]`` resolves: the torch
+    each published torch_npu requires lies inside the range. The Makefile pins torch for CI."""
+    import re
+
+    from device_stubs import npu_requires
+    from packaging.requirements import Requirement
+    from recordings import REPO
+
+    text = (REPO / "pyproject.toml").read_text()
+    record = re.search(r"^record = \[(.*)\]$", text, re.M).group(1)
+    (req,) = [Requirement(r.strip().strip('"')) for r in record.split(",")]
+    assert req.name == "torch" and not any(s.operator in ("==", "===") for s in req.specifier)
+    (npu_torch,) = [Requirement(r) for r in npu_requires(version)
+                    if Requirement(r).name == "torch"]
+    pinned = next(iter(npu_torch.specifier)).version.rstrip(".*")
+    assert req.specifier.contains(pinned, prereleases=True), (req, npu_torch)
+    assert req.specifier.contains(torch.__version__.split("+")[0])
+    assert re.search(r"^TORCH := torch==\d+\.\d+\.\d+$", (REPO / "Makefile").read_text(), re.M)
