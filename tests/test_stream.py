@@ -17,11 +17,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from hostile import CASES
+from hostile import CASES, pkl, trace_of
+from hostile import f as f_
+from hostile import i as i_
+from hostile import s as s_
 from test_native import EDITS, FILES, _entries, _raw, _same
 
 from snapforensics.errors import SnapError
 from snapforensics.snapshot import load, stream
+from snapforensics.snapshot.model import A
 from snapforensics.snapshot.stream import reader
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -164,3 +168,27 @@ def test_hostile_files_get_the_same_outcome(name, tmp_path, monkeypatch):
         assert a == b
     else:
         _same_all(a, b)
+
+
+
+@needs_stream
+def test_action_strs_not_memoized_read_each_by_value(tmp_path, monkeypatch):
+    """Keys memoized, action strs written anew in every entry (a pickler may): each str is
+    freed after its row and the next one of the same length may get its address, so a code
+    cached by address alone read free_completed as free_requested."""
+    keys = ["action", "addr", "size", "stream", "time_us", "frames"]
+    entries = []
+    for n in range(400):
+        act = "free_completed" if n % 2 else "free_requested"
+        vals = [s_(act), i_(1 << 20), i_(512), i_(0), f_(float(n)), b"N"]
+        kv = b"".join((s_(k) + b"q" + bytes([j + 1]) if n == 0 else b"h" + bytes([j + 1])) + v
+                      for j, (k, v) in enumerate(zip(keys, vals)))
+        entries.append(b"}(" + kv + b"u")
+    body = pkl(b"}q\x00(" + s_("segments") + b"]" + s_("device_traces") + trace_of(entries)
+               + b"u")
+    path = tmp_path / "fresh_actions.pickle"
+    path.write_bytes(body)
+    a, why, b = _both(path, monkeypatch)
+    assert why == ""
+    _same_all(a, b)
+    assert a.traces[0].action.tolist() == [A["free_requested"], A["free_completed"]] * 200

@@ -133,11 +133,10 @@ typedef struct {
     PyObject *key_obj[64]; /* owned, by bit */
     int nkeys, nbits;
     PyObject **gref; /* representative by group id (borrowed from the table) */
-    PyObject *frames_key_last; /* cache for the "frames" key test */
     PyObject *actions;
     int other;
     unsigned long long max_bytes, max_rows, rows;
-    PyObject *last_act;
+    PyObject *last_act; /* owned: a freed str's address may come back with another value */
     int last_code;
     const char *why;
 } R;
@@ -569,7 +568,7 @@ static int entry_item(R *r, Val *e, Val *k, Val *v) {
             long c = code ? PyLong_AsLong(code) : r->other;
             if (c < 0 || c > 127)
                 return decline(r, "bad action code");
-            r->last_act = v->v.o;
+            Py_XSETREF(r->last_act, Py_NewRef(v->v.o));
             r->last_code = (int)c;
         }
         col = PyByteArray_AS_STRING(t->c[0]);
@@ -1141,6 +1140,7 @@ static void cleanup(R *r) {
         Py_XDECREF(r->key_obj[b]);
     Py_XDECREF(r->dt_list);
     Py_XDECREF(r->root);
+    Py_XDECREF(r->last_act);
 }
 
 static PyObject *stream_read(PyObject *self, PyObject *args) {
