@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo lint test test-fast bench clean
+.PHONY: setup demo lint test test-fast test-pythons bench clean
 
 $(STAMP): pyproject.toml setup.py snapforensics/snapshot/_native.c
 	$(PY) -m venv --system-site-packages $(VENV)
@@ -30,8 +30,32 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-test: lint
+test: lint test-pythons
 	$(BIN)/python -m pytest -q
+
+# The analyzer on the oldest and the newest Python it supports, in venvs without torch: the
+# torch-free tier (tests that need torch skip). Interpreters from pyenv when it has them, else
+# from uv (`uv python install`).
+PYTHONS ?= 3.9 3.13
+# what runs there: the loader both ways (C extension and Python path), the cache, the CLI, the
+# classifier (PYTHONS_TESTS=tests runs every torch-free test: ~10 min each on 2 busy cores)
+PYTHONS_TESTS ?= tests/test_native.py tests/test_cache.py tests/test_cli.py \
+	tests/test_classify.py tests/test_older_torch.py
+test-pythons:
+	@for v in $(PYTHONS); do \
+	  py=$$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/$$v.* 2>/dev/null | sort -V | tail -1); \
+	  py=$${py:+$$py/bin/python}; \
+	  [ -x "$$py" ] || { uv python install -q $$v && py=$$(uv python find $$v); } || exit 1; \
+	  env=.venv-py$$v; \
+	  [ $$env/.installed -nt pyproject.toml ] && [ $$env/.installed -nt snapforensics/snapshot/_native.c ] || { \
+	    rm -rf $$env && $$py -m venv $$env && \
+	    $$env/bin/pip install -q -e . pytest hypothesis markdown-it-py && touch $$env/.installed; \
+	  } || exit 1; \
+	  echo "== Python $$($$env/bin/python -c 'import platform; print(platform.python_version())'), no torch"; \
+	  $$env/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is not None)" || \
+	    { echo "$$env has torch: it must not"; exit 1; }; \
+	  $$env/bin/python -m pytest -q -p no:cacheprovider -m "not slow" $(PYTHONS_TESTS) || exit 1; \
+	done
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"
@@ -40,4 +64,4 @@ bench: setup
 	$(BIN)/python benchmarks/bench_load.py
 
 clean:
-	rm -rf $(VENV) snapforensics-out .pytest_cache
+	rm -rf $(VENV) .venv-py* snapforensics-out .pytest_cache .recordings

@@ -1,12 +1,11 @@
-"""The compiled parts, both optional: where no C compiler is found the build goes on, and the
-loader uses its (slower, equally checked) Python paths.
+"""The compiled parts, both optional: where no C compiler is found the build goes on, and every
+caller takes its (slower, equally checked) Python path. Everything else is in pyproject.toml.
 
-- snapforensics/snapshot/_native.c: a one-pass C reader of a device trace's columns, and
-  lifetimes' pairing walk.
-- snapforensics/snapshot/_stream.c: the streaming reader (the pickle's opcodes walked once, the
-  device traces written straight into columns, for snapshots bigger than RAM).
-
-Everything else is in pyproject.toml."""
+- snapforensics/snapshot/_native.c (types in _native.pyi, switch in native.py): two one-pass C
+  walks, `trace_columns`, the loader's reader of a device trace's columns, and `pair_events`,
+  analysis/lifetimes' pairing of allocs and frees by address.
+- snapforensics/snapshot/_stream.c (switch in stream.py): the streaming reader, the pickle's
+  opcodes walked once and the device traces written straight into columns."""
 
 from setuptools import Extension, setup
 

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_load import CORPUS, synthetic  # noqa: E402
 
 from snapforensics.analysis import timeline  # noqa: E402
-from snapforensics.analysis.diagnose import diagnose_devices  # noqa: E402
+from snapforensics.analysis.engine import diagnose_devices  # noqa: E402
 from snapforensics.report import render_text  # noqa: E402
 from snapforensics.report.plot import png  # noqa: E402
 from snapforensics.snapshot import load  # noqa: E402

@@ -55,7 +55,7 @@ def diagnose(source: str | Path | Snapshot,
     regex matched on stack frames (`function file:line`) and record_function range names;
     applied after the built-in classification (the rules see the built-in categories)."""
     from snapforensics.analysis.classify import user_categories
-    from snapforensics.analysis.diagnose import diagnose_devices
+    from snapforensics.analysis.engine import diagnose_devices
 
     snap = source if isinstance(source, Snapshot) else load(source)
     diagnosis, analyses = diagnose_devices(snap, user_categories(categories))
@@ -68,7 +68,7 @@ def compare(*inputs: str | Path | Snapshot | Report | Diagnosis, mode: str = "au
     (a run folder or glob stands for its rank files), Snapshots, Reports or Diagnoses."""
     paths = [x for x in inputs if isinstance(x, (str, Path))]
     if len(paths) == len(inputs):
-        from snapforensics.commands.compare import compare_paths
+        from snapforensics.runner import compare_paths
 
         return _shown(Comparison, compare_paths(paths, mode=mode))
     from snapforensics.analysis.compare import compare as _compare

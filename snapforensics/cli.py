@@ -58,18 +58,27 @@ def _register() -> None:
 _register()
 
 
+# click 8.2+ raises it for `snapforensics` alone; older click has none (an empty tuple
+# catches nothing)
+_NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         from snapforensics.settings import check_all
 
         check_all()  # a malformed SNAPFORENSICS_* variable fails before any work
+        if not (sys.argv[1:] if argv is None else argv) and not _NO_ARGS_IS_HELP:
+            # click < 8.2 (the newest for Python 3.9) prints the help and returns 0
+            click.echo(cli.get_help(click.Context(cli, info_name="snapforensics")))
+            sys.exit(EXIT_BAD_INPUT)
         rc = cli.main(args=argv, prog_name="snapforensics", standalone_mode=False)
     except SnapError as e:
         echo_error(e)
         sys.exit(e.exit_code)
     except (click.exceptions.Abort, KeyboardInterrupt):
         sys.exit(EXIT_INTERRUPTED)
-    except click.exceptions.NoArgsIsHelpError as e:  # `snapforensics` alone: its help, as click
+    except _NO_ARGS_IS_HELP as e:  # `snapforensics` alone: its help, as click
         click.echo(e.ctx.get_help())  # prints it standalone (exit 2), but on stdout, readable
         sys.exit(EXIT_BAD_INPUT)
     except click.UsageError as e:  # one line, like every other user error

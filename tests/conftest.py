@@ -6,9 +6,8 @@ Helpers that are plain functions live in modules next to this file (`corpus`, `r
 
 from __future__ import annotations
 
+import importlib.util
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -72,11 +71,12 @@ def diagnosed(recording):
 
 @pytest.fixture(scope="session")
 def matrix(tmp_path_factory) -> Path:
-    """The scenario matrix (snapforensics.examples.scenarios, 2 then 4 ranks), recorded once per
-    session: the folder holding <layout>/rank{R}.pickle and truth.rank{R}.json for every layout.
-    SNAPFORENSICS_MATRIX=DIR reuses a matrix recorded earlier into DIR."""
+    """The scenario matrix (snapforensics.examples.scenarios, 2 then 4 ranks) from the recordings
+    cache (`recordings.matrix_folders`, recorded when absent): one folder holding
+    <layout>/rank{R}.pickle and truth.rank{R}.json for every layout.
+    SNAPFORENSICS_MATRIX=DIR reads a matrix recorded earlier into DIR instead."""
     pytest.importorskip("torch")
-    from recordings import REPO, _env
+    from recordings import matrix_folders
 
     from snapforensics.examples.scenarios import LAYOUTS
 
@@ -85,12 +85,29 @@ def matrix(tmp_path_factory) -> Path:
         out = Path(reuse)
     else:
         out = tmp_path_factory.mktemp("matrix")
-        for world in (2, 4):
-            proc = subprocess.run(
-                [sys.executable, "-m", "snapforensics.examples.scenarios", "--out", str(out),
-                 "--world", str(world)], cwd=REPO, env=_env(), capture_output=True, text=True,
-                timeout=1800)
-            assert proc.returncode == 0, proc.stderr[-4000:]
+        for folder in matrix_folders():
+            for layout in folder.iterdir():
+                (out / layout.name).symlink_to(layout, target_is_directory=True)
     missing = [n for n in LAYOUTS if not (out / n / "truth.rank0.json").is_file()]
     assert not missing, f"layouts not recorded: {missing}"
     return out
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items) -> None:
+    """Slow tests (those that need real FSDP recordings) run last, and the recordings they need
+    that the cache lacks (`recordings.SUITE`, the matrix) are started in the background when the
+    session begins, so the other tests run meanwhile."""
+    slow = [i for i in items if i.get_closest_marker("slow")]
+    if not slow:
+        return
+    items[:] = [i for i in items if not i.get_closest_marker("slow")] + slow
+    if importlib.util.find_spec("torch") is None:
+        return
+    import recordings
+
+    modules = {i.module.__name__ for i in slow}
+    if modules - {"test_matrix"}:
+        recordings.start()
+    if "test_matrix" in modules and not os.environ.get("SNAPFORENSICS_MATRIX"):
+        recordings.start_matrix()

@@ -1,21 +1,29 @@
-"""Real FSDP2 + checkpoint recordings for tests, made by the real recorder CLI.
+"""Real FSDP2 + checkpoint recordings for tests, made by the project's recorder, cached by what
+makes them.
 
     from recordings import record_variant, recorded, load_strict, replay_peak
 
     # [rank0.pickle, rank1.pickle]
-    paths = record_variant("buggy", tmp_path_factory.mktemp("buggy"))
+    paths = recorded("buggy")
 
-`record_variant` runs ``python -m snapforensics record --nproc-per-node N --device cpu --out DIR
--m snapforensics.examples.fsdp_ckpt -- --variant V --steps S [extra...]`` in a subprocess (CPU,
-gloo; about 10 s for the default 6-block model on 2 ranks) and returns the snapshot paths in rank
-order.
+A recording is keyed by a hash of everything that makes it: the sources of the example and of the
+recorder (`snapforensics/examples/`, `snapforensics/record/`, the CLI, `record_example.py`), the
+torch and Python versions, and the run's arguments. It lives in the recordings cache
+(`.recordings/` in the checkout, gitignored, or `$SNAPFORENSICS_RECORDINGS`) and is reused by
+every test and every later run until one of those changes; a folder appears there only when its
+recording finished (made aside, then renamed).
 
-Session cache: the first call for a given ``(variant, nproc, steps, extra)`` records into its
-``out_dir``; later calls in the same test session return those same files and ignore their
-``out_dir`` (so two test modules asking for ``"fixed"`` record it once). Pass ``fresh=True`` to
-force a new recording into ``out_dir``. Out dirs come from ``tmp_path_factory`` (session-scoped),
-so the cached files live as long as the session. The ``recorded(variant, tmp_path_factory)``
-shorthand makes the folder for you.
+`recorded(variant, nproc=2, steps=3, extra=())` records the runs the suite needs (`SUITE`) that
+are not cached yet, all at once: one job per world size (`record_example.py`: each run's ranks
+spawned in turn and recorded with `record.inprocess.recording`, the backend `snapforensics
+record` uses), at most two jobs at once, each run published as soon as its ranks wrote it.
+`start()` begins that in the background (conftest calls it when the session has slow tests);
+`recorded` waits for the run it needs.
+
+`record_variant(variant, out_dir, ...)` records through the real CLI (`python -m
+snapforensics record --nproc-per-node N --device cpu --out DIR -m snapforensics.examples.fsdp_ckpt
+-- --variant V --steps S [extra...]`), cached under the same kind of key; `fresh=True` records
+into `out_dir` every time (for tests about recording itself).
 
 Also here: ``load_strict(path)`` (a pickle load that refuses every global, as the real loader
 does), and ``replay_peak(snapshot)`` (max of cumulative alloc - free_completed over the trace).
@@ -23,17 +31,43 @@ does), and ``replay_peak(snapshot)`` (max of cumulative alloc - free_completed o
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
+import tempfile
+import threading
 from collections.abc import Iterable
+from functools import cache
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = "snapforensics.examples.fsdp_ckpt"
+CACHE = Path(os.environ.get("SNAPFORENSICS_RECORDINGS") or REPO / ".recordings")
+# what makes a recording: the example, the recorder, the CLI that launches it, the job runner
+SOURCES = ("snapforensics/examples", "snapforensics/record", "snapforensics/commands/record.py",
+           "snapforensics/cli.py", "snapforensics/__main__.py", "tests/record_example.py")
 
-_cache: dict[tuple, list[Path]] = {}
+# The runs the suite asks for (variant, nproc, steps, extra): recorded together on first use
+# (a run asked for and not listed here is recorded alone when asked).
+S_FSDP1 = ("--layers", "4", "--dim", "256")  # small shapes: test_forecast's world-size pairs
+S_NOAC = ("--layers", "4", "--dim", "128")
+SUITE: tuple[tuple[str, int, int, tuple[str, ...]], ...] = (
+    *((v, 2, 3, ()) for v in (
+        "buggy", "fixed", "nested", "noac", "leak", "reshard_after_forward_false",
+        "prefetch_in_recompute", "no_rate_limit", "full_init", "no_grad_sync", "mixed_precision",
+        "fsdp1", "fsdp1_shard_grad_op", "fsdp1_reentrant")),
+    ("noac", 2, 3, ("--batch", "4")),
+    ("fixed", 2, 3, ("--batch", "8")),
+    *((v, w, 2, shape) for w in (2, 4) for v, shape in (("fsdp1", S_FSDP1), ("noac", S_NOAC))),
+    ("fsdp1_shard_grad_op_fp32", 2, 2, S_FSDP1),
+    ("fixed", 4, 3, ()),
+    ("full_init", 1, 3, ()),
+)
+CLI_SUITE = (("fixed", 2, 3, ()),)  # recorded through `snapforensics record` (test_record)
 
 
 def _env() -> dict[str, str]:
@@ -50,34 +84,226 @@ def run_cli(args: list[str], *, cwd: Path | None = None, env: dict[str, str] | N
                           env=env or _env(), capture_output=True, text=True, timeout=timeout)
 
 
-def record_variant(variant: str, out_dir: Path, nproc: int = 2, steps: int = 3,
+@cache
+def _sources_digest() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    h = hashlib.sha256()
+    try:
+        h.update(f"torch {version('torch')}".encode())
+    except PackageNotFoundError:
+        h.update(b"no torch")
+    h.update(f"python {sys.version_info[:2]}".encode())
+    for root in SOURCES:
+        p = REPO / root
+        for f in sorted([p] if p.is_file() else p.rglob("*.py")):
+            h.update(str(f.relative_to(REPO)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def key(*what: object) -> str:
+    """The cache folder name of one recording: a hash of its sources and of `what` (its args)."""
+    return hashlib.sha256((_sources_digest() + json.dumps(what)).encode()).hexdigest()[:20]
+
+
+def _paths(folder: Path, nproc: int) -> list[Path]:
+    return [folder / f"rank{r}.pickle" for r in range(nproc)]
+
+
+def _cached(folder: Path, nproc: int) -> list[Path] | None:
+    paths = _paths(folder, nproc)
+    return paths if all(p.is_file() for p in paths) else None
+
+
+def _publish(made: Path, folder: Path) -> None:
+    """Move a finished recording's folder into the cache (atomic: a rename)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.replace(made, folder)
+    except OSError:  # made meanwhile by another session: keep that one
+        shutil.rmtree(made, ignore_errors=True)
+
+
+def _job_folder(variant: str, nproc: int, steps: int, extra: tuple[str, ...]) -> Path:
+    return CACHE / f"{variant}-w{nproc}-{key('job', variant, nproc, steps, extra)}"
+
+
+def _cli_folder(variant: str, nproc: int, steps: int, extra: tuple[str, ...]) -> Path:
+    return CACHE / f"cli-{variant}-w{nproc}-{key('cli', variant, nproc, steps, extra)}"
+
+
+def _argv(variant: str, steps: int, extra: tuple[str, ...]) -> list[str]:
+    return ["--variant", variant, "--steps", str(steps), *extra]
+
+
+def _record_job(world: int, runs: list[tuple[str, int, int, tuple[str, ...]]]) -> str:
+    """Record `runs` (all for `world` ranks) in one job; '' or what went wrong."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".job-w{world}-", dir=CACHE))
+    try:
+        todo = [(stage / str(i), run) for i, run in enumerate(runs)]
+        spec = {"world": world, "runs": [[str(d), _argv(v, s, e)] for d, (v, _, s, e) in todo]}
+        (stage / "spec.json").write_text(json.dumps(spec))
+        for d, _ in todo:
+            d.mkdir()
+        log = stage / "log.txt"
+        with open(log, "w") as out:
+            proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "record_example.py"),
+                                     str(stage / "spec.json")], cwd=REPO, env=_env(),
+                                    stdout=out, stderr=subprocess.STDOUT)
+            while todo:  # each run is published as soon as its ranks have written it
+                done = proc.poll() is not None
+                for d, run in [t for t in todo if _cached(t[0], world)]:
+                    _publish(d, _job_folder(*run))
+                    todo.remove((d, run))
+                if done:
+                    break
+                try:
+                    proc.wait(timeout=0.5)
+                except subprocess.TimeoutExpired:
+                    pass
+            proc.wait()
+        if proc.returncode != 0 or todo:
+            return (f"recording job (world {world}) failed: exit {proc.returncode}\n"
+                    f"--- output (tail)\n{log.read_text()[-6000:]}")
+        return ""
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+_lock = threading.Lock()
+_threads: dict[str, threading.Thread] = {}
+_errors: dict[str, str] = {}
+# Jobs recording at once: two keep both cores busy through each job's waits (start-up, gloo,
+# the profiler's post-processing) without holding every rank of every job in memory at once.
+_slots = threading.Semaphore(2)
+
+
+def _background(name: str, work) -> None:
+    """Run `work()` (returns '' or an error) on a thread named `name`, unless one runs."""
+    with _lock:
+        if name in _threads and _threads[name].is_alive():
+            return
+
+        def go() -> None:
+            try:
+                with _slots:
+                    _errors[name] = work()
+            except Exception as e:  # reported by whoever waits for it
+                _errors[name] = f"{type(e).__name__}: {e}"
+
+        _threads[name] = threading.Thread(target=go, name=name, daemon=True)
+        _threads[name].start()
+
+
+def _wait(name: str, ready=lambda: False) -> str:
+    """Wait for the thread `name` to end, or for `ready()`; its error, if it ended with one."""
+    with _lock:
+        t = _threads.get(name)
+    while t is not None and t.is_alive() and not ready():
+        t.join(0.5)
+    return _errors.get(name, "")
+
+
+def start(runs: Iterable[tuple[str, int, int, tuple[str, ...]]] = SUITE) -> None:
+    """Record the runs not cached yet, one background job per world size (returns at once)."""
+    missing: dict[int, list] = {}
+    for run in runs:
+        if not _cached(_job_folder(*run), run[1]):
+            missing.setdefault(run[1], []).append(run)
+    for world, todo in missing.items():
+        _background(f"example-w{world}", lambda w=world, t=todo: _record_job(w, t))
+    for variant, nproc, steps, extra in CLI_SUITE:
+        if not _cached(_cli_folder(variant, nproc, steps, extra), nproc):
+            _background(f"cli-{variant}-w{nproc}", lambda v=variant, n=nproc, s=steps, e=extra: (
+                record_variant(v, None, n, s, e) and ""))
+
+
+def recorded(variant: str, tmp_path_factory=None, *, nproc: int = 2, steps: int = 3,
+             extra: Iterable[str] = ()) -> list[Path]:
+    """Rank-ordered snapshot paths of one run of the example, from the recordings cache
+    (recorded, with the rest of `SUITE` still missing, when absent). `tmp_path_factory` is
+    accepted and unused (older callers pass it)."""
+    run = (variant, nproc, steps, tuple(str(e) for e in extra))
+    folder = _job_folder(*run)
+    for _ in range(2):  # a job already running may lack this run: the next one has it
+        if _cached(folder, nproc):
+            return _paths(folder, nproc)
+        start(SUITE if run in SUITE else (run,))
+        err = _wait(f"example-w{nproc}", lambda: _cached(folder, nproc) is not None)
+    if not _cached(folder, nproc):
+        raise AssertionError(f"recording {run} failed\n{err}")
+    return _paths(folder, nproc)
+
+
+def _matrix_folder(world: int) -> Path:
+    return CACHE / f"matrix-w{world}-{key('matrix', world)}"
+
+
+def _record_matrix(world: int) -> str:
+    CACHE.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".matrix-w{world}-", dir=CACHE))
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "snapforensics.examples.scenarios", "--out", str(stage),
+             "--world", str(world)], cwd=REPO, env=_env(), capture_output=True, text=True,
+            timeout=1800)
+        if proc.returncode != 0:
+            return f"matrix (world {world}) failed: exit {proc.returncode}\n{proc.stderr[-4000:]}"
+        _publish(stage, _matrix_folder(world))
+        return ""
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def start_matrix() -> None:
+    """Record the scenario matrix's two jobs (2 and 4 ranks) in the background where not
+    cached."""
+    for world in (2, 4):
+        if not _matrix_folder(world).is_dir():
+            _background(f"matrix-w{world}", lambda w=world: _record_matrix(w))
+
+
+def matrix_folders() -> list[Path]:
+    """The matrix's folders (2 ranks, 4 ranks), each holding <layout>/rank{R}.pickle and
+    truth.rank{R}.json: from the cache, recorded first when absent."""
+    start_matrix()
+    errors = [e for e in (_wait("matrix-w2"), _wait("matrix-w4")) if e]
+    assert not errors, "\n".join(errors)
+    return [_matrix_folder(w) for w in (2, 4)]
+
+
+def record_variant(variant: str, out_dir: Path | None, nproc: int = 2, steps: int = 3,
                    extra: Iterable[str] = (), *, fresh: bool = False) -> list[Path]:
-    """Record one variant of the bundled example; the snapshot paths, rank order."""
+    """Record one variant of the bundled example through the real CLI (`snapforensics record`);
+    the snapshot paths, rank order. Cached like `recorded` (out_dir unused) unless `fresh`
+    (then recorded into out_dir every time)."""
     extra = tuple(str(e) for e in extra)
-    key = (variant, nproc, steps, extra)
-    if not fresh and key in _cache and all(p.is_file() for p in _cache[key]):
-        return list(_cache[key])
+    folder = _cli_folder(variant, nproc, steps, extra)
+    if not fresh:
+        if threading.current_thread().name != f"cli-{variant}-w{nproc}":
+            _wait(f"cli-{variant}-w{nproc}")  # started in the background: its result
+        if _cached(folder, nproc):
+            return _paths(folder, nproc)
+        CACHE.mkdir(parents=True, exist_ok=True)
+        out_dir = Path(tempfile.mkdtemp(prefix=".cli-", dir=CACHE))  # empty: `--out` accepts it
     out_dir = Path(out_dir)
     args = ["record", "--nproc-per-node", str(nproc), "--device", "cpu", "--out", str(out_dir),
-            "-m", EXAMPLE, "--", "--variant", variant, "--steps", str(steps), *extra]
+            "-m", EXAMPLE, "--", *_argv(variant, steps, extra)]
     proc = run_cli(args)
-    paths = [out_dir / f"rank{r}.pickle" for r in range(nproc)]
+    paths = _paths(out_dir, nproc)
     missing = [p.name for p in paths if not p.is_file()]
     if proc.returncode != 0 or missing:
+        if not fresh:
+            shutil.rmtree(out_dir, ignore_errors=True)
         raise AssertionError(
             f"recording {variant!r} failed: exit {proc.returncode}, missing {missing}\n"
             f"--- stdout (tail)\n{proc.stdout[-3000:]}\n--- stderr (tail)\n{proc.stderr[-6000:]}")
-    _cache[key] = paths
-    return list(paths)
-
-
-def recorded(variant: str, tmp_path_factory, **kw) -> list[Path]:
-    """``record_variant`` into a fresh session temp folder (only made on a cache miss)."""
-    key = (variant, kw.get("nproc", 2), kw.get("steps", 3),
-           tuple(str(e) for e in kw.get("extra", ())))
-    if key in _cache and all(p.is_file() for p in _cache[key]):
-        return list(_cache[key])
-    return record_variant(variant, tmp_path_factory.mktemp(f"rec-{variant}"), **kw)
+    if fresh:
+        return paths
+    out_dir.chmod(0o755)
+    _publish(out_dir, folder)
+    return _paths(folder, nproc)
 
 
 class _NoGlobals(pickle.Unpickler):

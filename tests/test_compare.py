@@ -18,9 +18,9 @@ from corpus import corpus_file
 from snapforensics.analysis.compare import BEFORE_AFTER, RANKS, SCHEMA
 from snapforensics.analysis.rules import fsdp_reduce_scatter, fsdp_reshard
 from snapforensics.analysis.vocab import Category
-from snapforensics.commands.compare import compare_paths
 from snapforensics.errors import SnapError
 from snapforensics.report import render
+from snapforensics.runner import compare_paths
 
 
 def render_text(c, fmt):
@@ -158,7 +158,7 @@ def test_corpus_forward_vs_fwd_bwd():
 
 def test_analysis_does_not_import_torch():
     a, b = corpus_file(FORWARD), corpus_file(FWD_BWD)
-    code = ("import sys; from snapforensics.commands.compare import compare_paths; "
+    code = ("import sys; from snapforensics.runner import compare_paths; "
             "from snapforensics.report import render; "
             f"render('compare', compare_paths([{str(a)!r}, {str(b)!r}]), 'markdown'); "
             "assert 'torch' not in sys.modules, 'torch imported'")

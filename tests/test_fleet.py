@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -183,8 +184,21 @@ def test_dask_reads_fsspec_urls_from_shared_storage(cluster, run_dir):
         assert got == parallel.run(corpus, jobs=1, cache=False, progress=False)
 
 
-def test_unreachable_scheduler_is_one_line(run_dir):
-    r = cli("diagnose", str(run_dir), "--scheduler", "tcp://127.0.0.1:9", "-q")
+@pytest.mark.parametrize("answers", [False, True], ids=["refused", "silent"])
+def test_unreachable_scheduler_is_one_line(run_dir, answers):
+    """Nothing listening (refused), or a port that accepts and never answers (a scheduler that
+    hangs, a blackholing proxy): both end in one line, exit 2, after the timeout (1 s here)."""
+    pytest.importorskip("distributed")  # without the [fleet] extra there is no scheduler
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        if answers:
+            s.listen()  # the kernel completes the handshake; nobody ever reads or writes
+        port = s.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "snapforensics", "diagnose", str(run_dir),
+                            "--scheduler", f"tcp://127.0.0.1:{port}", "-q"],
+                           capture_output=True, text=True, cwd=REPO, timeout=120,
+                           env=os.environ | {"PYTHONPATH": str(REPO),
+                                             "SNAPFORENSICS_SCHEDULER_TIMEOUT": "1"})
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Dask" in r.stderr, r.stderr
 
 

@@ -12,6 +12,7 @@ The default-shape recordings are the ones other test modules make (session cache
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -77,7 +78,8 @@ def rec(recording):
 
 def _check(name: str, src: Forecaster, dst: Forecaster, tol: float, scale: float = 1.0,
            fix: str | None = None) -> float:
-    """Forecast `dst`'s recorded settings from `src`; the relative error against dst's peak."""
+    """Forecast `dst`'s recorded settings from `src`; the relative error against dst's peak,
+    which must lie in the error band the forecast states (forecast_band.py's stored pairs)."""
     b = dst.baseline()
     p = src.predict(Scenario(b.world_size, b.strategy, b.checkpointing, scale, fix))
     assert p.refused is None, p.refused
@@ -85,6 +87,9 @@ def _check(name: str, src: Forecaster, dst: Forecaster, tol: float, scale: float
     err = (p.predicted_peak_bytes - recorded) / recorded
     TABLE.append((name, p.predicted_peak_bytes, recorded, err))
     assert abs(err) <= tol, (name, p.predicted_peak_bytes, recorded, err)
+    band = p.error_band
+    assert band["validated"], band
+    assert band["low"] <= err <= band["high"], (name, err, band)
     return err
 
 
@@ -206,7 +211,7 @@ def test_checkpointing_without_units_is_refused():
 def test_parse_size():
     assert parse_size("80GiB") == 80 * 2 ** 30
     assert parse_size("512MB") == 512 * 10 ** 6
-    assert parse_size("1e9") == 10 ** 9
+    assert parse_size("1e9B") == 10 ** 9
     with pytest.raises(ValueError):
         parse_size("lots")
 
@@ -240,7 +245,9 @@ def test_cli_json_contract_and_bad_arguments(tmp_path, capsys):
                 # issue 21: out of range (int64 wrapped, -97% claimed, exit 70 before)
                 ["--micro-batch-scale", "1e12,1e14,inf"], ["--world-size", str(10 ** 26)],
                 ["--world-size", "1" + "0" * 400], ["--capacity", "1e400GiB"],
-                ["--strategy", "hsdp:0"], ["--micro-batch-scale", "nan"]):
+                ["--strategy", "hsdp:0"], ["--micro-batch-scale", "nan"],
+                # issue 18: a bare number was read as bytes (80 B: "fits: NO" everywhere)
+                ["--capacity", "80"]):
         rc, _, err = _cli(capsys, "forecast", str(FIXED), *bad)
         assert rc == 2, (bad, err)
         assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
@@ -317,3 +324,95 @@ def test_anomalous_recording_gets_both_forecasts(rec):
     assert p.predicted_peak_bytes == buggy.d.peak_bytes  # as recorded
     _check("buggy + fix (reshard_after_backward=True), vs fixed", buggy, fixed, 0.05,
            fix=RESHARD)
+
+
+# ------------------------------------------------------------ issue 18: advice you can act on
+
+
+def test_capacity_gives_no_advice_when_the_recorded_peak_fits(recording):
+    """A run whose recorded peak fits gets no change recommended (before: micro_batch_scale=0.5
+    with --capacity 80GiB); one that does not fit gets the cheapest change that does, the
+    anomaly's fix first (it costs nothing)."""
+    from snapforensics.report.registry import render
+
+    fixed, buggy = load(recording("fixed")), load(recording("buggy"))
+    f = forecast(fixed, capacity=parse_size("80GiB"))
+    assert f.fit["recorded_fits"] and f.fit["cheapest_change"] is None
+    text = render("forecast", f, "terminal")
+    assert "already fits" in text and "cheapest change" not in text
+    # below the recorded peak: a change is advised, and it fits
+    peak = f.baseline["peak_bytes"]
+    f = forecast(fixed, capacity=peak - 1)
+    assert not f.fit["recorded_fits"]
+    ch = f.fit["cheapest_change"]
+    assert ch is None or ch["peak_bytes"] <= peak - 1
+    # the buggy run fits once fixed (the fixed run's peak): the fix is the advice
+    f = forecast(buggy, capacity=peak)
+    assert f.fit["cheapest_change"]["change"] == {"fix": RESHARD}
+
+
+def test_checkpointing_none_keeps_activations_where_the_buggy_run_peaks(recording):
+    """The buggy example keeps its parameters unsharded after step 0's backward, so steps 1
+    and 2 gather nothing in forward: their units come from FSDP's pre_forward ranges, and
+    checkpointing none moves their recompute into forward (before: no unit in step 1, where
+    the peak is, so none gave the bytes of full)."""
+    buggy = _fx(recording("buggy"))
+    assert all(buggy.units[it.index] for it in buggy.d.tl.iterations)
+    full = buggy.predict(Scenario(8, "full_shard", "full"))
+    none = buggy.predict(Scenario(8, "full_shard", "none"))
+    assert none.predicted_peak_bytes > full.predicted_peak_bytes
+    # where the peak does not move (W=2: end of backward, activations freed) the output says why
+    f = forecast(load(recording("buggy")), checkpointing=["none", "full"])
+    plain = [p for p in f.scenarios if p.scenario.fix is None]
+    assert plain[0].predicted_peak_bytes == plain[1].predicted_peak_bytes
+    assert any("checkpointing none gives the same peak" in n for n in f.notes)
+
+
+def test_buggy_run_with_its_fix_forecasts_like_the_fixed_run(recording):
+    """The same scenario from the buggy run with its fix applied and from the fixed recording
+    (before: 91.3 vs 107.3 MiB for W=8 checkpointing none)."""
+    buggy, fixed = _fx(recording("buggy")), _fx(recording("fixed"))
+    for w in (2, 8, 64):
+        for ckpt in ("none", "full"):
+            sc = Scenario(w, "full_shard", ckpt)
+            a = buggy.predict(replace(sc, fix=RESHARD)).predicted_peak_bytes
+            b = fixed.predict(sc).predicted_peak_bytes
+            assert abs(a - b) <= 0.01 * b, (sc, a / 2**20, b / 2**20)
+
+
+def test_every_scenario_carries_its_error_band_and_says_what_was_never_validated(recording):
+    from snapforensics.analysis import forecast_band
+    from snapforensics.report.registry import render
+
+    f = forecast(load(recording("fixed")), world_sizes=[2, 4, 64],
+                 strategies=["full_shard", "hsdp:2"])
+    by = {(p.scenario.world_size, p.scenario.strategy): p.error_band for p in f.scenarios}
+    assert by[(2, "full_shard")] == {"low": 0, "high": 0, "pairs": 0, "changes": [],
+                                     "validated": True, "not_validated": []}
+    w4 = by[(4, "full_shard")]
+    assert w4["validated"] and w4["pairs"] >= 2 and w4["low"] <= 0 <= w4["high"]
+    assert not by[(64, "full_shard")]["validated"]
+    assert "32x the recorded 2" in by[(64, "full_shard")]["not_validated"][0]
+    assert not by[(4, "hsdp:2")]["validated"]
+    text = render("forecast", f, "markdown").replace("\\", "")
+    assert "NOT VALIDATED" in text and "not validated: W=64" in text
+    assert forecast_band.SOURCE.split(",")[0] in text
+    doc = json.loads(render("forecast", f, "json"))
+    assert all("error_band" in s for s in doc["scenarios"])
+    # the stored band holds what these recordings measure: the fix pair, remeasured
+    buggy, fixed = _fx(recording("buggy")), _fx(recording("fixed"))
+    p = buggy.predict(replace(fixed.baseline(), fix=RESHARD))
+    err = (p.predicted_peak_bytes - fixed.d.peak_bytes) / fixed.d.peak_bytes
+    assert p.error_band["low"] <= err <= p.error_band["high"], (err, p.error_band)
+
+
+def test_help_and_reports_point_to_installed_text_not_the_repository(capsys):
+    from snapforensics.report.registry import render
+
+    rc, out, _ = _cli(capsys, "forecast", "--help")
+    assert rc == 0 and "docs/forecast.md" not in out
+    assert "Error band" in out and "NOT VALIDATED" in out and "80GiB" in out
+    f = forecast(load(FIXED))
+    for fmt in ("terminal", "markdown", "html"):
+        text = render("forecast", f, fmt)
+        assert "docs/forecast.md" not in text and "forecast --help" in text.replace("\\", "")

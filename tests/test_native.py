@@ -15,16 +15,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from corpus import corpus_files
 
 from snapforensics.analysis import lifetimes
 from snapforensics.errors import SnapError
 from snapforensics.snapshot import load
 from snapforensics.snapshot.columns import MAX_BYTES
 from snapforensics.snapshot.model import ALLOC, FREE_COMPLETED, FREE_REQUESTED, A
-from snapforensics.snapshot.normalization import native, normalize
+from snapforensics.snapshot.native import native
+from snapforensics.snapshot.normalization import normalize
 from snapforensics.snapshot.unpickle import read_raw
-from tests.conftest import FIXTURES
-from tests.corpus import corpus_files
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 FILES = sorted(FIXTURES.glob("*.pickle*")) + corpus_files()
 FIELDS = ("action", "addr", "size", "stream", "time_us", "stack")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from corpus import corpus_file
 
-from snapforensics.analysis.diagnose import diagnose_devices
+from snapforensics.analysis.engine import diagnose_devices
 from snapforensics.analysis.timeline import POINTS, alive_by, buckets
 from snapforensics.snapshot import load
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from snapforensics.analysis.fsdp_ranges import parse as parse_range
+from snapforensics.analysis.stacks import is_native
 from snapforensics.analysis.vocab import Category, Phase
 from snapforensics.snapshot.model import Frame
 
@@ -59,11 +61,18 @@ _BACKWARD_FUNCS = {"_engine_run_backward", "run_backward", "post_backward", "_po
 _INIT_FUNCS = {"reset_parameters", "_apply", "to_empty", "__init__", "_materialize_module",
                "_sync_module_params_and_buffers", "materialize_meta_module"}
 
+# The autograd engine's C++ frames (`stacks="all"`): the row was made while the engine evaluated a
+# node (`Engine::evaluate_function` under `Engine::thread_main`, on a device's autograd thread or
+# on the thread that called `backward()`). An allocation there is backward: `backward()` returns
+# only when its graph task is done. A free there need not be: the engine thread drops a node's
+# inputs after marking the task done, while the main thread already runs the next forward
+# (bcrafton_memory_snapshot: AccumulateGrad and evaluate_function frees inside forward).
+_AUTOGRAD_ENGINE = re.compile(r"torch::autograd::(?:python::Python)?Engine::")
+
 # Ranges FSDP2 names `KIND (fqn)`; the root unit's have no fqn.
 _PER_UNIT_RANGES = {"pre_forward", "post_forward", "pre_backward", "all_gather",
                     "all_gather_copy_out", "post_backward_accumulate", "post_backward_reshard",
                     "post_backward_reduce", "post_backward_rs_wait"}
-_FQN = re.compile(r"^FSDP::(\w+)(?: \((.*)\)| for (.*))?$")
 # FSDP1 record_function ranges (no FQN), as the FSDP2 kind they correspond to.
 _FSDP1_RANGES = {
     "FullyShardedDataParallel._root_pre_forward": "root_pre_forward",
@@ -84,7 +93,8 @@ class StackInfo:
     path: str | None  # how FSDP unsharded it (PATHS), for all-gather / unsharded-param blocks
     phase: Phase  # phase hint from the stack alone, UNKNOWN if none
     module: str | None  # FSDP module FQN, when a range or frame names it
-    has_frames: bool
+    has_frames: bool  # has a Python frame (a `stacks="all"` stack may have only C++ ones)
+    autograd: bool = False  # made inside the autograd engine (C++ frames, `stacks="all"` only)
 
 
 def _is_fsdp_file(f: Frame) -> bool:
@@ -93,7 +103,15 @@ def _is_fsdp_file(f: Frame) -> bool:
 
 
 def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
-    """Classify one stack (innermost first) with the record_function ranges open around it."""
+    """Classify one stack (innermost first) with the record_function ranges open around it.
+
+    Only Python (and CPU pseudo) frames decide, so a `stacks="all"` stack classifies as its
+    `stacks="python"` twin; its C++ frames add one fact, that the autograd engine made it
+    (`autograd`), which a python-only stack can only show by having no frames."""
+    native = [f for f in frames if is_native(f)]
+    if native:
+        frames = [f for f in frames if not is_native(f)]
+    autograd = any(_AUTOGRAD_ENGINE.search(f.name) for f in native)
     names = [f.name for f in frames]
     nameset = set(names)
     files = [f.filename.replace("\\", "/") for f in frames]
@@ -107,12 +125,11 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
     for r in rf:  # innermost first
         if r in _FSDP1_RANGES:
             continue
-        m = _FQN.match(r)
+        m = parse_range(r)
         if m:
-            rfkinds.setdefault(m.group(1), r)
+            rfkinds.setdefault(m.kind, r)
             if module is None:
-                module = m.group(2) or m.group(3) or (
-                    "(root)" if m.group(1) in _PER_UNIT_RANGES else None)
+                module = m.fqn or ("(root)" if m.kind in _PER_UNIT_RANGES else None)
     rftext = " ".join(rf)
 
     # Reentrant checkpoint: the recompute runs inside CheckpointFunction.backward (on CUDA the
@@ -120,8 +137,11 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
     in_recompute = bool(nameset & _RECOMPUTE_FUNCS) or (
         "backward" in nameset and "CheckpointFunction" in " ".join(names)) or any(
         n == "backward" and p.endswith("utils/checkpoint.py") for n, p in zip(names, files))
+    # torch.compile's backward: AOTAutograd's `CompiledFunction.backward` runs the compiled
+    # backward graph, whose frames map back to the user's `forward` source lines.
     in_backward = in_recompute or bool(nameset & _BACKWARD_FUNCS) or any(
         n == "backward" and (p.endswith("torch/_tensor.py") or p.endswith("autograd/__init__.py"))
+        or n in ("backward", "_backward_impl") and "_functorch/_aot_autograd/" in p
         for n, p in zip(names, files)) or "pre_backward" in rfkinds or any(
         k.startswith("post_backward") for k in rfkinds) or "root_post_backward_callback" in rfkinds
     in_optim = any(p.startswith("torch/optim/") or "/torch/optim/" in p for p in files) or \
@@ -182,7 +202,7 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
         category = Category.OTHER
     if category in (Category.UNSHARDED_PARAM, Category.ALL_GATHER):
         path = _unshard_path(frames, ranges, in_recompute)
-    return StackInfo(category, path, phase, module, bool(frames))
+    return StackInfo(category, path, phase, module, bool(frames), autograd)
 
 
 def _unshard_path(frames: list[Frame], ranges: tuple[str, ...], in_recompute: bool) -> str:
@@ -204,8 +224,8 @@ def _entry_kinds(frames: list[Frame], ranges: tuple[str, ...]):
     for f in frames:  # innermost first
         name = f.name
         if f.filename == "<record_function>":
-            m = _FQN.match(name)
-            name = _FSDP1_RANGES.get(name) or (m.group(1) if m else name)
+            m = parse_range(name)
+            name = _FSDP1_RANGES.get(name) or (m.kind if m else name)
             if name in ("forward_prefetch", "backward_prefetch"):
                 yield "prefetch"
             elif name in ("pre_backward", "pre_forward", "root_pre_forward"):
@@ -218,8 +238,8 @@ def _entry_kinds(frames: list[Frame], ranges: tuple[str, ...]):
         elif name in _PRE_FORWARD_FUNCS:
             yield "pre_forward"
     for r in reversed(ranges):  # innermost open range first
-        m = _FQN.match(r)
-        kind = _FSDP1_RANGES.get(r) or (m.group(1) if m else None)
+        m = parse_range(r)
+        kind = _FSDP1_RANGES.get(r) or (m.kind if m else None)
         if kind in ("forward_prefetch", "backward_prefetch"):
             yield "prefetch"
         elif kind == "pre_backward":

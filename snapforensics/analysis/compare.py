@@ -8,7 +8,7 @@ baseline: for before/after that is the run with the bug, for ranks it is the fir
     c.deltas[0]["findings"]["disappeared"]                     # [{"rule": ..., "bytes": ...}]
     c.deltas[0]["predictions"][0]["error_pct"]                 # did the fix do what we said?
 
-Finding and loading files is the command's job (commands/compare.py: compare_paths). Figures
+Finding and loading files is the runner layer's job (runner.py: compare_paths). Figures
 are those of each diagnosis's primary device (the one with the highest peak), which is every
 device of a one-GPU-per-rank snapshot.
 """

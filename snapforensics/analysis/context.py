@@ -15,9 +15,9 @@ from snapforensics.analysis import lifetimes, phases
 from snapforensics.analysis.allocator import Allocator
 from snapforensics.analysis.classify import PATHS, StackInfo, classify
 from snapforensics.analysis.fsdp_units import FsdpUnits, name_fsdp1_units
-from snapforensics.analysis.stacks import is_noise
+from snapforensics.analysis.stacks import is_native, is_noise
 from snapforensics.analysis.vocab import BACKWARD_PHASES, CAT_CODE, CATEGORIES, Category, Phase
-from snapforensics.snapshot.model import NO_STACK, Snapshot, Trace
+from snapforensics.snapshot.model import ALLOC, NO_STACK, Snapshot, Trace
 
 PATH_CODE = {p: i for i, p in enumerate(PATHS)}
 
@@ -70,7 +70,8 @@ class DeviceAnalysis:
         frames = self.snapshot.stack_frames(stack_id)
         if not frames:
             return ["(no frames recorded for this allocation)"]
-        kept = [f for f in frames if not is_noise(f)] or frames
+        kept = [f for f in frames if not is_noise(f) and not is_native(f)] or \
+            [f for f in frames if not is_noise(f)] or frames
         return [str(f) for f in kept[:limit]]
 
     def annotation_rows(self, pattern: re.Pattern) -> list[tuple[int, str]]:
@@ -146,9 +147,16 @@ def analyse(snapshot: Snapshot, trace: Trace) -> DeviceAnalysis:
         infos.append(classify(frames, contexts[c] if contexts else ()))
     infos = name_fsdp1_units(snapshot, infos, [k // n_ctx for k in keys.tolist()])
     hint_of = np.array([i.phase for i in infos], np.int8)
+    # no Python frame: on CUDA, made by a backward op on the autograd thread (C++ frames only
+    # with stacks="all", none with "python")
+    pyless = np.array([not i.has_frames for i in infos], bool)
+    engine = np.array([i.autograd for i in infos], bool)
     row_info = inverse[: len(row_key)]
     blk_info = inverse[len(row_key):].astype(np.int32)
-    tl = phases.assign(trace, hint_of[row_info], lt.live, ctx, contexts)
+    hints = hint_of[row_info]
+    # an allocation the autograd engine made (C++ frames) with no other hint is backward
+    hints[(hints == Phase.UNKNOWN) & engine[row_info] & (trace.action == ALLOC)] = Phase.BACKWARD
+    tl = phases.assign(trace, hints, lt.live, ctx, contexts, pyless[row_info])
 
     cat = np.array([CAT_CODE[i.category] for i in infos], np.int8)[blk_info] if len(infos) \
         else np.zeros(0, np.int8)
@@ -158,14 +166,16 @@ def analyse(snapshot: Snapshot, trace: Trace) -> DeviceAnalysis:
     rows = np.clip(lt.alloc_row, 0, max(len(trace) - 1, 0))
     phase = np.where(born, tl.phase[rows] if len(trace) else Phase.INIT, Phase.INIT).astype(np.int8)
     iteration = np.where(born, tl.iteration[rows] if len(trace) else -1, -1).astype(np.int32)
-    # A block with no frames and no FSDP range (on CUDA: made by a backward op on the autograd
-    # thread) is what its phase makes.
-    frameless = (lt.stack == NO_STACK) & (cat == CAT_CODE[Category.OTHER])
+    # A block with no Python frames and no FSDP range (on CUDA: made by a backward op on the
+    # autograd thread) is what its phase makes.
+    frameless = pyless[blk_info] & (cat == CAT_CODE[Category.OTHER]) if len(infos) else \
+        np.zeros(len(lt), bool)
     for ph, c in ((Phase.FORWARD, Category.ACTIVATION), (Phase.BACKWARD, Category.GRADIENT),
                   (Phase.RECOMPUTE, Category.RECOMPUTE_ACTIVATION)):
         cat[frameless & (phase == ph)] = CAT_CODE[c]
     # A free with no alloc only shows where it was freed; what made it is not in the file.
-    untraced = (lt.alloc_row < 0) & ((lt.free_row < lt.rows) | (lt.stack == NO_STACK))
+    untraced = (lt.alloc_row < 0) & ((lt.free_row < lt.rows) | pyless[blk_info]) if len(infos) \
+        else lt.alloc_row < 0
     cat[untraced] = CAT_CODE[Category.UNTRACED]
     d = DeviceAnalysis(snapshot, trace, lt, tl, infos, blk_info, cat, path, phase, iteration)
     _split_sharded_grads(d)

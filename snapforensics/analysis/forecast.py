@@ -31,6 +31,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from snapforensics.analysis import forecast_band as band_data
+from snapforensics.analysis import fsdp_ranges
 from snapforensics.analysis.context import DeviceAnalysis, analyse
 from snapforensics.analysis.fsdp_units import ROOT, forward_end
 from snapforensics.analysis.rules import RULES
@@ -61,9 +63,6 @@ SCALAR_BYTES = 64
 # a forecast size is rounded when the recorded one was; CPU recordings keep exact sizes.
 ALLOC_ROUND = 512
 
-_POST_BW = re.compile(r"^FSDP::post_backward_(?:accumulate|reshard|reduce) \((.+)\)$")
-_POST_FW = re.compile(r"^FSDP::post_forward \((.+)\)$")
-_PRE_BW = re.compile(r"^FSDP::pre_backward \((.+)\)$")
 # Frames under which FSDP consumes a parameter's unsharded gradient (reduce-scatter copy-in).
 _REDUCE_FRAMES = {"foreach_reduce", "post_backward", "_post_backward_hook", "_reduce_grad",
                   "_reduce_grad_no_shard", "foreach_reduce_scatter_copy_in"}
@@ -105,6 +104,9 @@ class Prediction:
     dominant: str | None = None
     refused: str | None = None
     fits: bool | None = None
+    # the error measured on recorded pairs for this scenario's changes, and what was never
+    # checked (forecast_band.py)
+    error_band: dict | None = None
 
     def to_dict(self) -> dict:
         sc = self.scenario
@@ -115,7 +117,7 @@ class Prediction:
                 "iteration": self.iteration, "breakdown": self.breakdown,
                 "by_scaling": self.by_scaling, "scales": self.scales,
                 "dominant": self.dominant,
-                "refused": self.refused, "fits": self.fits}
+                "refused": self.refused, "fits": self.fits, "error_band": self.error_band}
 
 
 @dataclass
@@ -144,6 +146,9 @@ class Forecast:
             bd = r.pop("breakdown")
             r.pop("by_scaling")
             r.pop("scales")
+            eb = r.pop("error_band") or {}
+            r |= {"error_low": eb.get("low"), "error_high": eb.get("high"),
+                  "validated": eb.get("validated")}
             rows.append(r | {f"bytes.{k}": v for k, v in bd.items()})
         return pd.DataFrame(rows)
 
@@ -168,8 +173,9 @@ def _param_grads(d: DeviceAnalysis, blocks: np.ndarray, flat_sizes: set[int]) ->
             names = {f.name for f in d.snapshot.stack_frames(key[0])} if key[0] >= 0 else set()
             ranges = d.tl.contexts[key[1]] if d.tl.contexts else ()
             seen[key] = bool(names & _REDUCE_FRAMES) or any(
-                r.startswith(("FSDP::post_backward", "FullyShardedDataParallel._post_backward"))
-                for r in ranges) or any(n.endswith(_SPLIT_BACKWARD) for n in names)
+                r.startswith("FullyShardedDataParallel._post_backward")
+                or _kind(r).startswith("post_backward") for r in ranges) or any(
+                n.endswith(_SPLIT_BACKWARD) for n in names)
         out[k] = seen[key]
     return out
 
@@ -253,13 +259,9 @@ class Unit:
     bwd_ag: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
 
-def _named_rows(d: DeviceAnalysis, pattern: re.Pattern) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    for row, name in d.annotation_rows(pattern):
-        m = pattern.match(name)
-        if m:
-            out.setdefault(m.group(1), []).append(row)
-    return out
+def _kind(name: str) -> str:
+    r = fsdp_ranges.parse(name)
+    return r.kind if r else ""
 
 
 def units(d: DeviceAnalysis, it) -> tuple[list[Unit], object]:
@@ -286,9 +288,24 @@ def units(d: DeviceAnalysis, it) -> tuple[list[Unit], object]:
         return {k: np.array(v, np.int64) for k, v in out.items()}
 
     fg, bg = group(fw), group(bw)
+    named = d.annotation_rows(fsdp_ranges.RANGE)
+    pre_fw = fsdp_ranges.rows_by_unit(named, ("pre_forward",))
+    # a unit whose parameters are still unsharded when its forward starts (FSDP2 with
+    # reshard_after_backward=False after the first step, or kept by the previous iteration)
+    # gathers nothing in forward: FSDP's own pre_forward range still marks it
+    empty = np.zeros(0, np.int64)
+    for fqn, rows in pre_fw.items():
+        if fqn not in fg and fqn not in ("", ROOT) and any(it.start <= r <= fend for r in rows):
+            fg[fqn] = empty
+
+    def start_of(k) -> int:
+        if fg[k].size:
+            return int(d.lt.alloc_row[fg[k]].min())
+        return next(r for r in pre_fw[k] if it.start <= r <= fend)
+
     if not fg:
         return [], None
-    keys = list(fg)
+    keys = sorted(fg, key=start_of)
     alive = [k for k in keys if (d.lt.free_row[fg[k]] > fend).any()]
     root = ROOT if ROOT in fg else (
         alive[0] if alive and all(not isinstance(k, str) for k in keys) else None)
@@ -307,8 +324,9 @@ def units(d: DeviceAnalysis, it) -> tuple[list[Unit], object]:
                     matched[cand] = v
                     break
         bg = matched
-    post_fw = _named_rows(d, _POST_FW)
-    pre_bw, post_bw = _named_rows(d, _PRE_BW), _named_rows(d, _POST_BW)
+    post_fw = fsdp_ranges.rows_by_unit(named, ("post_forward",))
+    pre_bw = fsdp_ranges.rows_by_unit(named, ("pre_backward",))
+    post_bw = fsdp_ranges.rows_by_unit(named, fsdp_ranges.POST_BACKWARD)
 
     def first_in(rows, a, b):
         r = [x for x in rows if a <= x <= b]
@@ -316,18 +334,18 @@ def units(d: DeviceAnalysis, it) -> tuple[list[Unit], object]:
 
     ag = np.flatnonzero(d.mask(Category.ALL_GATHER) & f.primary & (d.iteration == it.index))
     out = []
-    starts = [int(d.lt.alloc_row[fg[k]].min()) for k in keys]
+    starts = [start_of(k) for k in keys]
     for i, k in enumerate(keys):
         if k == root:
             continue
         v = fg[k]
-        f0 = int(d.lt.alloc_row[v].min())
+        f0 = starts[i]
         nxt = next((s for s in starts[i + 1:] if s > f0), fend)
         name = k if isinstance(k, str) else None
         f1 = first_in(post_fw.get(name, []), f0, hi) if name else -1
         if f1 < 0:
             freed = d.lt.free_row[v]
-            f1 = int(freed.max()) if (freed <= fend).all() else nxt
+            f1 = int(freed.max()) if v.size and (freed <= fend).all() else nxt
         b = bg.get(k, np.zeros(0, np.int64))
         b0 = first_in(pre_bw.get(name, []), fend, hi) if name else -1
         if b0 < 0 and b.size:
@@ -375,11 +393,12 @@ def base_plan(d: DeviceAnalysis) -> Plan:
 
 def detect_strategy(d: DeviceAnalysis, us: dict) -> str:
     """shard_grad_op when non-root units keep forward unshards alive into backward."""
-    for it in d.tl.iterations:  # the first iteration with units decides
-        if us[it.index]:
+    for it in d.tl.iterations:  # the first iteration with gathering units decides
+        if any(u.fwd.size for u in us[it.index]):
             fend = forward_end(it)
-            kept = sum(1 for u in us[it.index] if (d.lt.free_row[u.fwd] > fend).all())
-            return SHARD_GRAD_OP if kept > len(us[it.index]) // 2 else FULL_SHARD
+            gathered = [u for u in us[it.index] if u.fwd.size]
+            kept = sum(1 for u in gathered if (d.lt.free_row[u.fwd] > fend).all())
+            return SHARD_GRAD_OP if kept > len(gathered) // 2 else FULL_SHARD
     return FULL_SHARD
 
 
@@ -404,7 +423,7 @@ def to_full_shard(d: DeviceAnalysis, us: dict, p: Plan) -> None:
     flat = d.fsdp.fsdp1_flat
     for it in d.tl.iterations:
         fend = forward_end(it)
-        kept = [u for u in us[it.index] if (d.lt.free_row[u.fwd] > fend).all()]
+        kept = [u for u in us[it.index] if u.fwd.size and (d.lt.free_row[u.fwd] > fend).all()]
         order = sorted(kept, key=lambda u: u.b1 if u.b1 >= 0 else d.lt.rows)
         prev_b0 = prev_b1 = it.backward_start
         for u in order:
@@ -535,9 +554,46 @@ class Forecaster:
 
     def predict(self, sc: Scenario) -> Prediction:
         try:
-            return self._predict(sc)
+            p = self._predict(sc)
         except Refused as e:
             return Prediction(sc, refused=str(e))
+        p.error_band = self.error_band(sc)
+        return p
+
+    def error_band(self, sc: Scenario) -> dict:
+        """The error measured on recorded pairs for the changes `sc` makes to the recording,
+        and why it is not validated where it lies outside what those pairs covered."""
+        base = self.baseline()
+        changes, outside = [], []
+        if sc.world_size != base.world_size:
+            changes.append("world_size")
+            r = sc.world_size / base.world_size
+            if not band_data.WORLD_RATIOS[0] <= r <= band_data.WORLD_RATIOS[1]:
+                outside.append(f"world size {sc.world_size} is {r:g}x the recorded "
+                               f"{base.world_size} (checked: 1/2x to 2x)")
+        if sc.strategy != base.strategy:
+            changes.append("strategy")
+            if (base.strategy, sc.strategy) not in band_data.STRATEGY_CHANGES:
+                outside.append(f"{sc.strategy} from {base.strategy} (checked: full_shard <-> "
+                               "shard_grad_op)")
+        if sc.checkpointing != base.checkpointing:
+            changes.append("checkpointing")
+        if sc.micro_batch_scale != 1:
+            changes.append("micro_batch")
+            if not band_data.SCALES[0] <= sc.micro_batch_scale <= band_data.SCALES[1]:
+                outside.append(f"micro-batch x{sc.micro_batch_scale:g} (checked: x1/4 to x4)")
+        if sc.fix:
+            changes.append("fix")
+            if sc.fix not in band_data.FIXES:
+                outside.append(f"the fix of {sc.fix} (checked: {', '.join(band_data.FIXES)})")
+        if len(changes) > 1 and set(changes) not in band_data.COMBINED:
+            outside.append(f"{' + '.join(changes)} together (each checked alone; the band is "
+                           "their sum)")
+        if changes and self.d.snapshot.kind.caching_allocator:
+            outside.append("a caching-allocator recording (the band is from CPU recordings: "
+                           "allocator rounding and NCCL's buffers are not in it)")
+        return band_data.band(changes) | {"changes": changes, "validated": not outside,
+                                          "not_validated": outside}
 
     def _predict(self, sc: Scenario) -> Prediction:
         d, base = self.d, self.baseline()
@@ -642,12 +698,13 @@ def forecast(snapshot: Snapshot, world_sizes=(), strategies=(), checkpointing=()
     if other:
         notes.append(f"this run has an anomaly with no replayable fix ({', '.join(other)}): "
                      "the scenarios forecast the run as recorded, anomaly included")
+    notes += _same_peak_notes(base, preds)
     fit = None
     if capacity:
         for p in preds:
             if p.predicted_peak_bytes is not None:
                 p.fits = p.predicted_peak_bytes <= capacity
-        fit = _fit(fx, capacity, scen)
+        fit = _fit(fx, capacity, scen, fixable)
     bl = fx.predict(base)
     baseline = {"world_size": fx.w0, "strategy": fx.strategy,
                 "checkpointing": fx.checkpointing, "peak_bytes": d.peak_bytes,
@@ -658,16 +715,37 @@ def forecast(snapshot: Snapshot, world_sizes=(), strategies=(), checkpointing=()
     return Forecast(snapshot.source, snapshot.rank, baseline, preds, notes, capacity, fit)
 
 
+def _same_peak_notes(base: Scenario, preds: list[Prediction]) -> list[str]:
+    """Why a checkpointing change leaves a peak where it was: the peak is at a moment when what
+    checkpointing changes (the activations kept from a unit's forward to its backward, or their
+    recompute) is not alive, e.g. the end of backward, after every unit freed them."""
+    by = {p.scenario: p for p in preds if p.refused is None}
+    out = []
+    for sc, p in by.items():
+        twin = by.get(replace(sc, checkpointing=base.checkpointing))
+        if sc.checkpointing != base.checkpointing and twin is not None and \
+                twin.predicted_peak_bytes == p.predicted_peak_bytes:
+            out.append(f"checkpointing {sc.checkpointing} gives the same peak as "
+                       f"{base.checkpointing} at W={sc.world_size} {sc.strategy} "
+                       f"x{sc.micro_batch_scale:g}{' with the fix' if sc.fix else ''}: the "
+                       f"peak is in {p.phase} (row {p.peak_row}), when no activation kept "
+                       "from a unit's forward to its backward (or recomputed) is alive")
+    return out
+
+
 # World sizes tried for --capacity: powers of two (FSDP meshes are), up to 2**16 ranks.
 _FIT_WORLDS = [2 ** i for i in range(17)]
 
 
-def _fit(fx: Forecaster, capacity: int, scen: list[Scenario]) -> dict:
-    """Smallest world size that fits with the first scenario's settings, and the cheapest
-    single change that fits at the recorded world size."""
+def _fit(fx: Forecaster, capacity: int, scen: list[Scenario], fixable: list[str]) -> dict:
+    """Smallest world size that fits with the first scenario's settings, and, when the recorded
+    configuration does not fit, the cheapest single change that fits at the recorded world
+    size (a configuration that fits needs no change)."""
     base = fx.baseline()
     ref = scen[0] if scen else base
-    out: dict = {"capacity_bytes": capacity}
+    peak = fx.d.peak_bytes
+    out: dict = {"capacity_bytes": capacity, "recorded_fits": peak <= capacity,
+                 "recorded_peak_bytes": peak}
     for w in _FIT_WORLDS:
         p = fx.predict(replace(ref, world_size=w))
         if p.refused or p.predicted_peak_bytes is None:
@@ -686,26 +764,36 @@ def _fit(fx: Forecaster, capacity: int, scen: list[Scenario]) -> dict:
     # forward (one more all-gather per unit in backward), checkpointing (about one more
     # forward), half the micro-batch (twice the steps, or gradient accumulation)
     out["cheapest_change"] = None
-    changes = ((replace(base, strategy=FULL_SHARD), {"strategy": FULL_SHARD}),
-               (replace(base, checkpointing=FULL), {"checkpointing": FULL}),
-               (replace(base, micro_batch_scale=0.5), {"micro_batch_scale": 0.5}))
+    if out["recorded_fits"]:
+        return out
+    # fixing an anomaly costs nothing: tried first
+    changes = [(replace(base, fix=r), {"fix": r}) for r in fixable] + [
+        (replace(base, strategy=FULL_SHARD), {"strategy": FULL_SHARD}),
+        (replace(base, checkpointing=FULL), {"checkpointing": FULL}),
+        (replace(base, micro_batch_scale=0.5), {"micro_batch_scale": 0.5})]
     for sc, change in changes:
         if sc == base:
             continue
         p = fx.predict(sc)
         if p.predicted_peak_bytes is not None and p.predicted_peak_bytes <= capacity:
-            out["cheapest_change"] = {"change": change, "peak_bytes": p.predicted_peak_bytes}
+            out["cheapest_change"] = {"change": change, "peak_bytes": p.predicted_peak_bytes,
+                                      "error_band": p.error_band}
             break
     return out
 
 
 def parse_size(text: str) -> int:
-    """'80GiB', '80GB', '8e10', '512MiB' -> bytes."""
+    """'80GiB', '80GB', '512MiB', '8e10B' -> bytes. The unit is required: a bare '80' is
+    refused (80 bytes is never what a device has; 80 GiB is not guessed either)."""
     m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([kmgt]i?b?|b)?\s*", text.lower())
     if not m:
-        raise ValueError(f"not a size: {text!r} (e.g. 80GiB, 512MiB, 8e10)")
+        raise ValueError(f"not a size: {text[:40]!r} (e.g. 80GiB, 512MiB, 8e10B)")
+    if not m.group(2):
+        raise ValueError(f"{text.strip()[:40]!r} has no unit: write e.g. {text.strip()[:20]}GiB "
+                         f"(2^30 bytes), {text.strip()[:20]}GB (10^9 bytes) or "
+                         f"{text.strip()[:20]}B (bytes)")
     n = float(m.group(1))
-    unit = (m.group(2) or "b").rstrip("b") or ""
+    unit = m.group(2).rstrip("b")
     mult = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2 ** 10, "mi": 2 ** 20,
             "gi": 2 ** 30, "ti": 2 ** 40}[unit]
     return int(n * mult)

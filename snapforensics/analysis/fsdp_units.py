@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from snapforensics.analysis import fsdp_ranges
 from snapforensics.analysis.phases import Iteration
+from snapforensics.analysis.stacks import python_frames
 from snapforensics.analysis.vocab import BACKWARD_PHASES, CAT_CODE, Category
 
 if TYPE_CHECKING:
@@ -41,7 +43,6 @@ _C10D_FILES = ("distributed/distributed_c10d.py", "distributed/c10d_logger.py",
 # unit's gradient reduction may happen meanwhile (the next unit is prefetched while the current
 # one finishes); living through more of them means nobody resharded it.
 MAX_FOREIGN_REDUCTIONS = 2
-_POST_BACKWARD = re.compile(r"^FSDP::post_backward_(?:accumulate|reshard|reduce) \((.*)\)$")
 
 
 class StackFlags(NamedTuple):
@@ -279,11 +280,8 @@ def reshard_rows(d: DeviceAnalysis, blocks: np.ndarray, *, per_micro_batch: bool
     Prefer the unit's own `FSDP::post_backward_* (fqn)` range; else the first reduce-scatter
     allocated for that unit; else the first reduce-scatter after the block; else backward end.
     """
-    post: dict[str, list[int]] = {}
-    for row, name in d.annotation_rows(_POST_BACKWARD):
-        hit = _POST_BACKWARD.match(name)
-        if hit:
-            post.setdefault(hit.group(1), []).append(row)
+    post = fsdp_ranges.rows_by_unit(d.annotation_rows(fsdp_ranges.RANGE),
+                                    fsdp_ranges.POST_BACKWARD)
     rs = np.flatnonzero(d.mask(Category.REDUCE_SCATTER, Category.SHARDED_GRAD))
     rs_rows = np.sort(d.lt.alloc_row[rs])
     rs_by_mod: dict[str, list[int]] = {}
@@ -312,7 +310,7 @@ def reshard_rows(d: DeviceAnalysis, blocks: np.ndarray, *, per_micro_batch: bool
 def _stack_names(d: DeviceAnalysis, stack_id: int) -> frozenset[str]:
     """Frame names of a stack, plus the marker _C10D when a frame is in the c10d Python layer
     (the collective's own allocation, e.g. gloo's same-size all-gather buffer)."""
-    frames = d.snapshot.stack_frames(stack_id) if stack_id >= 0 else []
+    frames = python_frames(d.snapshot.stack_frames(stack_id)) if stack_id >= 0 else []
     names = {fr.name for fr in frames}
     if any(fr.filename.replace("\\", "/").endswith(_C10D_FILES) for fr in frames):
         names.add(_C10D)

@@ -27,7 +27,7 @@ from snapforensics.snapshot.model import (
     Snapshot,
     Trace,
 )
-from snapforensics.snapshot.normalization import native
+from snapforensics.snapshot.native import native
 
 
 @dataclass
@@ -199,7 +199,9 @@ def _pair_numpy(row: np.ndarray, ad: np.ndarray, act: np.ndarray, n: int,
 
 def _pair_native(row: np.ndarray, ad: np.ndarray, act: np.ndarray, n: int,
                  logs_requests: bool) -> Pairing:
-    makes, free, done, born, end, reused = native().pair_events(
+    mod = native()
+    assert mod is not None  # chosen by compute() only when built
+    makes, free, done, born, end, reused = mod.pair_events(
         np.ascontiguousarray(row, np.int64), np.ascontiguousarray(ad, np.uint64),
         np.ascontiguousarray(act, np.int8), n, logs_requests,
         ALLOC, FREE_REQUESTED, FREE_COMPLETED)

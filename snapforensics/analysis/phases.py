@@ -94,8 +94,10 @@ def range_context(annotations: list[Annotation], device: int, rows: int
 
 
 def assign(trace: Trace, hints: np.ndarray, live: np.ndarray,
-           ctx: np.ndarray, contexts: list[tuple[str, ...]]) -> Timeline:
-    """`hints` is the phase hint of each row (UNKNOWN where the row shows none)."""
+           ctx: np.ndarray, contexts: list[tuple[str, ...]],
+           pyless: np.ndarray | None = None) -> Timeline:
+    """`hints` is the phase hint of each row (UNKNOWN where the row shows none); `pyless` marks
+    the rows with no Python frame (default: the rows with no frames at all)."""
     n = len(trace)
     rows = np.arange(n)
     fwd = np.flatnonzero(hints == Phase.FORWARD)
@@ -106,7 +108,9 @@ def assign(trace: Trace, hints: np.ndarray, live: np.ndarray,
     phase = np.where(last >= 0, hints[np.maximum(last, 0)], Phase.INIT).astype(np.int8)
     # After recompute rows, a frameless row (a backward op on the autograd thread) means
     # backward again, for it and every unknown row after it until the next known hint.
-    frameless = np.cumsum(~known & (trace.stack == NO_STACK))
+    if pyless is None:
+        pyless = trace.stack == NO_STACK
+    frameless = np.cumsum(~known & pyless)
     since = frameless - np.where(last >= 0, frameless[np.maximum(last, 0)], 0) if n else rows
     phase[(phase == Phase.RECOMPUTE) & ~known & (since > 0)] = Phase.BACKWARD
     # An iteration starts at the first forward and where forward follows backward/optimizer.

@@ -24,6 +24,29 @@ _NOISE = re.compile(
 _NOISE_FILES = ("torch/nn/modules/module.py", "torch/_dynamo/eval_frame.py", "torch/_compile.py")
 
 
+# A native (C/C++) frame's file, as torch's symbolizer writes it for `stacks="all"`: a source or
+# object file, `??` or '' when it has no debug info (`thread48.o`, `RegisterCUDA.cpp`, CPython's
+# `Objects/call.c:240`, `libc.so.6`). Python frames name a `.py` file or a `<frozen ...>`-style
+# pseudo file; a demangled C++ name (`torch::autograd::Engine::evaluate_function(...)`) is native
+# whatever its file (STL headers have no extension).
+_NATIVE_FILE = re.compile(r"(\.(c|cc|cpp|cxx|c\+\+|h|hh|hpp|hxx|inl|cu|cuh|o|s)|\.so(\.\d+)*)$",
+                          re.IGNORECASE)
+
+
+def is_native(f: Frame) -> bool:
+    """A C/C++ frame (torch's `stacks="all"` interleaves them with the Python frames). Pseudo
+    frames (`<op>`, `<record_function>` of CPU recordings) are not: they name what ran."""
+    return not f.filename.startswith("<") and (
+        "::" in f.name or f.filename in ("", "??") or bool(_NATIVE_FILE.search(f.filename)))
+
+
+def python_frames(frames: list[Frame]) -> list[Frame]:
+    """The frames a `stacks="python"` recording of the same allocation has: torch gathers the
+    Python frames the same way for both settings and only adds the native ones for "all"
+    (`torch/csrc/profiler/combined_traceback.cpp`), so dropping them gives the python twin."""
+    return [f for f in frames if not is_native(f)]
+
+
 _NATIVE = (".c", ".cc", ".cpp", ".cxx", ".h", ".hpp", ".cu", ".so")
 
 
@@ -40,11 +63,24 @@ def user_frame(d: DeviceAnalysis, stack_id: int) -> str | None:
     """The innermost frame of the user's own code (not torch, not an op or module marker)."""
     for f in d.snapshot.stack_frames(stack_id):
         fn = f.filename.replace("\\", "/")
-        if is_noise(f) or fn.startswith("<") or "/torch/" in fn or fn.startswith("torch/") \
-                or "site-packages/" in fn or "/runpy" in fn or f.name == "<module>":
+        if is_noise(f) or is_native(f) or fn.startswith("<") or "/torch/" in fn \
+                or fn.startswith("torch/") or "site-packages/" in fn or "/runpy" in fn \
+                or f.name == "<module>":
             continue
         return str(f)
     return None
+
+
+def python_stacks(d: DeviceAnalysis, stacks: np.ndarray) -> np.ndarray:
+    """Stack ids made comparable across `stacks="all"` and `"python"`: stacks whose Python frames
+    are the same get one id (the first of them), NO_STACK when there is none."""
+    uniq, inv = np.unique(stacks, return_inverse=True)
+    canon: dict[tuple, int] = {}
+    ids = []
+    for s in uniq.tolist():
+        key = tuple(python_frames(d.snapshot.stack_frames(s))) if s != NO_STACK else ()
+        ids.append(canon.setdefault(key, s) if key else NO_STACK)
+    return np.array(ids, np.int32)[inv] if len(ids) else np.zeros(0, np.int32)
 
 
 def generic_keys(d: DeviceAnalysis, stacks: np.ndarray) -> np.ndarray:
@@ -57,11 +93,9 @@ def generic_keys(d: DeviceAnalysis, stacks: np.ndarray) -> np.ndarray:
     keys: dict[tuple, int] = {}
     ids = []
     for s in uniq.tolist():
-        if s == NO_STACK:
-            key: tuple = ("<no stack>",)
-        else:
-            key = tuple((f.filename, _INSTANCE.sub(r"\1", f.name) if f.filename == "<nn.Module>"
-                         else f.name, f.line) for f in d.snapshot.stack_frames(s))
+        frames = python_frames(d.snapshot.stack_frames(s)) if s != NO_STACK else []
+        key: tuple = tuple((f.filename, _INSTANCE.sub(r"\1", f.name) if f.filename == "<nn.Module>"
+                            else f.name, f.line) for f in frames) or ("<no stack>",)
         ids.append(keys.setdefault(key, len(keys)))
     return np.array(ids, np.int64)[inv] if len(ids) else np.zeros(0, np.int64)
 

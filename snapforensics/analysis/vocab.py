@@ -7,7 +7,9 @@ added at the end.
 
 from __future__ import annotations
 
-from enum import IntEnum, StrEnum
+from enum import IntEnum
+
+from snapforensics._compat import StrEnum
 
 
 class Phase(IntEnum):

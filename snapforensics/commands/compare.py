@@ -4,36 +4,11 @@ rank by rank, relative to A; `--fail-on` makes it a CI gate (exit 1)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from pathlib import Path
 
 import click
 
 from snapforensics.commands._options import report_options, run_options
 from snapforensics.errors import EXIT_ANOMALY
-
-
-def compare_paths(paths: Sequence[str | Path], mode: str = "auto", **run):
-    """Expand folders and globs, diagnose each file once, compare (analysis.compare)."""
-    from snapforensics.analysis.compare import compare
-    from snapforensics.commands.inputs import diagnose_paths, expand
-    from snapforensics.errors import SnapError
-
-    files = expand(paths)
-    if len(files) < 2:
-        raise SnapError("compare needs at least two snapshots (baseline first), "
-                        f"got {len(files)}")
-    return compare(diagnose_paths(files, **run), mode=mode)
-
-
-def compare_folders(a: str, b: str, **run):
-    """Two run folders, rank by rank (analysis.gate.compare_runs)."""
-    from snapforensics.analysis.gate import compare_runs
-    from snapforensics.commands.inputs import diagnose_paths, expand
-
-    fa, fb = expand([a]), expand([b])
-    diags = diagnose_paths(fa + fb, **run)
-    return compare_runs(a, b, diags[:len(fa)], diags[len(fa):])
 
 
 @click.command("compare", short_help="Did the fix work? Before/after, rank vs rank, CI gate.",
@@ -62,6 +37,7 @@ def compare_command(snapshots: tuple[str, ...], fmt: str | None, output: str | N
     rank (rank0 with rank0, ...). Peaks and their change, what is alive at the peak, findings
     that appear / disappear / persist, A's predicted peak vs B's measured peak, and the rank
     that deviates most from the median."""
+    from snapforensics import runner
     from snapforensics.analysis import gate
     from snapforensics.report.output import choose_format, emit
     from snapforensics.snapshot.cache import full_hash
@@ -74,10 +50,10 @@ def compare_command(snapshots: tuple[str, ...], fmt: str | None, output: str | N
     kind = "compare_runs" if folders else "compare"
     choose_format(kind, fmt, output)  # a bad -o fails before the diagnoses
     if folders:
-        doc = compare_folders(*snapshots, **run)
+        doc = runner.compare_folders(*snapshots, **run)
         pairs = doc.pairs
     else:
-        doc = compare_paths(snapshots, mode=mode.replace("-", "_"), **run)
+        doc = runner.compare_paths(snapshots, mode=mode.replace("-", "_"), **run)
         pairs = [doc]
     if fail_on:
         doc.gate = gate.failures(pairs, fail_on)

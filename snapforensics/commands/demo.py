@@ -32,9 +32,9 @@ def demo_command(out: Path | None, device: str, nproc_per_node: int | None, step
     (parameters unsharded in backward never resharded) and with its fix, diagnose both and
     compare them: what the fix changed and how close the predicted peak was. Needs torch."""
     from snapforensics.analysis.compare import BEFORE_AFTER, compare
-    from snapforensics.commands.inputs import diagnose_paths
     from snapforensics.record import record
     from snapforensics.report.output import emit, write_stdout
+    from snapforensics.runner import diagnose_paths
 
     out = out or Path("snapforensics-out") / time.strftime("demo-%Y%m%d-%H%M%S")
     nproc = nproc_per_node or (2 if device == "cpu" or not _has_accelerator() else 1)

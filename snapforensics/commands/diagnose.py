@@ -91,7 +91,7 @@ PLOTTED = ("html", "markdown")
 def _with_plots(path: str, categories: tuple[str, ...], cache: bool, full: bool):
     """One file diagnosed in this process, its plot series kept (the model from the cache)."""
     from snapforensics.analysis.classify import user_categories
-    from snapforensics.analysis.diagnose import diagnose
+    from snapforensics.analysis.engine import diagnose
     from snapforensics.snapshot import cache as snapcache
 
     return diagnose(snapcache.load(path, cache=cache, full=full), user_categories(categories))

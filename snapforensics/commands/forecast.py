@@ -65,7 +65,31 @@ Examples:
   snapforensics forecast runs/a/rank0.pickle --world-size 4,8,64,512
   snapforensics forecast runs/a/rank0.pickle --capacity 80GiB \\
       --strategy full_shard,hsdp:8 --checkpointing none,full \\
-      --micro-batch-scale 0.5,2""")
+      --micro-batch-scale 0.5,2
+
+\b
+Model: each block scales by what made it: sharded state 1/W (with FSDP's
+padding), unsharded parameters and collective buffers the unit size,
+activations x micro-batch, the rest constant; strategy and checkpointing move
+when blocks are freed and made again, per FSDP unit; the trace is replayed, so
+the peak may move to another phase. Allocated bytes only: add the caching
+allocator's headroom (reserved - allocated in `diagnose`) on CUDA.
+
+\b
+Error band: every scenario shows the error measured on recorded pairs (the
+bundled example recorded twice on CPU with one setting changed: world size
+2<->4, full_shard<->shard_grad_op, checkpointing with micro-batch, micro-batch
+x2, a fix). "NOT VALIDATED" marks a scenario outside those pairs (world sizes
+beyond 2x the recorded one, hsdp/no_shard, micro-batch beyond x1/4..x4, several
+changes at once, CUDA/NPU recordings); the lines under the table say why.
+
+\b
+Refused, with the reason: world size or strategy without FSDP in the trace or
+with the recorded world size unknown; strategy or checkpointing without FSDP
+unit boundaries; hsdp:R with R not dividing W. With --capacity: a
+configuration whose recorded peak fits gets no advice; otherwise the cheapest
+single change that fits (an anomaly's fix, full_shard, checkpointing full,
+half the micro-batch).""")
 @click.argument("snapshot", type=click.Path(path_type=Path))
 @click.option("--world-size", help="World sizes to forecast, comma-separated (e.g. 4,8,64,512).")
 @click.option("--strategy", help="full_shard | shard_grad_op | no_shard | hsdp:R (R replicas), "
@@ -73,16 +97,17 @@ Examples:
 @click.option("--checkpointing", help="none | full, comma-separated.")
 @click.option("--micro-batch-scale", help="Micro-batch size relative to the recorded one "
                                           "(e.g. 0.5,2).")
-@click.option("--capacity", help="Device memory (e.g. 80GiB): which scenarios fit, the "
-                                 "smallest world size and the cheapest change that fit.")
+@click.option("--capacity", help="Device memory with its unit (80GiB = 80 x 2^30 bytes, 80GB = "
+                                 "80 x 10^9; a bare number is refused): which scenarios fit, "
+                                 "the smallest world size and the cheapest change that fit.")
 @report_options("forecast")
 def forecast_command(snapshot: Path, world_size, strategy, checkpointing, micro_batch_scale,
                      capacity, fmt: str | None, output: str | None) -> int:
     """Forecast the peak of the recorded run under other settings: world sizes, sharding
     strategies, activation checkpointing and micro-batch sizes, each block scaled by what made
     it and the trace replayed; with --capacity, which scenarios fit. A run with an anomaly is
-    forecast as recorded and with the fix applied. Model and limits: docs/forecast.md in the
-    project's repository."""
+    forecast as recorded and with the fix applied. Each scenario carries the error band
+    measured on recorded pairs; model, band and limits below."""
     from snapforensics.analysis.forecast import forecast, parse_size
     from snapforensics.report.output import choose_format, emit
     from snapforensics.snapshot import load

@@ -385,53 +385,59 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank, world, device = _init_dist()
-    torch.manual_seed(args.seed)
     try:
-        mesh = init_device_mesh(device.type, (world,))
-        apply = VARIANTS[args.variant]
-        if args.variant == "full_init":
-            with torch.device(device):
-                model = Transformer(args.vocab, args.dim, args.layers, args.heads)
-            plan = apply(model, mesh)
-        else:
-            with torch.device("meta"):
-                model = Transformer(args.vocab, args.dim, args.layers, args.heads)
-            plan = apply(model, mesh)
-            if not plan.materialized:
-                model.to_empty(device=device)
-                _reset_parameters(model)
-        if plan.model is not None:
-            model = plan.model
-        optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        gen = torch.Generator(device="cpu").manual_seed(args.seed + 1000 + rank)
-        batch = args.batch or plan.batch or 2
-        kept = []  # only the leak variant fills it
-        for step in range(args.steps):
-            started, started_cpu = time.perf_counter(), time.process_time()
-            optim.zero_grad()
-            for mb in range(plan.micro_batches):
-                last = mb == plan.micro_batches - 1
-                if plan.grad_sync_off_first:
-                    model.set_requires_gradient_sync(last)
-                tokens = torch.randint(0, args.vocab, (batch, args.seq + 1), generator=gen)
-                tokens = tokens.to(device)
-                logits = model(tokens[:, :-1])
-                loss = F.cross_entropy(logits.reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
-                loss.backward()
-                if plan.keep_graphs:  # "for logging": never detached, never freed
-                    confidence = logits.softmax(-1).amax(-1).mean()
-                    kept.append((loss, logits, confidence))
-            optim.step()
-            if rank == 0:  # step times: what benchmarks/bench_record.py compares
-                print(f"[fsdp_ckpt:{args.variant}] step {step} loss {loss.item():.4f} "
-                      f"({time.perf_counter() - started:.3f} s, "
-                      f"cpu {time.process_time() - started_cpu:.3f} s)", flush=True)
-        if rank == 0:
-            rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-            print(f"[fsdp_ckpt:{args.variant}] peak RSS {rss_mb:.1f} MB", flush=True)
+        train(args, rank, world, device)
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def train(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> None:
+    """One run of `args` in the process group already initialized (several runs may share it:
+    tests record the variants one after another in one job)."""
+    torch.manual_seed(args.seed)
+    mesh = init_device_mesh(device.type, (world,))
+    apply = VARIANTS[args.variant]
+    if args.variant == "full_init":
+        with torch.device(device):
+            model = Transformer(args.vocab, args.dim, args.layers, args.heads)
+        plan = apply(model, mesh)
+    else:
+        with torch.device("meta"):
+            model = Transformer(args.vocab, args.dim, args.layers, args.heads)
+        plan = apply(model, mesh)
+        if not plan.materialized:
+            model.to_empty(device=device)
+            _reset_parameters(model)
+    if plan.model is not None:
+        model = plan.model
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator(device="cpu").manual_seed(args.seed + 1000 + rank)
+    batch = args.batch or plan.batch or 2
+    kept = []  # only the leak variant fills it
+    for step in range(args.steps):
+        started, started_cpu = time.perf_counter(), time.process_time()
+        optim.zero_grad()
+        for mb in range(plan.micro_batches):
+            last = mb == plan.micro_batches - 1
+            if plan.grad_sync_off_first:
+                model.set_requires_gradient_sync(last)
+            tokens = torch.randint(0, args.vocab, (batch, args.seq + 1), generator=gen)
+            tokens = tokens.to(device)
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
+            loss.backward()
+            if plan.keep_graphs:  # "for logging": never detached, never freed
+                confidence = logits.softmax(-1).amax(-1).mean()
+                kept.append((loss, logits, confidence))
+        optim.step()
+        if rank == 0:  # step times: what benchmarks/bench_record.py compares
+            print(f"[fsdp_ckpt:{args.variant}] step {step} loss {loss.item():.4f} "
+                  f"({time.perf_counter() - started:.3f} s, "
+                  f"cpu {time.process_time() - started_cpu:.3f} s)", flush=True)
+    if rank == 0:
+        rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(f"[fsdp_ckpt:{args.variant}] peak RSS {rss_mb:.1f} MB", flush=True)
 
 
 if __name__ == "__main__":

@@ -427,7 +427,7 @@ def run_recorded(opts: dict, target: str, args: list[str]) -> dict:
         return finish()
 
     torch_version = str(getattr(torch, "__version__", "unknown"))
-    started_at = datetime.datetime.now(datetime.UTC).astimezone().isoformat(
+    started_at = datetime.datetime.now(datetime.timezone.utc).astimezone().isoformat(
         timespec="seconds")
     prov = dict(backend=backend_name, torch_version=torch_version, rank=rank, world=world,
                 local=local, command=command, stacks=stacks, max_entries=max_entries,

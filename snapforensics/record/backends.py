@@ -132,6 +132,7 @@ def history_call(fn: Callable, *, stacks: str, max_entries: int,
     wanted = {"context": "all", "stacks": stacks, "max_entries": max_entries}
     if annotations:
         wanted["global_record_annotations"] = True
+        wanted["compile_context"] = True  # torch.compile regions per entry (torch 2.8+)
     names, legacy = _accepted(fn)
     if names is None:
         return ("all",), {k: wanted[k] for k in _CORE}

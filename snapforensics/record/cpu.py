@@ -1,8 +1,8 @@
 """Turn a CPU profile (``profile_memory=True, with_stack=True``) into a memory snapshot dict.
 
-The output has the shape of ``torch.cuda.memory._snapshot()`` (see
-``/work/shared/reference/snapshot-format.md``) so that every reader downstream is
-backend-agnostic:
+The output has the shape of ``torch.cuda.memory._snapshot()`` (documented in that function's
+docstring, ``torch/cuda/memory.py``; what the loader reads is ``snapshot/normalization.py``) so
+that every reader downstream is backend-agnostic:
 
 - ``device_traces``: ``[trace]``, one list for the CPU, oldest first, only the last
   ``max_entries`` entries (ring-buffer semantics). An allocation becomes an ``alloc`` entry, a
@@ -72,10 +72,12 @@ class Cell(IntEnum):
 # recording, a class instance costs ~4x more). frame: None until an allocation needs it, then the
 # interned frame, False for "not a frame", or _STOP (the recorder's own frames start there).
 EVENT, KIND, FRAME, START = range(4)
-@dataclass(slots=True)
+@dataclass
 class _Alloc:
     """One allocator event (``size`` < 0 for a free) on the profiler's CPU device."""
 
+    # slots=True needs Python 3.10; the fields have no defaults, so __slots__ does the same
+    __slots__ = ("time_ns", "seq", "ptr", "size", "frames", "tid", "starts", "total")
     time_ns: int
     seq: int
     ptr: int
@@ -121,7 +123,7 @@ def events_to_snapshot(roots: list, max_entries: int, EventType: Any, RecordScop
     allocs.sort(key=lambda a: (a.time_ns, a.seq))
     _add_range_frames(allocs, ranges, frames)
     main_tid = _main_thread(allocs)
-    events, inferred = _recover_lost_frees(allocs, frames, _worker_range_ends(ranges, main_tid))
+    events, inferred = _recover_lost_frees(allocs, frames, _worker_ranges(ranges, main_tid))
     trace, live = _build_trace(events)
     return {
         "segments": _segments(live, _unrecorded_bytes(allocs, live), frames),
@@ -373,14 +375,16 @@ def _unseen_frees(allocs: list[_Alloc]) -> list[tuple[int, int]]:
     return drops
 
 
-def _worker_range_ends(ranges: list, main_tid) -> list[int]:
-    """End times (ns, sorted) of the ranges other threads ran: collectives executed by a process
-    group's worker threads (``gloo:all_reduce``, ``gloo:all_gather``, ...)."""
-    return sorted(end for _, end, _, _, tid in ranges if tid != main_tid)
+def _worker_ranges(ranges: list, main_tid) -> list[tuple[int, int, int]]:
+    """``(start_ns, end_ns, tid)`` of the ranges other threads ran, by start: collectives
+    executed by a process group's worker threads (``gloo:all_reduce``, ``gloo:all_gather``,
+    ...)."""
+    return sorted((start, end, tid) for start, end, _, _, tid in ranges if tid != main_tid)
 
 
 def _recover_lost_frees(allocs: list[_Alloc], frames: _Frames,
-                        worker_ends: list[int] | None = None) -> tuple[list, int]:
+                        worker_ranges: list[tuple[int, int, int]] | None = None
+                        ) -> tuple[list, int]:
     """Add the frees the profiler could not see, from the allocator's own accounting.
 
     Every unseen drop of the allocator's total is matched to blocks with no recorded free that
@@ -388,13 +392,14 @@ def _recover_lost_frees(allocs: list[_Alloc], frames: _Frames,
     (accounting unavailable) is freed just before its address is handed out again.
 
     Where: such a block's last reference was held by a collective's worker thread, which drops
-    it when it gets the CPU back after finishing its collective, some microseconds to ~10 ms
+    it when it gets the CPU back after finishing its collective, some microseconds to tens of ms
     later depending on scheduling, while the program (which waited for the collective) has
-    already let go. So the free is placed at the end of the last collective a worker thread
-    finished (``worker_ends``) after the block was allocated and at most ``WAKE_UP_NS`` before
-    the drop was seen. Recording the scheduler's delay instead would make the same run's peak
-    differ from one recording to the next (gloo's reduce-scatter clones its input and frees the
-    clone this way). With no such range, the free goes where the drop was seen.
+    already let go. So the free is placed at the end of the collective that held the block
+    (``_Collectives.holder_end``), not where the drop was seen: recording the scheduler's delay
+    would make the same run's peak differ from one recording to the next (gloo's reduce-scatter
+    clones its input and frees the clone this way; dropped after the next unit's all-gather,
+    the clone adds its bytes to that all-gather's peak). With no such collective, the free goes
+    where the drop was seen.
 
     Returns the merged event list ``(time_ns, order, ptr, size, frames, inferred_size)``
     (``size`` None = inferred free) and the number of inferred frees.
@@ -410,17 +415,55 @@ def _recover_lost_frees(allocs: list[_Alloc], frames: _Frames,
         if idx not in free_at and deadline is not None:
             free_at[idx] = deadline
     inferred_stack = frames.stack([frames.intern(*INFERRED_FREE_FRAME)])
-    ends = worker_ends or []
+    collectives = _Collectives(worker_ranges or [])
     events = [(a.time_ns, a.seq, a.ptr, a.size, a.frames, None) for a in allocs]
     for idx, at in free_at.items():
         a, b = allocs[idx], allocs[at]
         when, order = b.time_ns, b.seq - 0.5
-        k = bisect_left(ends, b.time_ns)  # the last collective ended before the drop
-        if k and ends[k - 1] > a.time_ns and b.time_ns - ends[k - 1] <= WAKE_UP_NS:
-            when, order = ends[k - 1], -1  # before anything stamped at that instant
+        end = collectives.holder_end(a, b.time_ns)
+        if end is not None:
+            when, order = end, -1  # before anything stamped at that instant
         events.append((when, order, a.ptr, None, inferred_stack, a.size))
     events.sort(key=lambda e: (e[0], e[1]))
     return events, len(free_at)
+
+
+class _Collectives:
+    """The worker threads' ranges, to find the collective that held a block (``holder_end``)."""
+
+    def __init__(self, ranges: list[tuple[int, int, int]]) -> None:
+        self.ranges = sorted(ranges)
+        self.starts = [r[0] for r in self.ranges]
+        self.by_tid: dict = {}
+        for r in self.ranges:
+            self.by_tid.setdefault(r[2], []).append(r)
+
+    def holder_end(self, a: _Alloc, seen_ns: int) -> int | None:
+        """End of the collective that held lost block ``a`` until its drop, seen at ``seen_ns``.
+
+        A process group's work queue is first in, first out (gloo: ``ProcessGroupGloo::enqueue``
+        appends; each worker's ``runLoop`` pops the front, runs the work and only then, having
+        taken the queue's lock again, drops its reference: a preempted worker drops it late). A
+        block the program made for a collective (gloo's reduce-scatter clones its input, then
+        enqueues) is held by the first collective to start after it was made; a block a worker
+        allocated inside its collective, by that collective. The holder ended before the drop
+        was seen, and at most ``WAKE_UP_NS`` before it (a thread that holds a block longer holds
+        it on purpose). Not "the last collective that ended before the drop": a worker
+        preempted past the next collective would move the free there, at the scheduler's whim.
+        None when no collective held it.
+        """
+        t = a.time_ns
+        own = self.by_tid.get(a.tid, [])
+        j = bisect_left(own, (t + 1,)) - 1  # the range the allocating thread was running
+        end = own[j][1] if j >= 0 and own[j][1] >= t else None
+        k = bisect_left(self.starts, t)
+        while end is None and k < len(self.ranges) and self.starts[k] <= seen_ns:
+            if self.ranges[k][1] <= seen_ns:  # the first to start after it and end before the drop
+                end = self.ranges[k][1]
+            k += 1
+        if end is None or not end <= seen_ns or seen_ns - end > WAKE_UP_NS:
+            return None
+        return end
 
 
 def _match(lost: list, taken: dict, at: int, nbytes: int, allocs: list[_Alloc]) -> list[int]:

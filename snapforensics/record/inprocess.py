@@ -31,7 +31,7 @@ def recording(path: Path, *, device: str = "auto", stacks: str = "python",
     name = select_backend(device)
     rank, world, local, local_known = rank_env()
     backend = make_backend(name, stacks, max_entries, local if local_known else None)
-    started = datetime.datetime.now(datetime.UTC).astimezone().isoformat(
+    started = datetime.datetime.now(datetime.timezone.utc).astimezone().isoformat(
         timespec="seconds")
     backend.start()
     code = 1

@@ -102,6 +102,9 @@ def provenance_line(d: Diagnosis) -> str:
         parts.append(f"max_entries={cap(p['max_entries'], NAME)}")
     if p.get("cpu_recorded"):
         parts.append("CPU-recorded (profiler allocator events, no caching allocator)")
+    ranges = f.get("ranges")
+    if isinstance(ranges, str) and ranges.startswith(("recording thread only (", "none (")):
+        parts.append(f"record_function ranges: {cap(ranges, NAME)}")
     return ", ".join(x for x in parts if x)
 
 

@@ -4,6 +4,7 @@ path and notes (which quote rule ids) pass through the sink's function of report
 
 from __future__ import annotations
 
+from snapforensics.analysis import forecast_band
 from snapforensics.analysis.evidence import human
 from snapforensics.analysis.forecast import SCALING_TEXT, Forecast, Prediction
 from snapforensics.report.registry import PLAIN, Screen
@@ -14,10 +15,11 @@ from snapforensics.report.terminal import t
 
 _MODEL = ("Each block scales by what made it: 1/W (sharded state, with FSDP's padding), unit "
           "size (unsharded parameters, collective buffers), x micro-batch (activations), "
-          "constant (the rest); the trace is replayed with the new sizes (docs/forecast.md).")
+          "constant (the rest); the trace is replayed with the new sizes. Model, validation and "
+          "limits: `snapforensics forecast --help`.")
 
 COLUMNS = ("W", "strategy", "ckpt", "micro-batch", "fix applied", "predicted peak",
-           "vs recorded", "phase (row)", "dominant", "fits")
+           "vs recorded", "error band", "phase (row)", "dominant", "fits")
 
 
 def _table(f: Forecast) -> tuple[list[str], list[list[str]]]:
@@ -34,12 +36,46 @@ def _row(p: Prediction, recorded: int) -> list[str]:
     head = [str(sc.world_size), sc.strategy, sc.checkpointing, f"x{sc.micro_batch_scale:g}",
             sc.fix or "-"]
     if p.refused:
-        return head + ["refused", "", "", p.refused, ""]
+        return head + ["refused", "", "", "", p.refused, ""]
     pk = p.predicted_peak_bytes or 0
     delta = f"{(pk - recorded) / recorded:+.0%}" if recorded else "n/a"
     fits = "" if p.fits is None else ("yes" if p.fits else "NO")
     dom = f"{p.dominant} ({SCALING_TEXT[p.scales[p.dominant]]})" if p.dominant else "-"
-    return head + [human(pk), delta, f"{p.phase} ({p.peak_row})", dom, fits]
+    return head + [human(pk), delta, _band(p), f"{p.phase} ({p.peak_row})", dom, fits]
+
+
+def _band(p: Prediction) -> str:
+    return _band_of(p.error_band)
+
+
+def _band_of(b: dict | None) -> str:
+    """`-0.0%..+1.4%` (measured on recorded pairs), `exact` for the recording replayed, and
+    `NOT VALIDATED` when the scenario lies outside what the pairs covered."""
+    if not b:
+        return ""
+    if not b["changes"]:
+        return "exact (replay)"
+    text = f"{b['low']:+.2%}..{b['high']:+.2%}"
+    return text if b["validated"] else f"{text} NOT VALIDATED"
+
+
+def _validation_lines(f: Forecast) -> list[str]:
+    """Where the band comes from, and each scenario never validated, with why."""
+    out = [f"error band: the forecast error measured on {len(forecast_band.PAIRS)} recorded "
+           f"pairs ({forecast_band.SOURCE}), for the kinds of change the scenario makes"]
+    seen: set[str] = set()
+    for p in f.scenarios:
+        b = p.error_band
+        if not b or b["validated"]:
+            continue
+        sc = p.scenario
+        line = (f"not validated: W={sc.world_size} {sc.strategy} ckpt {sc.checkpointing} "
+                f"x{sc.micro_batch_scale:g}{' fix ' + sc.fix if sc.fix else ''}: "
+                + "; ".join(b["not_validated"]))
+        if line not in seen:
+            seen.add(line)
+            out.append(line)
+    return out[:ROWS]
 
 
 def _baseline_line(f: Forecast) -> str:
@@ -56,6 +92,9 @@ def _fit_lines(f: Forecast) -> list[str]:
     fit = f.fit
     out = []
     cap = human(fit["capacity_bytes"])
+    if fit.get("recorded_fits"):
+        out.append(f"the recorded configuration already fits {cap} (recorded peak "
+                   f"{human(fit['recorded_peak_bytes'])}): no change needed")
     if fit.get("smallest_world_size"):
         out.append(f"smallest world size that fits {cap}: {fit['smallest_world_size']} "
                    f"(peak {human(fit['peak_bytes_there'])})")
@@ -65,10 +104,10 @@ def _fit_lines(f: Forecast) -> list[str]:
     if ch:
         what = ", ".join(f"{k}={v}" for k, v in ch["change"].items())
         out.append(f"cheapest change that fits at the recorded world size: {what} "
-                   f"(peak {human(ch['peak_bytes'])})")
-    else:
-        out.append("no single change (strategy, checkpointing, half micro-batch) fits at the "
-                   "recorded world size")
+                   f"(peak {human(ch['peak_bytes'])}, {_band_of(ch.get('error_band'))})")
+    elif not fit.get("recorded_fits"):
+        out.append("no single change fits at the recorded world size (tried: an anomaly's "
+                   "fix, full_shard, checkpointing full, half the micro-batch)")
     return out
 
 
@@ -102,7 +141,7 @@ def terminal(f: Forecast, screen: Screen = PLAIN) -> str:
     for r in rows:
         tab.add_row(*[t(x, TEXT) for x in r])
     console.print(tab)
-    for line in _scaling_lines(f) + _fit_lines(f):
+    for line in _scaling_lines(f) + _fit_lines(f) + _validation_lines(f) + [_MODEL]:
         console.print(t(line, TEXT))
     return console.file.getvalue()
 
@@ -114,7 +153,8 @@ def markdown(f: Forecast, screen: Screen = PLAIN) -> str:
     cols, rows = _table(f)
     out += ["", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     out += ["| " + " | ".join(md(x, TEXT) for x in r) + " |" for r in rows]
-    out += [""] + [f"- {md(x, TEXT)}" for x in _scaling_lines(f) + _fit_lines(f)]
+    out += [""] + [f"- {md(x, TEXT)}"
+                   for x in _scaling_lines(f) + _fit_lines(f) + _validation_lines(f)]
     out += ["", md(_MODEL, TEXT)]
     return "\n".join(out) + "\n"
 
@@ -124,7 +164,8 @@ def html(f: Forecast, screen: Screen = PLAIN) -> str:
     rows = "".join("<tr>" + "".join(f"<td>{h(x, TEXT)}</td>" for x in r) + "</tr>"
                    for r in table)
     items = "".join(f"<li>{h(x, TEXT)}</li>"
-                    for x in f.notes[:ROWS] + _scaling_lines(f) + _fit_lines(f))
+                    for x in f.notes[:ROWS] + _scaling_lines(f) + _fit_lines(f)
+                    + _validation_lines(f))
     head = "".join(f"<th>{h(c)}</th>" for c in cols)
     return (
         "<!doctype html><html><head><meta charset='utf-8'>"

@@ -1,6 +1,12 @@
-/* The trace columns of one device, read from the unpickled entries in one C pass.
+/* Two one-pass walks in C, both optional (snapshot/native.py switches them off when the
+ * extension is not built or SNAPFORENSICS_PURE_PYTHON is set; types in _native.pyi):
  *
- * trace_columns(entries, actions, other) walks a device trace (a list of dicts, as
+ * - trace_columns: the columns of one device trace, read from the unpickled entries, for the
+ *   loader (snapshot/normalization.py);
+ * - pair_events: the per-address pairing of allocs and frees, for analysis/lifetimes.py
+ *   (described above its definition below).
+ *
+ * trace_columns(entries, actions, other, max_bytes) walks a device trace (a list of dicts, as
  * torch writes it) once and returns the columns normalization keeps, as bytearrays:
  *
  *   action  int8     actions[entry["action"]], `other` for an unknown name
@@ -369,7 +375,8 @@ static PyObject *trace_columns(PyObject *self, PyObject *args) {
     result = PyTuple_Pack(7, c_action, c_addr, c_size, c_stream, c_time, c_group, c_reps);
     goto done;
 irregular:
-    result = Py_NewRef(Py_None);
+    Py_INCREF(Py_None);  /* Py_NewRef is Python 3.10+ */
+    result = Py_None;
 done:
     PyMem_Free(recent);
     PyMem_Free(by_content.slots);

@@ -104,6 +104,7 @@ def detect_format(raw: dict, traces: list[Trace], segments: list[Segment], it: I
     if isinstance(provenance.get("torch_version"), str):
         era = f"torch {provenance['torch_version']}"
     fmt["era"] = era
+    fmt["ranges"] = _ranges(raw, provenance, backend, A["user_defined"] in actions)
     fmt["trace_keys"] = sorted(k for k in keys if isinstance(k, str))
     fmt["expandable_segments"] = any(s.is_expandable for s in segments) or any(
         bool((t.action == A["segment_map"]).any()) for t in traces)
@@ -114,6 +115,34 @@ def detect_format(raw: dict, traces: list[Trace], segments: list[Segment], it: I
     if it.pools:
         fmt["pools"] = [list(p) for p in it.pools]
     return fmt
+
+
+def _version(v) -> tuple[int, int] | None:
+    m = re.match(r"(\d+)\.(\d+)", v) if isinstance(v, str) else None
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def _ranges(raw: dict, provenance: dict, backend: str, user_defined: bool) -> str:
+    """Which record_function ranges the file can hold, by what recorded it. The allocator's
+    RecordFunction callback is thread local before torch 2.8 (and in torch_npu): only the ranges
+    of the thread that started recording are kept, not those the autograd engine's device
+    thread opens in backward (FSDP's pre/post-backward hooks). `global_record_annotations=True`
+    (torch 2.8) keeps every thread's; this project's recorder asks for it where torch has it.
+    The CPU recorder's profiler sees every thread."""
+    has = bool(raw.get("external_annotations")) or user_defined
+    if backend == "cpu" or provenance.get("cpu_recorded"):
+        return "every thread (profiler)" if has else "none"
+    version = _version(provenance.get("torch_version"))
+    if version is not None:  # recorded by snapforensics, which asks for every thread
+        if backend != "npu" and version >= (2, 8):
+            return "every thread (global_record_annotations)"
+        if version < (2, 5) and not has:
+            return "none (torch < 2.5 records none)"
+        return ("recording thread only (torch < 2.8, torch_npu): backward's ranges, opened on "
+                "the autograd thread, are missing")
+    if not has:
+        return "none"
+    return "recording thread only, unless recorded with global_record_annotations=True (torch 2.8+)"
 
 
 def kind(fmt: dict, provenance: dict) -> Format:

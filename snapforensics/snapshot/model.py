@@ -9,11 +9,12 @@ entry, oldest first).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
 from functools import cached_property
 from typing import NamedTuple
 
 import numpy as np
+
+from snapforensics._compat import StrEnum
 
 # Trace actions, as small integer codes. Order is part of no contract; use the names.
 ACTIONS = (

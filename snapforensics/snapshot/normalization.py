@@ -49,14 +49,10 @@ from snapforensics.snapshot.model import (
     Snapshot,
     Trace,
 )
+from snapforensics.snapshot.native import native
 from snapforensics.snapshot.stream import StreamTrace
 from snapforensics.snapshot.stream import read_info as stream_info
 from snapforensics.snapshot.unpickle import gc_paused, open_file, read_raw_info
-
-try:
-    from snapforensics.snapshot import _native  # type: ignore[attr-defined]
-except ImportError:  # built without a C compiler
-    _native = None
 
 BLOCK_STATES = {"active_allocated", "active_pending_free", "active_awaiting_free", "inactive"}
 _STATE_OK = {"active_allocated", "active_pending_free", "inactive"}
@@ -154,12 +150,6 @@ def _finish_trace(entries: Any, device: int, cols: Columns, it: Interner,
 
 
 Columns = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
-
-
-def native() -> Any:
-    """The C trace reader (`_native.c`), or None: not built (no C compiler at install) or
-    turned off with SNAPFORENSICS_PURE_PYTHON=1. Both paths give the same Snapshot."""
-    return None if os.environ.get("SNAPFORENSICS_PURE_PYTHON") else _native
 
 
 def _native_columns(entries: Any, where_dev: str, it: Interner) -> Columns | None:

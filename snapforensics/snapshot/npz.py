@@ -92,7 +92,12 @@ def save(s: Snapshot, f) -> None:
             "kind": {f.name: getattr(s.kind, f.name) for f in fields(s.kind)}}
     a["meta"] = np.frombuffer(orjson.dumps(meta, option=orjson.OPT_NON_STR_KEYS), np.uint8)
     arrays: dict[str, Any] = {k: np.ascontiguousarray(v) for k, v in a.items()}
-    np.savez(f, allow_pickle=False, **arrays)
+    np.savez(f, **arrays, **_NO_PICKLE)
+
+
+# numpy < 2.1 (the newest for Python 3.9) has no savez(allow_pickle=): it would be stored as an
+# array and the entry refused on reading. The arrays are numeric either way.
+_NO_PICKLE = {"allow_pickle": False} if np.lib.NumpyVersion(np.__version__) >= "2.1.0" else {}
 
 
 def read(entry: Any, source: str) -> Snapshot:

@@ -53,7 +53,7 @@ def fix_for(d: DeviceAnalysis) -> str:
     return d.allocator.expandable_fix
 
 
-# Also run on devices with segments but no history (diagnose.py): judged at dump only.
+# Also run on devices with segments but no history (engine.py): judged at dump only.
 SEGMENTS_ONLY = True
 
 

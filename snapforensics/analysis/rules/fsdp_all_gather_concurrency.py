@@ -84,8 +84,10 @@ class Concurrency(NamedTuple):
 
 
 def _copy_outs(d: DeviceAnalysis, blocks: np.ndarray) -> dict[int, CopyOut]:
-    """The copy-out of each FSDP2 all-gather output among `blocks`. FSDP1's flat parameter is
-    its own copy-out."""
+    """The copy-out of each FSDP2 all-gather output among `blocks`: the first unshard event of
+    its unit after it (without unit names, of its size) that no earlier gather claimed, since
+    one copy-out empties one gather and units are copied out in the order they were gathered.
+    FSDP1's flat parameter is its own copy-out."""
     f = d.fsdp
     ev = f.event
     events: dict[int, list[int]] = {}
@@ -95,7 +97,8 @@ def _copy_outs(d: DeviceAnalysis, blocks: np.ndarray) -> dict[int, CopyOut]:
                     ((k, np.array(v)) for k, v in events.items()))
     rows = np.array([r for r, _ in starts], np.int64)
     out: dict[int, CopyOut] = {}
-    for b in blocks.tolist():
+    claimed: set[int] = set()
+    for b in blocks[np.argsort(d.lt.alloc_row[blocks], kind="stable")].tolist():
         if not f.primary[b] or f.fsdp1_flat[b]:
             continue
         a, fr, m = int(d.lt.alloc_row[b]), int(d.lt.free_row[b]), d.module_of(b)
@@ -104,6 +107,8 @@ def _copy_outs(d: DeviceAnalysis, blocks: np.ndarray) -> dict[int, CopyOut]:
             r, k = starts[j]
             if r > fr:
                 break
+            if k in claimed:
+                continue
             blk = np.array(events[k])
             if m is not None:
                 same = unit_of_event(d, blk) == m
@@ -111,6 +116,7 @@ def _copy_outs(d: DeviceAnalysis, blocks: np.ndarray) -> dict[int, CopyOut]:
                 same = 0.9 * size <= int(d.lt.size[blk].sum()) <= size
             if same:
                 out[b] = CopyOut(min(fr, int(d.lt.free_row[blk].max())), blk)
+                claimed.add(k)
                 break
     return out
 
@@ -170,11 +176,15 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     if not blocks.size:
         return []
     # With unit names, a unit is in flight from its all-gather until its parameters are
-    # resharded; without, each all-gather output stands for its unit.
-    named = all(d.module_of(b) is not None for b in blocks.tolist())
-    counted = _in_flight(d, params=True) if named else blocks
+    # resharded; without, each all-gather output stands for its unit. Decided per phase: before
+    # torch 2.8 a CUDA recording names the units of forward only (backward's ranges are opened
+    # on the autograd thread, which the allocator's thread-local callback does not see).
+    with_params = _in_flight(d, params=True)
     per_phase = {}
     for name, phases in (("forward", [Phase.FORWARD]), ("backward", BACKWARD_PHASES)):
+        gathers = blocks[np.isin(d.phase[blocks], phases)]
+        named = all(d.module_of(b) is not None for b in gathers.tolist())
+        counted = with_params if named else gathers
         sel = counted[np.isin(d.phase[counted], phases)]
         per_phase[name] = _max_concurrency(d, sel)
     phase = max(per_phase, key=lambda k: per_phase[k].units)

@@ -18,7 +18,7 @@ post-forward and re-gathered for its backward (one unit of backward prefetch, FS
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Union
 
 import numpy as np
 
@@ -46,7 +46,7 @@ fully_shard(model)  # root: reshard_after_forward=None keeps it unsharded for ba
 
 
 # A unit's key: its FQN, else ("event", id) of its unshard event.
-UnitKey = str | tuple[str, int]
+UnitKey = Union[str, tuple[str, int]]  # evaluated at run time: no `|` before Python 3.10
 
 
 class Kept(NamedTuple):

@@ -20,7 +20,7 @@ import numpy as np
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding
 from snapforensics.analysis.evidence import counterfactual, human, top_stacks
-from snapforensics.analysis.stacks import user_frame
+from snapforensics.analysis.stacks import python_stacks, user_frame
 from snapforensics.analysis.vocab import CATEGORIES, Category, Verdict
 
 RULE = "leak.iteration_growth"
@@ -52,7 +52,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     cand = np.flatnonzero(ok & (last > first) & (last > 1))
     if not cand.size:
         return []
-    uniq, inv = np.unique(lt.stack[cand], return_inverse=True)
+    uniq, inv = np.unique(python_stacks(d, lt.stack[cand]), return_inverse=True)
     per = np.zeros((len(uniq), n + 1), np.int64)  # difference array over the samples
     np.add.at(per, (inv, first[cand]), lt.size[cand])
     np.add.at(per, (inv, last[cand]), -lt.size[cand])

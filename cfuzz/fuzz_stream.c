@@ -3,7 +3,7 @@
  * Each input is fed to _stream.read through an io.BytesIO, with a small row budget, in an
  * embedded interpreter (PYTHONMALLOC=malloc, so ASan sees every allocation). The reader must
  * return (root, consumed, traces) or (None, why, 0) and never crash, leak a reference it
- * owns into a freed object, or read out of bounds. Build and run: `make -C fuzz run`.
+ * owns into a freed object, or read out of bounds. Build and run: `make -C cfuzz run`.
  */
 #include "../snapforensics/snapshot/_stream.c"
 

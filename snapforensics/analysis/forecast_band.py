@@ -1,0 +1,70 @@
+"""The forecast's error band: how far forecasts landed from peaks actually recorded, per kind of
+change, as data, and which scenarios lie outside what was checked.
+
+Where the numbers come from: `tests/test_forecast.py` (slow tests) records the bundled example
+(`snapforensics.examples.fsdp_ckpt`) with the project's recorder on CPU (gloo, torch 2.13.0,
+Python 3.12) and forecasts rank 0 of each recording from a second recording of the same script
+with one setting changed; the error is (forecast - recorded) / recorded of the allocated peak.
+Those tests check that every error they measure lies inside the band stored here, so a band
+that no longer matches the model fails the suite.
+
+What it does not cover: CUDA/NPU recordings (allocator rounding, stream-ordered frees, NCCL's
+buffers are not in a CPU trace), world sizes further than 2x from the recorded one, HSDP and
+NO_SHARD, micro-batch scales outside 1/4..4, and combinations of changes other than
+checkpointing with micro-batch (a combination is given the sum of its changes' bands).
+"""
+
+from __future__ import annotations
+
+SOURCE = ("tests/test_forecast.py, slow tests: the bundled example recorded on CPU (gloo), "
+          "rank 0, one setting changed between the two recordings of each pair")
+
+# (kind of change, pair, forecast MiB, recorded MiB), as the slow tests printed them (`-s`).
+PAIRS: tuple[tuple[str, str, float, float], ...] = (
+    ("world_size", "FSDP2 + checkpointing, 6 x 512: W=4 from W=2", 125.80, 125.80),
+    ("world_size", "FSDP2 + checkpointing, 6 x 512: W=2 from W=4", 194.82, 194.82),
+    ("world_size", "FSDP1 + checkpointing, 4 x 256: W=4 from W=2", 27.77, 27.77),
+    ("world_size", "FSDP1 + checkpointing, 4 x 256: W=2 from W=4", 39.78, 39.78),
+    ("world_size", "FSDP2 no checkpointing, 4 x 128: W=4 from W=2", 30.84, 30.84),
+    ("world_size", "FSDP2 no checkpointing, 4 x 128: W=2 from W=4", 33.84, 33.84),
+    ("strategy", "FSDP2 reshard_after_forward=False from True", 216.10, 216.10),
+    ("strategy", "FSDP2 reshard_after_forward=True from False", 194.82, 194.82),
+    ("strategy", "FSDP1 SHARD_GRAD_OP from FULL_SHARD", 43.04, 43.04),
+    ("strategy", "FSDP1 FULL_SHARD from SHARD_GRAD_OP", 39.91, 39.78),
+    ("checkpointing", "checkpointing off + micro-batch x4, from on", 267.29, 267.18),
+    ("checkpointing", "checkpointing on + micro-batch x1/4, from off", 197.57, 194.82),
+    ("micro_batch", "micro-batch x2 (no checkpointing, batch 4 -> 8)", 267.17, 267.18),
+    ("micro_batch", "micro-batch x1/2 (no checkpointing, batch 8 -> 4)", 220.61, 220.61),
+    ("fix", "buggy (reshard_after_backward=False) with the rule's fix, vs fixed", 194.82, 194.82),
+)
+
+# What the pairs span: world size ratios (forecast W / recorded W), strategy changes, scales.
+WORLD_RATIOS = (0.5, 2.0)
+STRATEGY_CHANGES = frozenset({("full_shard", "shard_grad_op"), ("shard_grad_op", "full_shard")})
+SCALES = (0.25, 4.0)
+FIXES = ("fsdp.unsharded_params_not_resharded",)
+# changes recorded together in one pair (the rest are summed from their single-change bands)
+COMBINED = ({"checkpointing", "micro_batch"},)
+# The MiB figures above are rounded to 0.005 MiB each: the band is widened by what that can
+# move an error on the smallest recorded peak (rounding, not model error).
+_ROUNDING = 0.01 / min(r for *_, r in PAIRS)
+
+
+def bands() -> dict[str, tuple[float, float]]:
+    """Kind of change -> (lowest, highest) relative error measured on its pairs."""
+    out: dict[str, tuple[float, float]] = {}
+    for kind, _, f, r in PAIRS:
+        e = (f - r) / r
+        lo, hi = out.get(kind, (0.0, 0.0))
+        out[kind] = (min(lo, e - _ROUNDING), max(hi, e + _ROUNDING))
+    return out
+
+
+def band(changes: list[str]) -> dict:
+    """The band of a scenario that makes `changes` (kinds of change; [] = the recording
+    replayed, exact): the sum of their bands, and the pairs' count."""
+    b = bands()
+    lo = sum(b[c][0] for c in changes)
+    hi = sum(b[c][1] for c in changes)
+    n = sum(1 for kind, *_ in PAIRS if kind in changes)
+    return {"low": lo, "high": hi, "pairs": n}
