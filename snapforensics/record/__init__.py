@@ -177,6 +177,7 @@ def _check_torch() -> None:
 STOP_GRACE_S = 120.0
 LOCK_NAME = ".snapforensics-record.lock"
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_HELD = {signal.SIGINT, signal.SIGTERM}  # as the bootstrap's _HELD
 
 
 def _free_port() -> int:
@@ -201,15 +202,33 @@ class _Ranks:
 
     def __init__(self, cmd: list[str], envs: list[dict[str, str]]) -> None:
         self.procs: list[subprocess.Popen] = []
-        for env in envs:
-            group = self.procs[0].pid if self.procs else 0
-            self.procs.append(subprocess.Popen(cmd, env=env, process_group=group))
-        self.pgid = self.procs[0].pid
+        self.pgid: int | None = None
         self.signals = 0
+        self.first_signal: int | None = None
         self.failed: list[int] = []  # ranks that exited nonzero, in the order they did
         self.stop_at: float | None = None
+        # forwarding from before the first rank starts: a Ctrl-C meanwhile is not lost
+        self.handlers = _install(_FORWARDED, self.on_signal)
+        # each rank starts with SIGINT/SIGTERM blocked (the mask is inherited through exec): it
+        # holds them until its script starts, so a Ctrl-C during its imports ends it quietly
+        held = _HELD.intersection(signal.pthread_sigmask(signal.SIG_BLOCK, _HELD))
+        try:
+            for env in envs:
+                group = self.procs[0].pid if self.procs else 0
+                self.procs.append(subprocess.Popen(cmd, env=env, process_group=group))
+                self.pgid = self.procs[0].pid
+        except BaseException:
+            self._send(signal.SIGKILL)
+            _install(_FORWARDED, self.handlers)
+            raise
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD - held)
+        if self.first_signal is not None:  # came while the ranks were being started
+            self._send(self.first_signal)
 
     def _send(self, sig: int) -> None:
+        if self.pgid is None:
+            return
         try:
             os.killpg(self.pgid, sig)
         except (ProcessLookupError, PermissionError):
@@ -218,9 +237,15 @@ class _Ranks:
     def on_signal(self, signum, frame) -> None:
         self.signals += 1
         self._send(signum if self.signals == 1 else signal.SIGKILL)
+        if self.signals == 1:
+            self.first_signal = signum
+            # a rank that never answers (blocked where neither Python nor the watcher runs) is
+            # killed after the same grace as when a rank fails
+            self.stop_at = time.monotonic() + STOP_GRACE_S
+            name = "interrupted" if signum == signal.SIGINT else signal.Signals(signum).name
+            _say(False, f"{name}: writing snapshots ...")
 
     def wait(self) -> list[int]:
-        handlers = _install(_FORWARDED, self.on_signal)
         try:
             while True:
                 for r, p in enumerate(self.procs):
@@ -235,7 +260,7 @@ class _Ranks:
                     self._send(signal.SIGKILL)
                 time.sleep(0.05)
         finally:
-            _install(_FORWARDED, handlers)
+            _install(_FORWARDED, self.handlers)
 
 
 def _install(signals, handler):
@@ -258,9 +283,11 @@ class _OutLock:
         self.out = out
         self.force = force
         self.fd: int | None = None
+        self.created = False
 
     def __enter__(self) -> _OutLock:
         try:
+            self.created = not self.out.exists()
             self.out.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.out / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as e:
@@ -300,6 +327,11 @@ class _OutLock:
         (self.out / LOCK_NAME).unlink(missing_ok=True)
         os.close(self.fd)
         self.fd = None
+        if self.created:  # made by this record and nothing written (Ctrl-C at start-up)
+            try:
+                self.out.rmdir()
+            except OSError:  # not empty: it holds what was written
+                pass
 
 
 def record(target: str, script_args: list[str], *, module: bool = False, out: Path | None = None,
@@ -354,9 +386,9 @@ def record(target: str, script_args: list[str], *, module: bool = False, out: Pa
            *script_args]
     what = f"-m {target}" if module else target
     with _OutLock(out_dir, force):
-        _say(quiet, f"recording {what} on {nproc_per_node} rank(s), device {device} -> {out_dir}")
         port = _free_port()
         launched = _Ranks(cmd, [_rank_env(env, r, nproc_per_node, port) for r in ranks])
+        _say(quiet, f"recording {what} on {nproc_per_node} rank(s), device {device} -> {out_dir}")
         codes = launched.wait()
         statuses = []
         for r in ranks:
@@ -390,6 +422,10 @@ def _result(statuses: list[dict], out_dir: Path, *, expected: list[int], codes: 
     ooms = [Path(by_rank[r]["oom_snapshot"]) for r in expected
             if r in by_rank and by_rank[r].get("oom_snapshot")]
     rank_codes = {r: _rank_code(by_rank.get(r), codes[i]) for i, r in enumerate(expected)}
+    if statuses and all(s.get("interrupted_before_start") for s in statuses):
+        _say(quiet, "nothing was recorded: interrupted before the script started")
+        return RecordResult(exit_code=max(int(s["exit_code"]) for s in statuses),
+                            out_dir=out_dir, snapshots=[])
     order = ([first_failed] if first_failed is not None else []) + expected
     failing = next((r for r in order if rank_codes.get(r)), None)
     exit_code = rank_codes[failing] if failing is not None else 0
@@ -405,6 +441,8 @@ def _result(statuses: list[dict], out_dir: Path, *, expected: list[int], codes: 
                         f"{detail})")
         elif s and s.get("error"):
             problems.append(s["error"])
+        elif s and s.get("interrupted_before_start"):
+            problems.append(f"rank {r} was interrupted before its script started")
         else:
             problems.append(f"rank {r} wrote no snapshot (its process ended with code "
                             f"{rank_codes[r]} before the recorder could dump: os._exit, or killed)")

@@ -132,6 +132,70 @@ def _count_entries(snap: dict) -> int:
     return sum(len(t) for t in traces if isinstance(t, list))
 
 
+_HELD = (signal.SIGINT, signal.SIGTERM)
+
+
+def _hold_signals() -> bool:
+    """Block SIGINT/SIGTERM on this (main) thread, and so on every thread started meanwhile
+    (torch's import starts some); True when they were blocked here."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    try:
+        signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
+    except (AttributeError, OSError, ValueError):
+        return False
+    return True
+
+
+def _pending(held: bool) -> int:
+    """The held signal that has arrived (its number), else 0."""
+    return next((int(s) for s in _HELD if s in signal.sigpending()), 0) if held else 0
+
+
+def _release_signals(held: bool) -> int:
+    """Unblock what ``_hold_signals`` blocked; a signal that arrived meanwhile is discarded and
+    returned (its number, else 0): the rank then ends before its script runs."""
+    if not held:
+        return 0
+    pending = _pending(held)
+    previous = {}
+    if pending:
+        for s in _HELD:  # pending signals are delivered at unblock: discard them
+            previous[s] = signal.signal(s, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD)
+    for s, h in previous.items():
+        signal.signal(s, h)
+    return pending
+
+
+class _CtrlC:
+    """SIGINT -> KeyboardInterrupt, as Python's default, remembering that it came: the
+    KeyboardInterrupt that Ctrl-C raises in the script is not the script's failure (no
+    traceback), one the script raises itself keeps its traceback."""
+
+    def __init__(self) -> None:
+        self.received = False
+        self.installed = False
+        self.previous: Any = None
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            return  # ignored, or someone else's handler: leave it
+        self.previous = signal.signal(signal.SIGINT, self.handler)
+        self.installed = True
+
+    def handler(self, signum, frame):
+        self.received = True
+        raise KeyboardInterrupt
+
+    def restore(self) -> None:
+        if self.installed and signal.getsignal(signal.SIGINT) is self.handler:
+            signal.signal(signal.SIGINT, self.previous)
+        self.installed = False
+
+
 class _TermAsExit:
     """SIGTERM (the launcher stopping this rank) -> SystemExit(143) so the snapshot is written.
 
@@ -372,7 +436,11 @@ def run_recorded(opts: dict, target: str, args: list[str]) -> dict:
             print(f"snapforensics record: cannot write status: {e}", file=sys.stderr)
         return status
 
-    # ---- setup: everything that can fail before the script runs
+    # ---- setup: everything that can fail before the script runs. SIGINT/SIGTERM are held
+    # until the script starts: a Ctrl-C here would raise inside torch's import (or be swallowed
+    # by a bare except there, leaving the rank blocked in init_process_group); held, it ends
+    # the rank quietly before the script runs (``_started``)
+    held = _hold_signals()
     try:
         out.mkdir(parents=True, exist_ok=True)
         try:
@@ -418,10 +486,12 @@ def run_recorded(opts: dict, target: str, args: list[str]) -> dict:
             else:
                 sys.path.insert(0, path_entry)
     except SnapError as e:
+        _release_signals(held)
         status["exit_code"] = e.exit_code
         status["error"] = str(e)
         return finish()
     except OSError as e:
+        _release_signals(held)
         status["exit_code"] = EXIT_RECORD_FAILED
         status["error"] = f"cannot create {out}: {e}"
         return finish()
@@ -446,11 +516,19 @@ def run_recorded(opts: dict, target: str, args: list[str]) -> dict:
     code: int | None = None
     window = _StepWindow(backend, opts.get("steps"))
     before: dict[str, Any] = {}
-    if backend_name == "cpu":
+    if backend_name == "cpu" and not _pending(held):  # interrupted: skip the imports
         sys.argv[:] = [target, *args]  # as the script will see them when it imports
         before["imported_before_recording"] = _import_prefix(script_path,
                                                              target if module else None)
         sys.argv[:] = saved_argv
+    pending = _release_signals(held)
+    if pending:  # interrupted before the script ran: nothing to record
+        sys.argv[:] = saved_argv
+        if saved_path0 is not None:
+            sys.path[0] = saved_path0
+        status["exit_code"] = 128 + pending
+        status["interrupted_before_start"] = True
+        return finish()
     try:
         window.install()
     except Exception as e:
@@ -493,8 +571,9 @@ def run_recorded(opts: dict, target: str, args: list[str]) -> dict:
     def dump_from_watcher(exit_code: int) -> None:
         """The main thread is stuck in native code: dump from here and end the process."""
         try:
-            print(f"snapforensics record: rank {rank} is blocked in native code; writing its "
-                  "snapshot from the recorder's thread", file=sys.stderr, flush=True)
+            if exit_code != 128 + signal.SIGINT:  # Ctrl-C: the launcher already said it dumps
+                print(f"snapforensics record: rank {rank} is blocked in native code; writing "
+                      "its snapshot from the recorder's thread", file=sys.stderr, flush=True)
             dump(exit_code)
             if not opts.get("in_place"):  # a launching record reads it
                 finish()
@@ -502,9 +581,11 @@ def run_recorded(opts: dict, target: str, args: list[str]) -> dict:
         finally:
             os._exit(exit_code)
 
+    ctrl_c = _CtrlC()
+    ctrl_c.install()
     watcher = _Watcher(dump_from_watcher, {
         int(signal.SIGTERM): term._handler if term.installed else None,
-        int(signal.SIGINT): signal.default_int_handler})
+        int(signal.SIGINT): ctrl_c.handler if ctrl_c.installed else None})
     watcher.install()
     _hide_known_torch_warnings()
     _refuse_mp_spawn()
@@ -520,7 +601,8 @@ def run_recorded(opts: dict, target: str, args: list[str]) -> dict:
         except SystemExit as e:
             code = _exit_code_of(e)
         except KeyboardInterrupt as e:
-            _print_script_traceback(e)
+            if not ctrl_c.received:  # raised by the script itself, not by Ctrl-C
+                _print_script_traceback(e)
             code = 130
         except _LaunchRefused as e:
             refused = str(e)
@@ -548,6 +630,7 @@ def run_recorded(opts: dict, target: str, args: list[str]) -> dict:
                 dump(code if code is not None else 1)
         watcher.remove()
         term.restore()
+        ctrl_c.restore()
     return finish()
 
 
