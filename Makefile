@@ -5,10 +5,11 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
+CSRC := $(wildcard snapforensics/snapshot/*.c)
 
 .PHONY: setup demo lint test test-fast test-pythons bench clean
 
-$(STAMP): pyproject.toml setup.py snapforensics/snapshot/_native.c
+$(STAMP): pyproject.toml setup.py $(CSRC)
 	$(PY) -m venv --system-site-packages $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e '.[test]'
@@ -47,7 +48,7 @@ test-pythons:
 	  py=$${py:+$$py/bin/python}; \
 	  [ -x "$$py" ] || { uv python install -q $$v && py=$$(uv python find $$v); } || exit 1; \
 	  env=.venv-py$$v; \
-	  [ $$env/.installed -nt pyproject.toml ] && [ $$env/.installed -nt snapforensics/snapshot/_native.c ] || { \
+	  [ -z "$$(find pyproject.toml setup.py $(CSRC) -newer $$env/.installed 2>/dev/null)" ] && [ -f $$env/.installed ] || { \
 	    rm -rf $$env && $$py -m venv $$env && \
 	    $$env/bin/pip install -q -e . pytest hypothesis markdown-it-py && touch $$env/.installed; \
 	  } || exit 1; \

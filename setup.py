@@ -1,10 +1,17 @@
-"""The one compiled part: snapforensics/snapshot/_native.c (types in _native.pyi, switch in
-native.py), two one-pass C walks: `trace_columns`, the loader's reader of a device trace's
-columns, and `pair_events`, analysis/lifetimes' pairing of allocs and frees by address. It is
-optional: where no C compiler is found the build goes on, and both callers take their (slower,
-equally checked) Python paths. Everything else is in pyproject.toml."""
+"""The compiled parts, both optional: where no C compiler is found the build goes on, and every
+caller takes its (slower, equally checked) Python path. Everything else is in pyproject.toml.
+
+- snapforensics/snapshot/_native.c (types in _native.pyi, switch in native.py): two one-pass C
+  walks, `trace_columns`, the loader's reader of a device trace's columns, and `pair_events`,
+  analysis/lifetimes' pairing of allocs and frees by address.
+- snapforensics/snapshot/_stream.c (switch in stream.py): the streaming reader, the pickle's
+  opcodes walked once and the device traces written straight into columns."""
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("snapforensics.snapshot._native",
-                             ["snapforensics/snapshot/_native.c"], optional=True)])
+setup(ext_modules=[
+    Extension("snapforensics.snapshot._native", ["snapforensics/snapshot/_native.c"],
+              optional=True),
+    Extension("snapforensics.snapshot._stream", ["snapforensics/snapshot/_stream.c"],
+              optional=True),
+])

@@ -50,7 +50,9 @@ from snapforensics.snapshot.model import (
     Trace,
 )
 from snapforensics.snapshot.native import native
-from snapforensics.snapshot.unpickle import gc_paused, read_raw_info
+from snapforensics.snapshot.stream import StreamTrace
+from snapforensics.snapshot.stream import read_info as stream_info
+from snapforensics.snapshot.unpickle import gc_paused, open_file, read_raw_info
 
 BLOCK_STATES = {"active_allocated", "active_pending_free", "active_awaiting_free", "inactive"}
 _STATE_OK = {"active_allocated", "active_pending_free", "inactive"}
@@ -66,7 +68,9 @@ def load(path: str | os.PathLike, file: Any = None) -> Snapshot:
     # collection: every object made while the GC was off counts as young). So the raw graph is
     # freed before the GC comes back.
     with gc_paused():
-        raw, warnings, info = read_raw_info(path, file)
+        f = open_file(path) if file is None else file
+        got = stream_info(path, f)  # None: declined or not built, the Python path reads it
+        raw, warnings, info = got if got is not None else read_raw_info(path, f)
         try:
             snap = normalize(raw, source=str(path), warnings=warnings, file_info=info)
         except SnapError as e:
@@ -78,6 +82,8 @@ def load(path: str | os.PathLike, file: Any = None) -> Snapshot:
 def _trace(entries: Any, device: int, it: Interner, inline_ann: list[Annotation],
            keys_seen: set, untimed: list[str]) -> Trace:
     where_dev = f"device_traces[{device}]"
+    if type(entries) is StreamTrace:
+        return _stream_trace(entries, device, it, inline_ann, keys_seen, untimed)
     if type(entries) not in LISTS:
         raise SnapError(f"{where_dev} must be a list, got {tname(entries)}")
     n = len(entries)
@@ -85,16 +91,41 @@ def _trace(entries: Any, device: int, it: Interner, inline_ann: list[Annotation]
         return Trace.empty(device)
     action, addr, size, stream, time_us, stack = (_native_columns(entries, where_dev, it)
                                                   or _checked_columns(entries, where_dev, it))
-    if absurd_times(time_us):  # one warning per file, in normalize
-        untimed.append(f"device {device}")
-        time_us = np.full(n, np.nan)
     # Which optional fields this file has: first and last entries suffice.
     for e in entries[:500] if n <= 1000 else entries[:500] + entries[-500:]:
         keys_seen.update(e)
+    return _finish_trace(entries, device, (action, addr, size, stream, time_us, stack), it,
+                         inline_ann, keys_seen, untimed, where_dev)
+
+
+def _stream_trace(t: StreamTrace, device: int, it: Interner, inline_ann: list[Annotation],
+                  keys_seen: set, untimed: list[str]) -> Trace:
+    """A trace the streaming reader wrote as columns: interned exactly as `_native_columns`
+    interns the C reader's columns (streams and stacks in order of first appearance)."""
+    where_dev = f"device_traces[{device}]"
+    if not len(t):
+        return Trace.empty(device)
+    cols = _intern_columns(t.action, t.addr, t.size, t.stream, t.time_us, t.group,
+                           [(rep, r) for rep, r in zip(t.reps, t.first)], where_dev, it)
+    keys_seen.update(t.keys)
+    return _finish_trace(t, device, cols, it, inline_ann, keys_seen, untimed, where_dev)
+
+
+def _finish_trace(entries: Any, device: int, cols: Columns, it: Interner,
+                  inline_ann: list[Annotation], keys_seen: set, untimed: list[str],
+                  where_dev: str) -> Trace:
+    """What every trace gets after its columns: absurd times, pools, oom rows' device_free,
+    inline annotations (`entries`: the entry dicts, or a StreamTrace)."""
+    action, addr, size, stream, time_us, stack = cols
+    n = len(action)
+    row = entries.entry if type(entries) is StreamTrace else entries.__getitem__
+    if absurd_times(time_us):  # one warning per file, in normalize
+        untimed.append(f"device {device}")
+        time_us = np.full(n, np.nan)
 
     # pool_id (newest torch) feeds format["pools"]: torch writes it on every entry of a file or on
     # none, so a field absent from the first and last 500 entries is absent.
-    if "pool_id" in keys_seen:
+    if "pool_id" in keys_seen:  # the streaming reader declines such files
         pools: Iterable[Any] = column(entries, "pool_id")
         try:
             pools = dict.fromkeys(pools)
@@ -105,7 +136,7 @@ def _trace(entries: Any, device: int, it: Interner, inline_ann: list[Annotation]
 
     device_free: dict[int, int] = {}
     for i in np.flatnonzero(action == A["oom"]).tolist():
-        df = entries[i].get("device_free")
+        df = row(i).get("device_free")
         if df is not None:
             device_free[i] = check_int(df, f"{where_dev}[{i}]", "device_free", hi=MAX_BYTES)
 
@@ -113,7 +144,7 @@ def _trace(entries: Any, device: int, it: Interner, inline_ann: list[Annotation]
     for i in inline_rows.tolist():
         # 2.4-era inline annotations: frames [{name: START|END, filename: <name>}]
         stack[i] = NO_STACK
-        name, stage = _inline_annotation(entries[i], f"{where_dev}[{i}]")
+        name, stage = _inline_annotation(row(i), f"{where_dev}[{i}]")
         inline_ann.append(Annotation(device, stage, name, float(time_us[i]), i))
     return Trace(device, action, addr, size, stream, time_us, stack, device_free)
 
@@ -133,9 +164,19 @@ def _native_columns(entries: Any, where_dev: str, it: Interner) -> Columns | Non
     if got is None:
         return None
     a, ad, sz, st, tm, grp, first = got
-    size = np.frombuffer(sz, np.int64)
+    return _intern_columns(np.frombuffer(a, np.int8), np.frombuffer(ad, np.uint64),
+                           np.frombuffer(sz, np.int64), np.frombuffer(st, np.int64),
+                           np.frombuffer(tm, np.float64), np.frombuffer(grp, np.int32),
+                           [(entries[r]["frames"], r) for r in np.frombuffer(first, np.int64)
+                            .tolist()], where_dev, it)
+
+
+def _intern_columns(action: np.ndarray, addr: np.ndarray, size: np.ndarray,
+                    raw_stream: np.ndarray, time_us: np.ndarray, group: np.ndarray,
+                    reps: list[tuple[Any, int]], where_dev: str, it: Interner) -> Columns:
+    """The C readers' raw columns interned: streams and stacks in order of first appearance,
+    one `it.stack` call per distinct frames list (`reps`: each with its first row)."""
     check_size_total(size, where_dev, "size")
-    raw_stream = np.frombuffer(st, np.int64)
     if (raw_stream == raw_stream[0]).all():
         stream = np.full(len(raw_stream), it.stream(int(raw_stream[0]), where_dev), np.int32)
     else:
@@ -144,14 +185,11 @@ def _native_columns(entries: Any, where_dev: str, it: Interner) -> Columns | Non
         ids = np.empty(len(values), np.int32)
         ids[order] = [it.stream(v, where_dev) for v in values[order].tolist()]
         stream = ids[inv.reshape(-1)]
-    group = np.frombuffer(grp, np.int32)
-    sids = np.array([it.stack(entries[r]["frames"], where_dev, r)
-                     for r in np.frombuffer(first, np.int64).tolist()], np.int32)
+    sids = np.array([it.stack(fl, where_dev, r) for fl, r in reps], np.int32)
     stack = np.full(len(group), NO_STACK, np.int32)
     has = group >= 0
     stack[has] = sids[group[has]]
-    return (np.frombuffer(a, np.int8), np.frombuffer(ad, np.uint64), size, stream,
-            np.frombuffer(tm, np.float64), stack)
+    return action, addr, size, stream, time_us, stack
 
 
 def _checked_columns(entries: Any, where_dev: str, it: Interner) -> Columns:
@@ -433,7 +471,8 @@ def normalize(raw: Any, source: str = "<memory>", warnings: list[str] | None = N
     if len(dt) > MAX_DEVICE:
         raise SnapError(f"device_traces has {len(dt)} lists, more than any machine has devices")
     it.budget.add(len(dt), "device traces")
-    it.budget.add(sum(len(e) for e in dt if type(e) in LISTS), "trace entries")
+    it.budget.add(sum(len(e) for e in dt if type(e) in LISTS or type(e) is StreamTrace),
+                  "trace entries")
     inline: list[Annotation] = []
     keys: set = set()
     untimed: list[str] = []
