@@ -265,3 +265,18 @@ def test_every_framework_form_compiles_and_names_the_layer():
                 head = f.fix.splitlines()[0]
                 assert "LlamaDecoderLayer" in head and "model.layers.N (N = 0-3)" in head
                 assert "# Raw torch" in f.fix, (rule, owner)
+
+
+def test_framework_evidence_does_not_follow_the_hash_seed(corpus_dir):
+    """The evidence names one file per framework; picked from a set of file names, it followed
+    PYTHONHASHSEED (a different JSON on every run of this corpus file)."""
+    src = corpus_dir / "ConstructorSun_memory_snapshot.pickle"
+    outs = set()
+    for seed in ("1", "2", "3"):
+        env = {**_env(), "PYTHONHASHSEED": seed}
+        proc = subprocess.run([sys.executable, "-m", "snapforensics", "diagnose", str(src),
+                               "--format", "json", "--no-cache"], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        outs.add(json.dumps(json.loads(proc.stdout)["framework"], sort_keys=True))
+    assert len(outs) == 1, outs

@@ -109,7 +109,8 @@ def detect(snapshot: Snapshot, analyses: list[DeviceAnalysis]) -> Framework:
     seen: list[str] = []
     evidence: list[str] = []
     for name, frags in _PACKAGES:
-        hit = next((fn for fn in files for fr in frags if fr in fn), None)
+        # the first matching file in name order: a set's order follows PYTHONHASHSEED
+        hit = min((fn for fn in files for fr in frags if fr in fn), default=None)
         if hit is not None:
             seen.append(name)
             evidence.append(f"{name}: frames from {_short(hit)}")
