@@ -102,7 +102,7 @@ def pytest_collection_modifyitems(config, items) -> None:
     if not slow:
         return
     items[:] = [i for i in items if not i.get_closest_marker("slow")] + slow
-    if importlib.util.find_spec("torch") is None:
+    if importlib.util.find_spec("torch") is None or config.option.collectonly:
         return
     import recordings
 

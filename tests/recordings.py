@@ -31,6 +31,7 @@ does), and ``replay_peak(snapshot)`` (max of cumulative alloc - free_completed o
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
@@ -136,6 +137,18 @@ def _argv(variant: str, steps: int, extra: tuple[str, ...]) -> list[str]:
     return ["--variant", variant, "--steps", str(steps), *extra]
 
 
+_children: set[subprocess.Popen] = set()
+
+
+@atexit.register
+def _stop_children() -> None:
+    """A session that ends (or only collects) before its background jobs do leaves no recording
+    process behind: they would go on as orphans, unpublished, holding the cores."""
+    for proc in list(_children):
+        if proc.poll() is None:
+            proc.kill()
+
+
 def _record_job(world: int, runs: list[tuple[str, int, int, tuple[str, ...]]]) -> str:
     """Record `runs` (all for `world` ranks) in one job; '' or what went wrong."""
     CACHE.mkdir(parents=True, exist_ok=True)
@@ -151,6 +164,7 @@ def _record_job(world: int, runs: list[tuple[str, int, int, tuple[str, ...]]]) -
             proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "record_example.py"),
                                      str(stage / "spec.json")], cwd=REPO, env=_env(),
                                     stdout=out, stderr=subprocess.STDOUT)
+            _children.add(proc)
             while todo:  # each run is published as soon as its ranks have written it
                 done = proc.poll() is not None
                 for d, run in [t for t in todo if _cached(t[0], world)]:
@@ -244,12 +258,18 @@ def _record_matrix(world: int) -> str:
     CACHE.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".matrix-w{world}-", dir=CACHE))
     try:
-        proc = subprocess.run(
+        proc = subprocess.Popen(
             [sys.executable, "-m", "snapforensics.examples.scenarios", "--out", str(stage),
-             "--world", str(world)], cwd=REPO, env=_env(), capture_output=True, text=True,
-            timeout=1800)
+             "--world", str(world)], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True)
+        _children.add(proc)
+        try:
+            err = proc.communicate(timeout=1800)[1]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            err = proc.communicate()[1]
         if proc.returncode != 0:
-            return f"matrix (world {world}) failed: exit {proc.returncode}\n{proc.stderr[-4000:]}"
+            return f"matrix (world {world}) failed: exit {proc.returncode}\n{err[-4000:]}"
         _publish(stage, _matrix_folder(world))
         return ""
     finally:
