@@ -16,7 +16,10 @@ from collections import Counter
 import pytest
 from fuzz import FAMILIES, FORMATS, run
 
-SEED = int(os.environ.get("SNAPFORENSICS_FUZZ_SEED") or random.SystemRandom().randrange(1 << 20))
+# a fixed seed by default: the CI tier is the same cases every run (a random one let a run miss a
+# renderer); SNAPFORENSICS_FUZZ_SEED=random explores
+_SEED = os.environ.get("SNAPFORENSICS_FUZZ_SEED") or "0"
+SEED = random.SystemRandom().randrange(1 << 20) if _SEED == "random" else int(_SEED)
 SCALE = int(os.environ.get("SNAPFORENSICS_FUZZ_SCALE") or 1)
 MEMORY = 3 << 30
 # a loaded 2-core machine; the bounded versions take a few seconds

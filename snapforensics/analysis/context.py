@@ -14,7 +14,7 @@ import numpy as np
 from snapforensics.analysis import lifetimes, phases
 from snapforensics.analysis.allocator import Allocator
 from snapforensics.analysis.classify import PATHS, StackInfo, classify
-from snapforensics.analysis.fsdp_units import FsdpUnits, name_fsdp1_units
+from snapforensics.analysis.fsdp_units import FsdpUnits
 from snapforensics.analysis.stacks import is_native, is_noise
 from snapforensics.analysis.vocab import BACKWARD_PHASES, CAT_CODE, CATEGORIES, Category, Phase
 from snapforensics.snapshot.model import ALLOC, NO_STACK, Snapshot, Trace
@@ -145,7 +145,6 @@ def analyse(snapshot: Snapshot, trace: Trace) -> DeviceAnalysis:
         stack_id, c = divmod(k, n_ctx)
         frames = snapshot.stack_frames(stack_id) if stack_id != NO_STACK else []
         infos.append(classify(frames, contexts[c] if contexts else ()))
-    infos = name_fsdp1_units(snapshot, infos, [k // n_ctx for k in keys.tolist()])
     hint_of = np.array([i.phase for i in infos], np.int8)
     # no Python frame: on CUDA, made by a backward op on the autograd thread (C++ frames only
     # with stacks="all", none with "python")
