@@ -25,6 +25,7 @@ _RAF = "fsdp.reshard_after_forward_disabled"
 _SYNC = "fsdp.gradient_sync_disabled"
 _INIT = "fsdp.full_model_materialized_at_init"
 _AC = "activations.no_checkpointing"
+_AC_FINE = "activations.checkpoint_finer_than_unit"
 _DOUBLE = "fsdp.double_all_gather_in_backward"
 _RATE = "fsdp.too_many_concurrent_all_gathers"
 
@@ -44,10 +45,27 @@ def localize(findings: list[Finding], fw: Framework) -> None:
         if form is not None:
             parts += [f"# In {_TERMS[fw.owner] if fw.owner in _TERMS else 'your model'}:",
                       form(fw, f).rstrip(), "", "# Raw torch (the same change):"]
+            _predict_as_printed(f, fw)
         raw = _RAW.get(f.rule)
         parts.append(raw(fw, f) if raw and fw.layer.container else _raw(f.fix, fw))
         f.fix = "\n".join(parts)
         f.evidence["framework"] = fw.owner
+
+
+def _predict_as_printed(f: Finding, fw: Framework) -> None:
+    """The predicted peak of the framework's form as printed, where it differs from the rule's
+    raw-torch one: accelerate's FSDP1 plugin (which the form builds) gathers each layer for
+    backward with no prefetch (accelerate 1.15 utils/dataclasses.py: `backward_prefetch`
+    defaults to NO_PREFETCH, read as None), so when the trace could not show the prefetch the
+    peak without it is the one the printed fix gives."""
+    ev = f.evidence
+    if f.rule == _RAF and fw.owner == "accelerate" and fw.fsdp == "FSDP1" and \
+            ev.get("backward_prefetch") == "unknown" and f.predicted_peak_bytes is not None:
+        no_pf = ev["predicted_peaks_without_backward_prefetch"]["overall_bytes"]
+        ev["predicted_peaks_with_backward_prefetch"] = ev["predicted_peaks"]
+        ev["predicted_peaks"] = ev["predicted_peaks_without_backward_prefetch"]
+        f.saving_bytes = max(f.predicted_peak_bytes + (f.saving_bytes or 0) - no_pf, 0)
+        f.predicted_peak_bytes = no_pf
 
 
 _TERMS = {"accelerate": "accelerate", "hf_trainer": "the HF Trainer",
@@ -132,7 +150,9 @@ plugin = FullyShardedDataParallelPlugin(
 # accelerate config file: fsdp_config: {{fsdp_sharding_strategy: FULL_SHARD}}
 # under FSDP1 set sharding_strategy: accelerate 1.15 fills it with FULL_SHARD when unset and
 # prepares with `sharding_strategy or reshard_after_forward`, so reshard_after_forward is
-# ignored there (it is FSDP2's field)"""
+# ignored there (it is FSDP2's field). backward_prefetch stays at the plugin's default,
+# NO_PREFETCH (each layer gathered at its own pre-backward); backward_prefetch="BACKWARD_PRE"
+# overlaps the next layer's gather with this one's backward, for one more layer in memory"""
     return f"""\
 from accelerate import FullyShardedDataParallelPlugin
 plugin = FullyShardedDataParallelPlugin(
@@ -306,6 +326,24 @@ strategy = FSDPStrategy(limit_all_gathers=True)"""
 
 
 Form = Callable[[Framework, Finding], str]
+def _ac_fine_accelerate(fw: Framework, f: Finding) -> str:
+    return f"""\
+from accelerate import FullyShardedDataParallelPlugin
+# one checkpoint per unit: the plugin's activation_checkpointing wraps every module its
+# auto-wrap policy matches (accelerate 1.15 fsdp2_apply_ac); match the layer class only
+plugin = FullyShardedDataParallelPlugin(
+    fsdp_version=2, activation_checkpointing=True,
+    auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["{_cls(fw)}"])
+# and do not also call model.gradient_checkpointing_enable()"""
+
+
+def _ac_fine_hf(fw: Framework, f: Finding) -> str:
+    return """\
+# one checkpoint per layer: HF's own switch alone (it checkpoints each decoder layer), with no
+# checkpoint_wrapper / FSDP activation checkpointing on top of it or on its sub-modules
+model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})"""
+
+
 _FORMS: dict[str, dict[str, Form]] = {
     _RAB: {"accelerate": _rab_accelerate, "hf_trainer": _rab_accelerate,
            "lightning": _rab_lightning, "fabric": _rab_lightning, "torchtitan": _rab_titan},
@@ -318,6 +356,8 @@ _FORMS: dict[str, dict[str, Form]] = {
     _AC: {"transformers": _ac_hf, "accelerate": _ac_accelerate, "hf_trainer": _ac_trainer,
           "lightning": _ac_lightning, "fabric": _ac_lightning, "torchtitan": _ac_titan},
     _DOUBLE: {"transformers": _double_hf},
+    _AC_FINE: {"transformers": _ac_fine_hf, "accelerate": _ac_fine_accelerate,
+               "hf_trainer": _ac_fine_accelerate},
     _RATE: {"accelerate": _rate_accelerate, "hf_trainer": _rate_trainer,
             "lightning": _rate_lightning, "fabric": _rate_lightning},
 }

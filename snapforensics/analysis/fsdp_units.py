@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from snapforensics.analysis import fsdp_ranges
+from snapforensics.analysis.classify import PATHS
 from snapforensics.analysis.phases import Iteration
 from snapforensics.analysis.stacks import python_frames
 from snapforensics.analysis.vocab import BACKWARD_PHASES, CAT_CODE, Category
@@ -154,6 +155,27 @@ class FsdpUnits:
         if recorded is not None:
             return WorldSize(recorded, False)
         return WorldSize(None, False)
+
+    @cached_property
+    def backward_prefetch(self) -> bool | None:
+        """Does this run gather a unit's parameters for backward ahead of its pre-backward
+        (backward prefetch)? True when a backward unshard was made on FSDP's prefetch path
+        (FSDP2 `_backward_prefetch`, FSDP1 `_prefetch_handle` under `_pre_backward_prefetch` /
+        `_post_backward_prefetch`: FSDP1 enters those ranges with prefetch off too, but then
+        returns before unsharding, so nothing is made there), False when an iteration gathered
+        two or more units in backward and none of them so, None when no iteration did (units
+        kept from forward, SHARD_GRAD_OP / reshard_after_forward=False: the trace cannot say)."""
+        d = self._d
+        bw = np.isin(d.phase, BACKWARD_PHASES) & (d.iteration >= 0) & ~self.stale
+        gathers = bw & (self.primary | (self.event >= 0))  # all-gather outputs, unshards
+        if (d.path[gathers] == PATHS.index("prefetch")).any():
+            return True
+        un = bw & (self.event >= 0)
+        if not un.any():
+            return None
+        pairs = np.unique(np.stack([d.iteration[un], self.event[un]]), axis=1)
+        _, counts = np.unique(pairs[0], return_counts=True)
+        return False if (counts >= 2).any() else None
 
     @cached_property
     def stale(self) -> np.ndarray:

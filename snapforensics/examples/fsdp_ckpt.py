@@ -27,6 +27,8 @@ modules unit by unit):
 - ``fixed``: the same layout with ``set_reshard_after_backward(True)``.
 - ``nested``: ``fully_shard`` on each block's ``attn`` and ``mlp`` inside
   ``checkpoint_wrapper(block)``; defaults, no prefetch lists.
+- ``ac_submodules``: ``checkpoint_wrapper`` on each block's ``attn`` and ``mlp`` (two
+  checkpoint regions inside one unit), ``fully_shard(block)``; ``fixed`` is its twin.
 - ``noac``: ``fully_shard`` per block, no checkpointing (activations dominate; batch 8 by default).
 - ``reshard_after_forward_false``: ``fixed`` with
   ``fully_shard(block, reshard_after_forward=False)``.
@@ -52,6 +54,8 @@ modules unit by unit):
   reduce_dtype=float32)`` (a low-precision ``_mp_shard`` per unshard, fp32 gradient reduction).
 - ``fsdp1_shard_grad_op_fp32``: ``fsdp1`` with ``SHARD_GRAD_OP`` and no mixed precision: the same
   run as ``fsdp1`` but for the sharding strategy (the forecast's strategy check compares them).
+- ``fsdp1_no_prefetch``: ``fsdp1`` with ``backward_prefetch=None`` (each unit gathered at its
+  own pre-backward: accelerate's FSDP1 plugin default, NO_PREFETCH).
 - ``fsdp1_reentrant``: FSDP1 ``FULL_SHARD`` per block with HF-style gradient checkpointing: a
   *reentrant* ``checkpoint`` around each FSDP-wrapped block. The recompute re-runs the unit's
   pre-forward (all-gather) and post-forward (reshard), then its pre-backward hook all-gathers it
@@ -202,6 +206,17 @@ def v_nested(model, mesh):
     return Plan()
 
 
+def v_ac_submodules(model, mesh):
+    """checkpoint_wrapper(block.attn), checkpoint_wrapper(block.mlp), fully_shard(block): two
+    checkpoint regions inside each FSDP unit (accelerate's FSDP2 `activation_checkpointing`
+    with a policy matching the sub-modules does this)."""
+    for block in _blocks(model):
+        block.attn = checkpoint_wrapper(block.attn)
+        block.mlp = checkpoint_wrapper(block.mlp)
+    _per_block(model, mesh, ac=False)
+    return Plan()
+
+
 def v_noac(model, mesh):
     _per_block(model, mesh, ac=False)
     return Plan(batch=8)  # without checkpointing, 4x the tokens: activations dominate the peak
@@ -258,13 +273,14 @@ def v_no_rate_limit(model, mesh):
     return Plan()
 
 
-def _fsdp1(model: Transformer, mesh, strategy: str, mp: bool = False, ac: bool = True) -> Plan:
+def _fsdp1(model: Transformer, mesh, strategy: str, mp: bool = False, ac: bool = True,
+           prefetch: bool = True) -> Plan:
     """FSDP1: FullyShardedDataParallel per block and the root, then checkpoint each block."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         apply_activation_checkpointing,
     )
+    from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     if mesh.device_type == "cuda":
@@ -274,7 +290,8 @@ def _fsdp1(model: Transformer, mesh, strategy: str, mp: bool = False, ac: bool =
     policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mp else None
     wrapped = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}),
                    sharding_strategy=ShardingStrategy[strategy], use_orig_params=True,
-                   device_id=device, mixed_precision=policy)
+                   device_id=device, mixed_precision=policy,
+                   backward_prefetch=BackwardPrefetch.BACKWARD_PRE if prefetch else None)
     if ac:
         apply_activation_checkpointing(wrapped, check_fn=lambda m: isinstance(m, Block))
     return Plan(model=wrapped, materialized=True)
@@ -303,6 +320,10 @@ def v_fsdp1(model, mesh):
     return _fsdp1(model, mesh, "FULL_SHARD")
 
 
+def v_fsdp1_no_prefetch(model, mesh):
+    return _fsdp1(model, mesh, "FULL_SHARD", prefetch=False)
+
+
 def v_fsdp1_shard_grad_op(model, mesh):
     return _fsdp1(model, mesh, "SHARD_GRAD_OP", mp=True)
 
@@ -316,6 +337,7 @@ VARIANTS: dict[str, Callable[[Transformer, object], Plan]] = {
     "fixed": v_fixed,
     "nested": v_nested,
     "noac": v_noac,
+    "ac_submodules": v_ac_submodules,
     "reshard_after_forward_false": v_reshard_after_forward_false,
     "prefetch_in_recompute": v_prefetch_in_recompute,
     "no_grad_sync": v_no_grad_sync,
@@ -324,6 +346,7 @@ VARIANTS: dict[str, Callable[[Transformer, object], Plan]] = {
     "leak": v_leak,
     "no_rate_limit": v_no_rate_limit,
     "fsdp1": v_fsdp1,
+    "fsdp1_no_prefetch": v_fsdp1_no_prefetch,
     "fsdp1_shard_grad_op": v_fsdp1_shard_grad_op,
     "fsdp1_shard_grad_op_fp32": v_fsdp1_shard_grad_op_fp32,
     "fsdp1_reentrant": v_fsdp1_reentrant,

@@ -11,12 +11,19 @@ from findings import (
     fired,
     near,
 )
+from recordings import S_FSDP1
 
 from snapforensics.analysis.rules import fsdp_mixed_precision
 from snapforensics.analysis.rules.fsdp_reshard_after_forward import RULE
 from snapforensics.analysis.vocab import Category
 
 slow = pytest.mark.slow
+
+
+def _path(variant):
+    from recordings import recorded
+
+    return recorded(variant, steps=2, extra=S_FSDP1)[0]
 
 
 @slow
@@ -59,3 +66,36 @@ def test_fsdp1_shard_grad_op_is_classified_and_keeps_params(diagnosed):
     assert {"reduce_in_higher_precision", "low_precision_shard_copies"} <= set(m.evidence["parts"])
     assert m.evidence["parts"]["low_precision_shard_copies"]["blocks"] >= 7  # one per unshard
     assert not d.anomalies, [(x.rule, x.cause) for x in d.anomalies]
+
+
+@slow
+def test_backward_prefetch_is_read_from_the_trace():
+    """FSDP1 FULL_SHARD gathers a unit for backward on the prefetch path (`_prefetch_handle`)
+    with BACKWARD_PRE (torch's default) and at its own pre-backward with `backward_prefetch=None`
+    (accelerate's FSDP1 default); SHARD_GRAD_OP gathers nothing in backward: unknown."""
+    from snapforensics.analysis.engine import diagnose_devices
+    from snapforensics.snapshot import load
+
+    def seen(variant):
+        return diagnose_devices(load(_path(variant)))[1][0].fsdp.backward_prefetch
+
+    assert seen("fsdp1") is True
+    assert seen("fsdp1_no_prefetch") is False
+    assert seen("fsdp1_shard_grad_op_fp32") is None
+
+
+@slow
+def test_fsdp1_prediction_with_and_without_backward_prefetch(diagnosed):
+    """SHARD_GRAD_OP (fp32) shows no backward gather, so the finding predicts both: with FSDP's
+    default prefetch (checked against `fsdp1`, FULL_SHARD + BACKWARD_PRE) and without (checked
+    against `fsdp1_no_prefetch`), each within 5% of its measured twin."""
+    kw = {"steps": 2, "extra": list(S_FSDP1)}
+    f = finding(diagnosed("fsdp1_shard_grad_op_fp32", **kw), RULE)
+    assert f.evidence["backward_prefetch"] == "unknown"
+    with_pf = diagnosed("fsdp1", **kw).peaks["overall_bytes"]
+    without = diagnosed("fsdp1_no_prefetch", **kw).peaks["overall_bytes"]
+    assert without < with_pf  # one unit fewer gathered at a time
+    assert near(f.predicted_peak_bytes, with_pf, 0.05), (f.predicted_peak_bytes, with_pf)
+    no_pf = f.evidence["predicted_peaks_without_backward_prefetch"]["overall_bytes"]
+    assert near(no_pf, without, 0.05), (no_pf, without)
+    assert abs(no_pf - without) < abs(f.predicted_peak_bytes - without)

@@ -6,6 +6,7 @@ The order below is the order of the findings in every report.
 """
 
 from snapforensics.analysis.rules import (
+    activations_checkpoint_granularity,
     activations_checkpointing,
     allocator_fragmentation,
     allocator_record_stream,
@@ -31,6 +32,7 @@ RULES = [
     allocator_record_stream,
     leak_iteration_growth,
     activations_checkpointing,
+    activations_checkpoint_granularity,
     oom_report,
     fsdp_reshard_after_forward,
     fsdp_stale_prefetch,

@@ -13,7 +13,11 @@ forward: its backward runs first, so keeping it is free (torchtitan does it on p
 Verdict `expected`: it is what the setting is designed to cost (it trades memory for one fewer
 all-gather per unit in backward). The finding gives the cost and what `reshard_after_forward=True`
 on non-root units would save, predicted by replaying the trace with each kept unit freed at its
-post-forward and re-gathered for its backward (one unit of backward prefetch, FSDP's default).
+post-forward and re-gathered for its backward: one unit ahead when the trace shows backward
+prefetch (`FsdpUnits.backward_prefetch`: a unit gathered for backward on FSDP's prefetch path),
+at its own pre-backward when it shows none; when no unit was gathered in backward at all (every
+unit kept, the usual case here) the headline assumes FSDP's default (prefetch) and the evidence
+also gives the peak without it.
 """
 
 from __future__ import annotations
@@ -112,10 +116,12 @@ def _kept(d: DeviceAnalysis, it: Iteration, ev: np.ndarray, fw: np.ndarray | Non
     return Kept(kept, units, root)
 
 
-def _counterfactual(d: DeviceAnalysis,
-                    plans: list[Plan]) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+def _counterfactual(d: DeviceAnalysis, plans: list[Plan], prefetch: bool
+                    ) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
     """Free rows and extra (start, end, bytes) intervals of the trace replayed with each kept
-    unit freed at its post-forward and re-gathered for its backward."""
+    unit freed at its post-forward and re-gathered for its backward: while the unit before it
+    (in backward order) runs its backward with `prefetch`, else when that unit's backward is
+    done (its pre-backward)."""
     free_row = d.lt.free_row.copy()
     extra = []
     for it, kept, units in plans:
@@ -133,7 +139,7 @@ def _counterfactual(d: DeviceAnalysis,
         for k in bw[:-1]:
             need.append(int(d.lt.free_row[kept[k]].min()))
         for j, k in enumerate(bw):
-            gather = need[max(j - 1, 0)]  # prefetched while the previous unit runs backward
+            gather = need[max(j - 1, 0)] if prefetch else need[j]
             for b in kept[k].tolist():
                 fr = int(d.lt.free_row[b])
                 if fr > gather:
@@ -158,8 +164,14 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     kept, _, root = per_iter[worst]
     blocks = np.concatenate(list(kept.values()))
     kept_bytes = int(d.lt.size[blocks].sum())
-    free_row, extra = _counterfactual(d, plans)
+    # FSDP's backward prefetch as the trace shows it; when no unit was gathered in backward
+    # (all kept) the trace cannot tell: the headline assumes prefetch (FSDP2 always prefetches,
+    # FSDP1 defaults to BACKWARD_PRE) and the evidence gives the peak without it too
+    seen = d.fsdp.backward_prefetch
+    free_row, extra = _counterfactual(d, plans, seen is not False)
     after = peaks(d, d.lt.replay(free_row=free_row, extra=extra))
+    no_pf = after if seen is False else peaks(
+        d, d.lt.replay(free_row=free_row, extra=_counterfactual(d, plans, False)[1]))
     before = d.peak_bytes
     named = [k for k in kept if isinstance(k, str)]
     mods: list[dict[str, Any]] = [
@@ -182,7 +194,11 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         f"Not counted: {root_txt}, which FSDP keeps unsharded after forward by design, and the "
         "last unit to run forward (its backward runs first, keeping it costs nothing). "
         f"With reshard_after_forward=True on the non-root units the peak is predicted at "
-        f"{human(after['overall_bytes'])} instead of {human(before)}.")
+        f"{human(after['overall_bytes'])} instead of {human(before)}"
+        + (" (with backward prefetch, as this run shows it)." if seen else
+           " (no backward prefetch, as this run shows it)." if seen is False else
+           f" with FSDP's default backward prefetch, {human(no_pf['overall_bytes'])} without "
+           "it (no unit was gathered in backward here, so the trace cannot tell which)."))
     return [Finding(
         rule=RULE, verdict=Verdict.EXPECTED,
         title="Parameters kept unsharded from forward to backward (reshard_after_forward=False "
@@ -201,5 +217,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
             "modules": mods[:12],
             "stacks": top_stacks(d, blocks, 1),
             "predicted_peaks": after,
+            "backward_prefetch": {True: "seen", False: "off", None: "unknown"}[seen],
+            "predicted_peaks_without_backward_prefetch": no_pf,
         },
     )]

@@ -1,0 +1,50 @@
+"""activations.checkpoint_finer_than_unit: checkpoint regions finer than the FSDP unit, on a real
+recording (`ac_submodules`: `checkpoint_wrapper` on each block's attention and MLP under
+`fully_shard(block)`), its predicted peak checked against the fixed twin (`fixed`: one
+`checkpoint_wrapper` per block) recorded at the same batch; and the layouts with one region per
+unit, or regions coarser than the unit (`nested`), get no finding."""
+
+from __future__ import annotations
+
+import pytest
+from findings import found, near, one
+
+from snapforensics.analysis.rules.activations_checkpoint_granularity import RULE
+
+slow = pytest.mark.slow
+B8 = ["--batch", "8"]
+
+
+@slow
+def test_sub_module_checkpoints_inside_each_unit_are_found_and_replayed(diagnosed):
+    d = diagnosed("ac_submodules", extra=B8)
+    f = one(d, RULE)
+    ev = f.evidence
+    # the example's 6 blocks, each recomputing its attention and its MLP separately
+    assert ev["recompute_runs_per_unit"] == {f"layers.{i}": 2 for i in range(6)}, ev
+    assert ev["units_per_iteration"] == {"0": 6, "1": 6, "2": 6}
+    assert "every iteration" in f.cause
+    # one checkpoint per block, measured: the predicted peak is the twin's (10%, as every rule)
+    twin = diagnosed("fixed", extra=B8).peaks["overall_bytes"]
+    assert near(f.predicted_peak_bytes, twin), (f.predicted_peak_bytes, twin)
+    assert f.predicted_peak_bytes == d.peaks["overall_bytes"] - f.saving_bytes
+    # the verdict follows the measured effect: the twin's peak is lower by more than the noise
+    assert f.verdict == ("anomalous" if twin < 0.98 * d.peaks["overall_bytes"] else "info")
+    assert "checkpoint_wrapper(layer)" in f.fix
+    compile(f.fix, "<fix>", "exec")
+
+
+@slow
+def test_one_region_per_unit_or_coarser_is_not_flagged(diagnosed):
+    for variant in ("fixed", "nested", "fsdp1", "buggy"):
+        assert not found(diagnosed(variant), RULE), variant
+
+
+@slow
+def test_no_finding_where_finer_regions_do_not_cost_the_peak(diagnosed):
+    """At batch 2 parameters and gradients set the peak: the replay predicts no saving, and the
+    twin measures within re-recording noise (1%) of the finer layout."""
+    d = diagnosed("ac_submodules")
+    twin = diagnosed("fixed").peaks["overall_bytes"]
+    assert abs(d.peaks["overall_bytes"] - twin) < 0.01 * twin
+    assert not found(d, RULE)
