@@ -56,6 +56,8 @@ SOURCES = ("snapforensics/examples", "snapforensics/record", "snapforensics/comm
 # (a run asked for and not listed here is recorded alone when asked).
 S_FSDP1 = ("--layers", "4", "--dim", "256")  # small shapes: test_forecast's world-size pairs
 S_NOAC = ("--layers", "4", "--dim", "128")
+# activations over parameters (8 thin blocks, 8 x 256 tokens): checkpoint granularity sets the peak
+S_AC = ("--layers", "8", "--dim", "256", "--seq", "256", "--batch", "8")
 SUITE: tuple[tuple[str, int, int, tuple[str, ...]], ...] = (
     *((v, 2, 3, ()) for v in (
         "buggy", "fixed", "nested", "noac", "leak", "reshard_after_forward_false",
@@ -63,8 +65,8 @@ SUITE: tuple[tuple[str, int, int, tuple[str, ...]], ...] = (
         "fsdp1", "fsdp1_shard_grad_op", "fsdp1_reentrant")),
     ("noac", 2, 3, ("--batch", "4")),
     ("fixed", 2, 3, ("--batch", "8")),
-    ("ac_submodules", 2, 3, ("--batch", "8")),
     ("ac_submodules", 2, 3, ()),
+    *((v, 2, 3, S_AC) for v in ("ac_submodules", "fixed")),
     ("fsdp1_no_prefetch", 2, 2, S_FSDP1),
     *((v, w, 2, shape) for w in (2, 4) for v, shape in (("fsdp1", S_FSDP1), ("noac", S_NOAC))),
     ("fsdp1_shard_grad_op_fp32", 2, 2, S_FSDP1),

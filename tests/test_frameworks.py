@@ -238,13 +238,16 @@ def test_accelerate_fsdp1_shard_grad_op(tmp_path_factory):
     for bug, ok in zip(truth["steps"], truth_fixed["steps"]):
         assert ok["after_forward"] < bug["after_forward"]
     assert _finding(fixed, "fsdp.reshard_after_forward_disabled") is None
-    # The replay re-gathers each unit one unit ahead (FSDP's default backward prefetch);
-    # accelerate 1.15's FSDP1 plugin defaults backward_prefetch to NO_PREFETCH, so the fix
-    # saves more than predicted (measured: bug 44,291,340 B, predicted 41,667,852 B, fixed
-    # 36,420,876 B). Asserted: the fix lowers the peak at least by the predicted saving.
+    # No layer is gathered in a SHARD_GRAD_OP backward, so the trace cannot show the backward
+    # prefetch; the plugin the fix builds keeps accelerate's default, NO_PREFETCH, and the
+    # prediction is the replay without prefetch (before: one unit ahead assumed, predicted
+    # 41,667,852 B against 36,420,876 B measured).
+    assert f["evidence"]["backward_prefetch"] == "unknown"
     measured = fixed["peaks"]["overall_bytes"]
-    assert measured <= f["predicted_peak_bytes"] < doc["peaks"]["overall_bytes"], \
+    assert abs(f["predicted_peak_bytes"] - measured) <= 0.05 * measured, \
         (f["predicted_peak_bytes"], measured)
+    with_pf = f["evidence"]["predicted_peaks_with_backward_prefetch"]["overall_bytes"]
+    assert f["predicted_peak_bytes"] < with_pf
 
 
 def test_every_framework_form_compiles_and_names_the_layer():

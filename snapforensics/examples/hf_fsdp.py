@@ -14,6 +14,10 @@ batch 2 x 32 tokens, 2 optimizer steps, CPU + gloo. Layouts (``LAYOUTS``):
   ``accel_fsdp1_full``: the plugin's fix, `FULL_SHARD`.
 - ``accel_fsdp2_ac``: accelerate's FSDP2 plugin with `activation_checkpointing=True`;
   ``accel_fsdp2_gc``: the same plugin, HF's `gradient_checkpointing_enable` instead.
+- ``accel_fsdp2_ac_size``: the FSDP2 plugin with `activation_checkpointing=True` and
+  `auto_wrap_policy="size_based_wrap", min_num_params=100_000`: accelerate 1.15 shards and
+  checkpoint-wraps every module above that size, bottom-up (each layer's attention and MLP, the
+  layer around them, the embedding, the head): checkpoints nested inside each layer's unit.
 
 Set by hand because accelerate refuses FSDP without an accelerator (on CPU its state is
 MULTI_CPU and `prepare` does not wrap): `acc.state.distributed_type = DistributedType.FSDP` and
@@ -38,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 LAYOUTS = ("raw_rab_false", "raw_fixed", "accel_fsdp1_sgo", "accel_fsdp1_full",
-           "accel_fsdp2_ac", "accel_fsdp2_gc")
+           "accel_fsdp2_ac", "accel_fsdp2_gc", "accel_fsdp2_ac_size")
 LAYERS, HIDDEN, VOCAB, BATCH, SEQ = 4, 256, 512, 2, 32
 
 
@@ -108,7 +112,10 @@ def _accelerate(layout: str, fix: str | None):
         kw["sharding_strategy"] = "SHARD_GRAD_OP" if layout.endswith("sgo") else "FULL_SHARD"
     else:
         kw["reshard_after_forward"] = True
-        kw["activation_checkpointing"] = layout.endswith("_ac")
+        kw["activation_checkpointing"] = layout.endswith(("_ac", "_ac_size"))
+        if layout.endswith("_size"):
+            kw = {**kw, "auto_wrap_policy": "size_based_wrap", "min_num_params": 100_000}
+            del kw["transformer_cls_names_to_wrap"]
     plugin = FullyShardedDataParallelPlugin(**kw)
     if fix:  # the analyzer's printed fix: its accelerate part builds a new `plugin`
         ns: dict = {}

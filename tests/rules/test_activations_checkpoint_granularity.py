@@ -8,24 +8,25 @@ from __future__ import annotations
 
 import pytest
 from findings import found, near, one
+from recordings import S_AC
 
 from snapforensics.analysis.rules.activations_checkpoint_granularity import RULE
 
 slow = pytest.mark.slow
-B8 = ["--batch", "8"]
+AC = list(S_AC)  # 8 blocks of width 256, 8 x 256 tokens: activations set the peak
 
 
 @slow
 def test_sub_module_checkpoints_inside_each_unit_are_found_and_replayed(diagnosed):
-    d = diagnosed("ac_submodules", extra=B8)
+    d = diagnosed("ac_submodules", extra=AC)
     f = one(d, RULE)
     ev = f.evidence
-    # the example's 6 blocks, each recomputing its attention and its MLP separately
-    assert ev["recompute_runs_per_unit"] == {f"layers.{i}": 2 for i in range(6)}, ev
-    assert ev["units_per_iteration"] == {"0": 6, "1": 6, "2": 6}
+    # the 8 blocks, each recomputing its attention and its MLP separately
+    assert ev["recompute_runs_per_unit"] == {f"layers.{i}": 2 for i in range(8)}, ev
+    assert ev["units_per_iteration"] == {"0": 8, "1": 8, "2": 8}
     assert "every iteration" in f.cause
     # one checkpoint per block, measured: the predicted peak is the twin's (10%, as every rule)
-    twin = diagnosed("fixed", extra=B8).peaks["overall_bytes"]
+    twin = diagnosed("fixed", extra=AC).peaks["overall_bytes"]
     assert near(f.predicted_peak_bytes, twin), (f.predicted_peak_bytes, twin)
     assert f.predicted_peak_bytes == d.peaks["overall_bytes"] - f.saving_bytes
     # the verdict follows the measured effect: the twin's peak is lower by more than the noise
@@ -41,10 +42,12 @@ def test_one_region_per_unit_or_coarser_is_not_flagged(diagnosed):
 
 
 @slow
-def test_no_finding_where_finer_regions_do_not_cost_the_peak(diagnosed):
-    """At batch 2 parameters and gradients set the peak: the replay predicts no saving, and the
-    twin measures within re-recording noise (1%) of the finer layout."""
+def test_nothing_at_stake_where_finer_regions_do_not_set_the_peak(diagnosed):
+    """At the example's default shapes (batch 2) parameters, gradients and optimizer state set
+    the peak: the twin measures within re-recording noise (2%) of the finer layout, and the
+    rule gives no finding, or an `info` one (measured: 205,605,372 B finer, 204,288,572 B twin,
+    replay 207,178,812 B: no finding)."""
     d = diagnosed("ac_submodules")
     twin = diagnosed("fixed").peaks["overall_bytes"]
-    assert abs(d.peaks["overall_bytes"] - twin) < 0.01 * twin
-    assert not found(d, RULE)
+    assert abs(d.peaks["overall_bytes"] - twin) < 0.02 * twin
+    assert all(f.verdict == "info" for f in found(d, RULE))

@@ -119,7 +119,7 @@ def _replay(d: DeviceAnalysis, units: list[UnitBackward]):
     act = d.mask(Category.ACTIVATION)
     rc = d.mask(Category.RECOMPUTE_ACTIVATION) & (lt.alloc_row >= 0)
     allocs = np.sort(lt.alloc_row[lt.alloc_row >= 0])
-    moved = 0
+    saved_by_it: dict[int, int] = {}
     for u in units:
         saved = np.flatnonzero(act & (lt.alloc_row >= u.f0) & (lt.alloc_row <= u.f1) &
                                (lt.free_row >= u.b0) & (lt.free_row <= u.b1))
@@ -131,10 +131,10 @@ def _replay(d: DeviceAnalysis, units: list[UnitBackward]):
         made = np.flatnonzero(rc & (lt.alloc_row > u.b0) & (lt.alloc_row <= u.b1) &
                               (lt.free_row <= u.b1))
         fr_ph = d.tl.phase[np.minimum(lt.free_row[made], lt.rows - 1)]
-        kept = made[fr_ph == Phase.BACKWARD]  # consumed by backward, not a recompute transient
-        alloc_row[kept] = u.b0
-        moved += int(lt.size[saved].sum())
-    return free_row, alloc_row, tuple(extra), moved
+        consumed = made[fr_ph == Phase.BACKWARD]  # by backward, not a recompute transient
+        alloc_row[consumed] = u.b0
+        saved_by_it[u.iteration] = saved_by_it.get(u.iteration, 0) + int(lt.size[saved].sum())
+    return free_row, alloc_row, tuple(extra), saved_by_it
 
 
 def check(d: DeviceAnalysis) -> list[Finding]:
@@ -144,24 +144,23 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     finer = [u for u in units if u.runs >= 2]
     if not finer:
         return []
-    free_row, alloc_row, extra, kept_bytes = _replay(d, finer)
+    free_row, alloc_row, extra, per_it = _replay(d, finer)
     after, replay = counterfactual(d, free_row, alloc_row, extra)
     saving = d.peak_bytes - after["overall_bytes"]
     if saving <= 0:
         return []  # the finer regions are the lower-peak choice here: a deliberate trade
     anomalous = lowers_peak(d, saving)
-    per_it: dict[int, int] = {}
-    for u in finer:
-        per_it[u.iteration] = per_it.get(u.iteration, 0) + 1
     worst = max(per_it, key=lambda k: (per_it[k], -k))
+    kept_bytes = per_it[worst]
     mine = [u for u in finer if u.iteration == worst]
     runs = sorted({u.runs for u in mine})
     cause = (
         f"{len(mine)} FSDP unit(s) recompute in {'/'.join(map(str, runs))} separate "
         f"checkpoint regions during their backward ({seen_in(d, per_it, worst)}): activation "
         "checkpointing is finer than the FSDP unit (a checkpoint around each sub-module, or a "
-        "checkpoint inside a checkpoint). Each region keeps its own inputs, and the ops between "
-        "regions keep their activations, from forward to backward in every layer. "
+        f"checkpoint inside a checkpoint). Each region keeps its own inputs, and the ops between "
+        f"regions keep their activations, from forward to backward in every layer: "
+        f"{human(kept_bytes)} saved by these units' forwards in iteration {worst}. "
         + (f"One checkpoint per unit puts the peak at {human(after['overall_bytes'])} instead "
            f"of {human(d.peak_bytes)}." if anomalous else
            f"One checkpoint per unit would lower the peak only by {human(saving)}: this costs "
@@ -177,8 +176,10 @@ def check(d: DeviceAnalysis) -> list[Finding]:
             "iteration": worst,
             "units": [u.fqn for u in mine],
             "recompute_runs_per_unit": {u.fqn: u.runs for u in mine},
-            "units_per_iteration": {str(k): v for k, v in sorted(per_it.items())},
+            "units_per_iteration": {str(k): sum(1 for u in finer if u.iteration == k)
+                                    for k in sorted(per_it)},
             "saved_in_forward_bytes": kept_bytes,
+            "saved_in_forward_per_iteration_bytes": {str(k): v for k, v in sorted(per_it.items())},
             "predicted_peaks": after,
             "estimate": "replay: each such unit's forward-saved activations freed after "
                         "forward and made again at its pre-backward; its recompute "
