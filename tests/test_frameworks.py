@@ -250,6 +250,27 @@ def test_accelerate_fsdp1_shard_grad_op(tmp_path_factory):
     assert f["predicted_peak_bytes"] < with_pf
 
 
+@needs_hf
+@pytest.mark.slow
+def test_accelerate_fsdp2_size_wrap_checkpoints_inside_units(tmp_path_factory):
+    """accelerate 1.15's FSDP2 plugin with `activation_checkpointing=True` and
+    `size_based_wrap`: `fsdp2_apply_ac` checkpoint-wraps every module above `min_num_params`
+    bottom-up (attention, MLP and the decoder layer around them, nested) and `fully_shard`s the
+    same modules. The rule sees several recompute runs inside each decoder layer's unit; its fix
+    is the plugin matching the layer class."""
+    doc, _ = _record(tmp_path_factory, "accel_fsdp2_ac_size")
+    fw = doc["framework"]
+    assert (fw["owner"], fw["fsdp"]) == ("accelerate", "FSDP2")
+    f = _finding(doc, "activations.checkpoint_finer_than_unit")
+    assert f is not None, [x["rule"] for x in doc["findings"]]
+    runs = f["evidence"]["recompute_runs_per_unit"]
+    assert {u for u in runs if u.startswith("model.layers.")} == \
+        {f"model.layers.{i}" for i in range(4)}, runs
+    assert all(n >= 2 for n in runs.values()), runs
+    assert "transformer_cls_names_to_wrap=[\"LlamaDecoderLayer\"]" in f["fix"]
+    compile(f["fix"], "fix", "exec")
+
+
 def test_every_framework_form_compiles_and_names_the_layer():
     """Each rule's fix, localized for each framework and FSDP generation, compiles as Python,
     opens with the run's framework and layer and keeps the raw-torch form below."""

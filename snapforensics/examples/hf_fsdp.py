@@ -133,12 +133,10 @@ def _accelerate(layout: str, fix: str | None):
     model = tiny_model()
     if layout.endswith("_gc"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if version == 2:
-        model = acc.prepare(model)
-        opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=1e-3))
-    else:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        model, opt = acc.prepare(model, opt)
+    # accelerate 1.15 wants model and optimizer together (FSDP2 swaps the optimizer's
+    # parameters for the sharded ones; apart it refuses)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = acc.prepare(model, opt)
     return model, opt, acc.backward
 
 

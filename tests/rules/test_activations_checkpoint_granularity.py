@@ -51,3 +51,26 @@ def test_nothing_at_stake_where_finer_regions_do_not_set_the_peak(diagnosed):
     twin = diagnosed("fixed").peaks["overall_bytes"]
     assert abs(d.peaks["overall_bytes"] - twin) < 0.02 * twin
     assert all(f.verdict == "info" for f in found(d, RULE))
+
+
+@slow
+@pytest.mark.parametrize("annotations", [True, False])
+def test_cuda_shaped_recording(recording, diagnosed, annotations):
+    """The same run as CUDA would record it (edits.cuda_shaped: no op/module/record_function
+    frames, stacks cut at the autograd engine): with FSDP2's ranges as annotations the units are
+    placed and the finding is the same; without them no unit has a backward to count regions
+    in, so no finding (not a wrong one)."""
+    from edits import cuda_shaped
+
+    from snapforensics.analysis import diagnose
+    from snapforensics.snapshot import normalize, read_raw
+
+    raw, _ = read_raw(recording("ac_submodules", extra=AC))
+    d = diagnose(normalize(cuda_shaped(raw, annotations=annotations), source="ac_submodules"))
+    fs = found(d, RULE)
+    if not annotations:
+        assert not fs
+        return
+    assert len(fs) == 1 and fs[0].verdict == "anomalous"
+    twin = diagnosed("fixed", extra=AC).peaks["overall_bytes"]
+    assert near(fs[0].predicted_peak_bytes, twin)
