@@ -19,6 +19,17 @@ batch 2 x 32 tokens, 2 optimizer steps, CPU + gloo. Layouts (``LAYOUTS``):
   checkpoint-wraps every module above that size, bottom-up (each layer's attention and MLP, the
   layer around them, the embedding, the head): checkpoints nested inside each layer's unit.
 
+- ``trainer_sgo``: the HF `Trainer` with `fsdp="shard_grad_op auto_wrap"`,
+  `fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}` and
+  `activation_checkpointing=True` (transformers 5.23's name; `gradient_checkpointing` is its
+  deprecated alias), `use_cpu=True`, 2 steps of batch 2: Trainer turns shard_grad_op into the
+  FSDP2 plugin's `reshard_after_forward=False`.
+- ``fabric_sgo``: Lightning Fabric (`accelerator="cpu"`, 2 devices) with lightning 2.6's
+  `FSDPStrategy` (FSDP1: its FSDP2 path is `ModelParallelStrategy`, the user's own
+  `fully_shard`), `sharding_strategy="SHARD_GRAD_OP"`, `auto_wrap_policy={LlamaDecoderLayer}`.
+  Set by hand (`_fabric`): a subclass of `FSDPStrategy` (Fabric's connector refuses the exact
+  type off GPU) whose `setup_module` gives FSDP1 `device_id=cpu` (Lightning passes None).
+
 Set by hand because accelerate refuses FSDP without an accelerator (on CPU its state is
 MULTI_CPU and `prepare` does not wrap): `acc.state.distributed_type = DistributedType.FSDP` and
 `acc.state.fsdp_plugin`; from there on `prepare` runs accelerate's own wrapping (FSDP1 with the
@@ -42,7 +53,8 @@ import torch
 import torch.distributed as dist
 
 LAYOUTS = ("raw_rab_false", "raw_fixed", "accel_fsdp1_sgo", "accel_fsdp1_full",
-           "accel_fsdp2_ac", "accel_fsdp2_gc", "accel_fsdp2_ac_size")
+           "accel_fsdp2_ac", "accel_fsdp2_gc", "accel_fsdp2_ac_size", "trainer_sgo",
+           "fabric_sgo")
 LAYERS, HIDDEN, VOCAB, BATCH, SEQ = 4, 256, 512, 2, 32
 
 
@@ -140,6 +152,99 @@ def _accelerate(layout: str, fix: str | None):
     return model, opt, acc.backward
 
 
+def _fabric(layout: str, fix: str | None):
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import FSDPStrategy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    class CPUFSDPStrategy(FSDPStrategy):
+        """Set by hand: lightning 2.6.6 refuses FSDPStrategy off GPU in the connector
+        (fabric/connector.py: `type(self._strategy_flag) is FSDPStrategy` and accelerator not
+        cuda/gpu -> ValueError "FSDP is only available on GPU"); the check compares the exact
+        type, so this subclass passes. And Lightning wraps with `device_id=root_device.index`,
+        None on CPU, where torch's FSDP1 raises "FSDP needs a non-CPU accelerator device"
+        (fsdp/_init_utils.py `_get_device_from_device_id`); here `torch.device("cpu")` is given
+        instead for the duration of Lightning's own `setup_module` (its auto-wrap included)."""
+
+        def setup_module(self, module):  # type: ignore[no-untyped-def]
+            import torch.distributed.fsdp as fsdp
+
+            orig = fsdp.FullyShardedDataParallel
+
+            class OnCPU(orig):  # type: ignore[misc,valid-type]
+                def __init__(self, *a, device_id=None, **kw):  # type: ignore[no-untyped-def]
+                    super().__init__(*a, device_id=device_id or torch.device("cpu"), **kw)
+
+            fsdp.FullyShardedDataParallel = OnCPU  # type: ignore[misc]
+            try:
+                return super().setup_module(module)
+            finally:
+                fsdp.FullyShardedDataParallel = orig  # type: ignore[misc]
+
+    ns: dict = {"LlamaDecoderLayer": LlamaDecoderLayer, "FSDPStrategy": CPUFSDPStrategy}
+    code = ('strategy = FSDPStrategy(sharding_strategy="SHARD_GRAD_OP", '
+            'auto_wrap_policy={LlamaDecoderLayer})')
+    if fix:  # the printed fix builds `strategy`, its FSDPStrategy bound to the subclass
+        code = "\n".join(line for line in fix.split("\n# Raw torch")[0].splitlines()
+                          if not line.startswith("from lightning"))
+    exec(code, ns)
+    fabric = Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy=ns["strategy"])
+    fabric.launch()
+    model = fabric.setup_module(tiny_model())
+    opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    return model, opt, fabric.backward
+
+
+def _trainer(layout: str, fix: str | None, steps: int) -> list[dict]:
+    """Train with the HF Trainer; returns the truth (FSDP's state after each forward, read in
+    `compute_loss`, and after each backward, read when `training_step` returns)."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from transformers import Trainer, TrainingArguments
+
+    fsdp: object = "shard_grad_op auto_wrap"
+    fsdp_config: dict = {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
+    if fix:  # the analyzer's printed fix: its Trainer part builds `args`; we train with its
+        ns: dict = {}  # fsdp / fsdp_config and keep everything else
+        exec(fix.split("\n# Raw torch")[0], ns)
+        fsdp, fsdp_config = ns["args"].fsdp, dict(ns["args"].fsdp_config)
+    args = TrainingArguments(
+        "out", fsdp=fsdp, fsdp_config=fsdp_config, activation_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": False}, use_cpu=True,
+        per_device_train_batch_size=BATCH, max_steps=steps, learning_rate=1e-3,
+        report_to=[], save_strategy="no", logging_strategy="no", dataloader_num_workers=0,
+        disable_tqdm=True)
+    truth: list[dict] = []
+
+    class TruthTrainer(Trainer):
+        def create_accelerator_and_postprocess(self) -> None:
+            super().create_accelerator_and_postprocess()
+            # Set by hand: as for accelerate above (the Trainer builds the FSDP plugin from
+            # fsdp/fsdp_config in `args.fsdp_plugin_args`; accelerate drops it on CPU). From
+            # here on the Trainer's own `_prepare_for_training` wraps through accelerate.
+            state = self.accelerator.state
+            if getattr(state, "fsdp_plugin", None) is None:
+                state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+                state.distributed_type = DistributedType.FSDP
+            self.is_fsdp_enabled = True
+
+        def compute_loss(self, model, inputs, *a, **kw):  # type: ignore[override]
+            out = super().compute_loss(model, inputs, *a, **kw)
+            truth.append({"after_forward": unsharded_bytes(model)})
+            return out
+
+        def training_step(self, model, *a, **kw):  # type: ignore[override]
+            loss = super().training_step(model, *a, **kw)
+            truth[-1]["after_backward"] = unsharded_bytes(model)
+            return loss
+
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    data = [{"input_ids": ids, "labels": ids} for ids in
+            torch.randint(0, VOCAB, (BATCH * steps * dist.get_world_size(), SEQ), generator=gen)]
+    trainer = TruthTrainer(model=tiny_model(), args=args, train_dataset=data)
+    trainer.train()
+    return truth
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m snapforensics.examples.hf_fsdp")
     p.add_argument("--layout", choices=LAYOUTS, required=True)
@@ -152,10 +257,17 @@ def main(argv: list[str] | None = None) -> int:
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     rank = dist.get_rank()
+    fix = Path(a.fix_file).read_text() if a.fix_file else None
+    if a.layout.startswith("trainer"):
+        try:
+            truth = _trainer(a.layout, fix, a.steps)
+        except (RuntimeError, ValueError, NotImplementedError) as e:
+            print(f"{a.layout}: the framework refused: {e}", file=sys.stderr)
+            return 3
+        return _write_truth(a.layout, a.truth, rank, truth)
     try:
-        fix = Path(a.fix_file).read_text() if a.fix_file else None
-        model, opt, backward = (_raw if a.layout.startswith("raw") else _accelerate)(
-            a.layout, fix)
+        build = {"raw": _raw, "accel": _accelerate, "fabric": _fabric}[a.layout.split("_")[0]]
+        model, opt, backward = build(a.layout, fix)
     except (RuntimeError, ValueError, NotImplementedError) as e:
         print(f"{a.layout}: the framework refused: {e}", file=sys.stderr)
         return 3
@@ -169,10 +281,14 @@ def main(argv: list[str] | None = None) -> int:
         truth.append({"after_forward": after_fw, "after_backward": unsharded_bytes(model)})
         opt.step()
         opt.zero_grad(set_to_none=True)
-    if a.truth:
-        Path(a.truth).mkdir(parents=True, exist_ok=True)
-        Path(a.truth, f"truth.rank{rank}.json").write_text(json.dumps(
-            {"layout": a.layout, "steps": truth, "fsdp_version": os.environ.get(
+    return _write_truth(a.layout, a.truth, rank, truth)
+
+
+def _write_truth(layout: str, folder: str | None, rank: int, truth: list[dict]) -> int:
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        Path(folder, f"truth.rank{rank}.json").write_text(json.dumps(
+            {"layout": layout, "steps": truth, "fsdp_version": os.environ.get(
                 "FSDP_VERSION", "")}))
     dist.barrier()
     return 0
