@@ -55,10 +55,10 @@ def test_fsdp1_shard_grad_op_is_classified_and_keeps_params(diagnosed):
         assert totals.get(cat, {}).get("bytes", 0) > 0, (cat, totals)
     f = finding(d, RULE)
     assert f.verdict == "expected"
-    # FSDP1 names no unit (naming from module frames was tried and removed, docs/rules.md):
-    # the units are its flat parameters, the root is the first one and the last block is not
-    # counted.
-    assert f.evidence["named_units"] == 0 and f.evidence["units_kept"] == 5
+    # FSDP1 units named from the module frames (fsdp_units.name_fsdp1_units): the blocks kept,
+    # the root (named by FSDP1's outermost wrapper) and the last block not counted.
+    assert f.evidence["named_units"] == 5 and f.evidence["units_kept"] == 5
+    assert {m["module"] for m in f.evidence["modules"]} == {f"Block_{i}" for i in range(5)}
     assert "_alloc_padded_unsharded_flat_param" in " ".join(f.evidence["stacks"][0]["stack"])
     assert "FULL_SHARD" in f.fix
     # bf16 params, fp32 reduce: the cast of the grad to fp32 and the `_mp_shard` copies
