@@ -55,8 +55,11 @@ def diagnose_command(snapshots: tuple[str, ...], fmt: str | None, output: str | 
     # the gate keys the cache by every byte of each file (an attacker may edit one in place)
     full = full_hash(gate=fail_on != "never")
     # one route for every input: worker documents carry the plot series (Diagnosis.to_doc)
+    from snapforensics.analysis.fleet import WorstPlots, fleet
+
     docs = run(srcs, jobs=jobs, cache=not no_cache, scheduler=scheduler,
-               progress=not quiet, categories=categories, expanded=True, full=full)
+               progress=not quiet, categories=categories, expanded=True, full=full,
+               on_doc=None if single else WorstPlots().add)
     if single:
         if "error" in docs[0]:
             raise SnapError(f"{docs[0]['source']}: {docs[0]['error']}")
@@ -66,8 +69,6 @@ def diagnose_command(snapshots: tuple[str, ...], fmt: str | None, output: str | 
             d = redact(d)
         emit("diagnosis", d, fmt, output)
         return EXIT_ANOMALY if fail_on == "anomalous" and d.anomalies else 0
-    from snapforensics.analysis.fleet import fleet
-
     f = fleet(docs)
     if redact_paths:
         from snapforensics.report.redact import redact
