@@ -134,12 +134,12 @@ def test_healthy_layouts_fire_no_fsdp_configuration_rule(diagnosed, variant):
 def test_healthy_and_other_variants_stay_quiet(diagnosed):
     fixed = diagnosed("fixed")
     assert not [f.rule for f in fixed.findings if f.rule in LIFECYCLE]
-    assert not found(diagnosed("noac"), leak_iteration_growth.RULE)  # no growth without the leak
+    assert not found(diagnosed("noac"), leak_iteration_growth.RULE.id)  # no growth without the leak
     # checkpointed: recompute present
-    assert not found(diagnosed("leak"), activations_checkpointing.RULE)
+    assert not found(diagnosed("leak"), activations_checkpointing.RULE.id)
     for d in (fixed, diagnosed("noac"), diagnosed("leak")):  # CPU-recorded: no allocator findings
-        assert not found(d, allocator_fragmentation.RULE) and \
-            not found(d, allocator_record_stream.RULE) and not found(d, oom_report.RULE)
+        assert not found(d, allocator_fragmentation.RULE.id) and \
+            not found(d, allocator_record_stream.RULE.id) and not found(d, oom_report.RULE.id)
 
 
 @slow
@@ -155,7 +155,7 @@ def test_rules_hold_on_cuda_shaped_traces(recording, annotations):
               "fsdp1_shard_grad_op": (fsdp_reshard_after_forward, fsdp_mixed_precision),
               "fsdp1_reentrant": (fsdp_double_all_gather,)}
     for variant, modules in expect.items():
-        want = {m.RULE for m in modules}
+        want = {m.RULE.id for m in modules}
         raw, _ = read_raw(recording(variant))
         d = diagnose(normalize(cuda_shaped(raw, annotations=annotations), source=variant))
         assert fired(d) & FSDP_CONFIGURATION == want, (variant,
