@@ -15,6 +15,7 @@ LIFECYCLE = {r.id for r in RULES if r.family is Family.LIFECYCLE}
 
 
 def found(d: Diagnosis, rule: str) -> list[Finding]:
+    assert isinstance(rule, str), rule  # an id (RULE.id): a Rule would match no finding
     return [f for f in d.findings if f.rule == rule]
 
 
