@@ -90,7 +90,7 @@ def test_fsdp1_prediction_with_and_without_backward_prefetch(diagnosed):
     default prefetch (checked against `fsdp1`, FULL_SHARD + BACKWARD_PRE) and without (checked
     against `fsdp1_no_prefetch`), each within 5% of its measured twin."""
     kw = {"steps": 2, "extra": list(S_FSDP1)}
-    f = finding(diagnosed("fsdp1_shard_grad_op_fp32", **kw), RULE)
+    f = finding(diagnosed("fsdp1_shard_grad_op_fp32", **kw), RULE.id)
     assert f.evidence["backward_prefetch"] == "unknown"
     with_pf = diagnosed("fsdp1", **kw).peaks["overall_bytes"]
     without = diagnosed("fsdp1_no_prefetch", **kw).peaks["overall_bytes"]
