@@ -170,9 +170,10 @@ def _record(tmp_path_factory, layout: str, fix: str | None = None):
     args = [sys.executable, "-m", "snapforensics", "record", "--nproc-per-node", "2",
             "--device", "cpu", "--out", str(out), "-m", "snapforensics.examples.hf_fsdp", "--",
             "--layout", layout, "--truth", str(out)]
-    if fix is not None:
-        (out / "fix.py").write_text(fix)
-        args += ["--fix-file", str(out / "fix.py")]
+    if fix is not None:  # beside --out: the recorder refuses an --out that is not empty
+        fix_file = tmp_path_factory.mktemp(f"fix-{layout}") / "fix.py"
+        fix_file.write_text(fix)
+        args += ["--fix-file", str(fix_file)]
     proc = subprocess.run(args, cwd=REPO, env=_env(), capture_output=True, text=True,
                           timeout=1500)
     if proc.returncode == 3:
