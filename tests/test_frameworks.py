@@ -170,9 +170,10 @@ def _record(tmp_path_factory, layout: str, fix: str | None = None):
     args = [sys.executable, "-m", "snapforensics", "record", "--nproc-per-node", "2",
             "--device", "cpu", "--out", str(out), "-m", "snapforensics.examples.hf_fsdp", "--",
             "--layout", layout, "--truth", str(out)]
-    if fix is not None:
-        (out / "fix.py").write_text(fix)
-        args += ["--fix-file", str(out / "fix.py")]
+    if fix is not None:  # beside --out: the recorder refuses an --out that is not empty
+        fix_file = tmp_path_factory.mktemp(f"fix-{layout}") / "fix.py"
+        fix_file.write_text(fix)
+        args += ["--fix-file", str(fix_file)]
     proc = subprocess.run(args, cwd=REPO, env=_env(), capture_output=True, text=True,
                           timeout=1500)
     if proc.returncode == 3:
@@ -250,25 +251,50 @@ def test_accelerate_fsdp1_shard_grad_op(tmp_path_factory):
     assert f["predicted_peak_bytes"] < with_pf
 
 
+def _accelerate_ac(policy: str) -> dict[str, str]:
+    """accelerate 1.15's own FSDP2 activation-checkpointing pass (`fsdp2_apply_ac`) on the
+    tiny Llama: which modules it wraps in a `CheckpointWrapper`, by path (wrapped inside a
+    wrapped one: both listed)."""
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from accelerate.utils import DistributedType
+    from accelerate.utils.fsdp_utils import fsdp2_apply_ac
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from snapforensics.examples.hf_fsdp import tiny_model
+
+    kw: dict = {"fsdp_version": 2, "activation_checkpointing": True,
+                "auto_wrap_policy": policy}
+    if policy == "size_based_wrap":
+        kw["min_num_params"] = 100_000
+    else:
+        kw["transformer_cls_names_to_wrap"] = ["LlamaDecoderLayer"]
+    plugin = FullyShardedDataParallelPlugin(**kw)
+    acc = Accelerator(fsdp_plugin=plugin)
+    acc.state.distributed_type = DistributedType.FSDP  # set by hand, as in hf_fsdp (CPU)
+    acc.state.fsdp_plugin = plugin
+    model = fsdp2_apply_ac(acc, tiny_model())
+    return {name.replace("._checkpoint_wrapped_module", ""): type(
+                m._checkpoint_wrapped_module).__name__
+            for name, m in model.named_modules() if isinstance(m, CheckpointWrapper)}
+
+
 @needs_hf
-@pytest.mark.slow
-def test_accelerate_fsdp2_size_wrap_checkpoints_inside_units(tmp_path_factory):
-    """accelerate 1.15's FSDP2 plugin with `activation_checkpointing=True` and
-    `size_based_wrap`: `fsdp2_apply_ac` checkpoint-wraps every module above `min_num_params`
-    bottom-up (attention, MLP and the decoder layer around them, nested) and `fully_shard`s the
-    same modules. The rule sees several recompute runs inside each decoder layer's unit; its fix
-    is the plugin matching the layer class."""
-    doc, _ = _record(tmp_path_factory, "accel_fsdp2_ac_size")
-    fw = doc["framework"]
-    assert (fw["owner"], fw["fsdp"]) == ("accelerate", "FSDP2")
-    f = _finding(doc, "activations.checkpoint_finer_than_unit")
-    assert f is not None, [x["rule"] for x in doc["findings"]]
-    runs = f["evidence"]["recompute_runs_per_unit"]
-    assert {u for u in runs if u.startswith("model.layers.")} == \
-        {f"model.layers.{i}" for i in range(4)}, runs
-    assert all(n >= 2 for n in runs.values()), runs
-    assert "transformer_cls_names_to_wrap=[\"LlamaDecoderLayer\"]" in f["fix"]
-    compile(f["fix"], "fix", "exec")
+def test_what_accelerate_fsdp2_activation_checkpointing_wraps(one_rank_group):
+    """accelerate 1.15 (`fsdp2_apply_ac`, run here on the tiny Llama): with
+    `transformer_based_wrap` one checkpoint per decoder layer, the FSDP unit itself (nothing
+    for `activations.checkpoint_finer_than_unit`); with `size_based_wrap` every module above
+    `min_num_params`, bottom-up and nested: each layer's attention and MLP inside the
+    checkpointed layer, and the ModuleList around them (which `fully_shard` then refuses:
+    "fully_shard does not support containers that do not implement forward", measured on the
+    `accel_fsdp2_ac_size` layout)."""
+    per_layer = _accelerate_ac("transformer_based_wrap")
+    assert per_layer == {f"model.layers.{i}": "LlamaDecoderLayer" for i in range(4)}
+    by_size = _accelerate_ac("size_based_wrap")
+    for i in range(4):
+        assert by_size[f"model.layers.{i}"] == "LlamaDecoderLayer"
+        assert by_size[f"model.layers.{i}.self_attn"] == "LlamaAttention"
+        assert by_size[f"model.layers.{i}.mlp"] == "LlamaMLP"
+    assert by_size["model.layers"] == "ModuleList"
 
 
 def test_every_framework_form_compiles_and_names_the_layer():

@@ -6,7 +6,7 @@ Built once per device in a single pass; every rule reads it and none re-walks th
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
@@ -14,7 +14,7 @@ import numpy as np
 from snapforensics.analysis import lifetimes, phases
 from snapforensics.analysis.allocator import Allocator
 from snapforensics.analysis.classify import PATHS, StackInfo, classify
-from snapforensics.analysis.fsdp_units import FsdpUnits
+from snapforensics.analysis.fsdp_units import FsdpUnits, name_fsdp1_backward, name_fsdp1_units
 from snapforensics.analysis.stacks import is_native, is_noise
 from snapforensics.analysis.vocab import BACKWARD_PHASES, CAT_CODE, CATEGORIES, Category, Phase
 from snapforensics.snapshot.model import ALLOC, NO_STACK, Snapshot, Trace
@@ -35,6 +35,9 @@ class DeviceAnalysis:
     iteration: np.ndarray  # int32 per block: iteration of its alloc row, -1 none
     # names of the codes in `category`: the built-in CATEGORIES, then user categories
     category_names: tuple[str, ...] = CATEGORIES
+    # a block's FSDP unit where its stack does not say it (FSDP1 backward gathers, named by
+    # `fsdp_units.name_fsdp1_backward`)
+    block_module: dict[int, str] = field(default_factory=dict)
 
     # Facts several rules share, by family: each computed on first use, once per device.
     @cached_property
@@ -60,7 +63,8 @@ class DeviceAnalysis:
         return max(int(self.lt.live[self.peak_row]), self.lt.baseline) if self.lt.rows else 0
 
     def module_of(self, block: int) -> str | None:
-        return self.infos[self.info[block]].module
+        m = self.block_module.get(int(block))
+        return m if m is not None else self.infos[self.info[block]].module
 
     def mask(self, *categories: Category) -> np.ndarray:
         codes = [CAT_CODE[c] for c in categories]
@@ -145,6 +149,7 @@ def analyse(snapshot: Snapshot, trace: Trace) -> DeviceAnalysis:
         stack_id, c = divmod(k, n_ctx)
         frames = snapshot.stack_frames(stack_id) if stack_id != NO_STACK else []
         infos.append(classify(frames, contexts[c] if contexts else ()))
+    infos = name_fsdp1_units(snapshot, infos, [k // n_ctx for k in keys.tolist()])
     hint_of = np.array([i.phase for i in infos], np.int8)
     # no Python frame: on CUDA, made by a backward op on the autograd thread (C++ frames only
     # with stacks="all", none with "python")
@@ -178,6 +183,7 @@ def analyse(snapshot: Snapshot, trace: Trace) -> DeviceAnalysis:
     cat[untraced] = CAT_CODE[Category.UNTRACED]
     d = DeviceAnalysis(snapshot, trace, lt, tl, infos, blk_info, cat, path, phase, iteration)
     _split_sharded_grads(d)
+    name_fsdp1_backward(d)
     return d
 
 

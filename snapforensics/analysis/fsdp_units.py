@@ -13,6 +13,7 @@ all-gather output itself). A *unit* is named by its FQN when the trace carries F
 
 from __future__ import annotations
 
+import re
 from functools import cached_property
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -347,3 +348,93 @@ def unit_of_event(d: DeviceAnalysis, blocks: np.ndarray) -> str | None:
 def forward_end(it: Iteration) -> int:
     """Last row of an iteration's forward (the row before its backward starts)."""
     return (it.backward_start - 1) if it.backward_start >= 0 else it.end
+
+
+_FSDP1_WRAPPER = re.compile(r"^FullyShardedDataParallel_\d+$")
+# wrappers between an FSDP1 unit and the module it holds (checkpoint_wrapper, offload_wrapper)
+_WRAPPERS = re.compile(r"^(CheckpointWrapper|OffloadWrapper)_\d+$")
+
+
+def name_fsdp1_units(snapshot, infos: list, stack_ids: list[int]) -> list:
+    """FSDP1 units named from the module frames the CPU recorder writes (FSDP1's ranges name no
+    unit, and its flat parameter has no FQN in the trace).
+
+    Each `FullyShardedDataParallel_K` wrapper frame is followed, on the stacks where its module
+    runs, by the module it wraps (`LlamaDecoderLayer_2`; through a `CheckpointWrapper_J`): that
+    instance names the unit. The
+    outermost wrapper (no wrapper around it on any stack) is the root, "(root)" as for FSDP2.
+    An FSDP block whose innermost wrapper frame is K gets K's name; blocks with no wrapper frame
+    (made on the autograd thread in backward) are named by `name_fsdp1_backward`.
+    `stack_ids[i]` is infos[i]'s stack.
+    """
+    from dataclasses import replace
+
+    from snapforensics.analysis.vocab import FSDP_CATEGORIES
+
+    chains: dict[int, list[str]] = {}
+    for s in set(stack_ids):
+        if s < 0:
+            continue
+        mods = [f.name for f in reversed(snapshot.stack_frames(s)) if f.filename == "<nn.Module>"]
+        if any(_FSDP1_WRAPPER.match(m) for m in mods):
+            chains[s] = mods  # outermost first
+    if not chains:
+        return infos
+    wraps: dict[str, str] = {}
+    nested: set[str] = set()
+    for mods in chains.values():
+        seen_wrapper = False
+        for i, m in enumerate(mods):
+            if not _FSDP1_WRAPPER.match(m):
+                continue
+            if seen_wrapper:
+                nested.add(m)
+            seen_wrapper = True
+            inner = next((x for x in mods[i + 1:] if not _WRAPPERS.match(x)), None)
+            if inner is not None and not _FSDP1_WRAPPER.match(inner):
+                wraps.setdefault(m, inner)
+    out = list(infos)
+    for i, (info, s) in enumerate(zip(infos, stack_ids)):
+        if info.module is not None or info.category not in FSDP_CATEGORIES or s not in chains:
+            continue
+        unit = [m for m in chains[s] if _FSDP1_WRAPPER.match(m)][-1]
+        name = ROOT if unit not in nested else wraps.get(unit)
+        if name:
+            out[i] = replace(info, module=name)
+    return out
+
+
+def name_fsdp1_backward(d: DeviceAnalysis) -> None:
+    """FSDP1 gathers made for backward on the autograd thread carry no module frame: each is
+    named after the unit it gathers, so that a unit's gathers are named alike in forward and
+    backward (a run with some of them named and others not hid a unit gathered twice).
+
+    FSDP1's pre-backward gathers run the units in reverse forward order (prefetch only moves
+    them earlier, not out of order): in each iteration, each unnamed backward gather takes the
+    name of the last unit resharded in forward (freed before forward ended) not yet taken, of
+    the same flat-parameter size. A named backward gather (a reentrant recompute re-running the
+    unit's forward, with its module frames) takes none: its unit's backward gathers again.
+    Nothing is named where no forward gather is named (CUDA traces: no module frames)."""
+    from snapforensics.analysis.vocab import BACKWARD_PHASES, Phase
+
+    flat = d.fsdp.fsdp1_flat & (d.lt.alloc_row >= 0) & (d.iteration >= 0)
+    if not flat.any():
+        return
+    for it in d.tl.iterations:
+        blocks = np.flatnonzero(flat & (d.iteration == it.index))
+        blocks = blocks[np.argsort(d.lt.alloc_row[blocks], kind="stable")]
+        end = forward_end(it)
+        pending = [b for b in blocks.tolist() if d.phase[b] == Phase.FORWARD and
+                   d.module_of(b) not in (None, ROOT) and d.lt.free_row[b] <= end]
+        if not pending:
+            continue
+        for b in blocks.tolist():
+            if d.phase[b] not in BACKWARD_PHASES or d.module_of(b) is not None:
+                continue
+            size = int(d.lt.size[b])
+            j = next((j for j in range(len(pending) - 1, -1, -1)
+                      if int(d.lt.size[pending[j]]) == size), None)
+            if j is not None:
+                name = d.module_of(pending.pop(j))
+                if name is not None:
+                    d.block_module[b] = name

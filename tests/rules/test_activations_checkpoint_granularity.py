@@ -19,7 +19,7 @@ AC = list(S_AC)  # 8 blocks of width 256, 8 x 256 tokens: activations set the pe
 @slow
 def test_sub_module_checkpoints_inside_each_unit_are_found_and_replayed(diagnosed):
     d = diagnosed("ac_submodules", extra=AC)
-    f = one(d, RULE)
+    f = one(d, RULE.id)
     ev = f.evidence
     # the 8 blocks, each recomputing its attention and its MLP separately
     assert ev["recompute_runs_per_unit"] == {f"layers.{i}": 2 for i in range(8)}, ev
@@ -38,7 +38,7 @@ def test_sub_module_checkpoints_inside_each_unit_are_found_and_replayed(diagnose
 @slow
 def test_one_region_per_unit_or_coarser_is_not_flagged(diagnosed):
     for variant in ("fixed", "nested", "fsdp1", "buggy"):
-        assert not found(diagnosed(variant), RULE), variant
+        assert not found(diagnosed(variant), RULE.id), variant
 
 
 @slow
@@ -50,7 +50,7 @@ def test_nothing_at_stake_where_finer_regions_do_not_set_the_peak(diagnosed):
     d = diagnosed("ac_submodules")
     twin = diagnosed("fixed").peaks["overall_bytes"]
     assert abs(d.peaks["overall_bytes"] - twin) < 0.02 * twin
-    assert all(f.verdict == "info" for f in found(d, RULE))
+    assert all(f.verdict == "info" for f in found(d, RULE.id))
 
 
 @slow
@@ -67,7 +67,7 @@ def test_cuda_shaped_recording(recording, diagnosed, annotations):
 
     raw, _ = read_raw(recording("ac_submodules", extra=AC))
     d = diagnose(normalize(cuda_shaped(raw, annotations=annotations), source="ac_submodules"))
-    fs = found(d, RULE)
+    fs = found(d, RULE.id)
     if not annotations:
         assert not fs
         return

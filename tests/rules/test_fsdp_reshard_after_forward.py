@@ -29,7 +29,7 @@ def _path(variant):
 @slow
 def test_reshard_after_forward_false_is_expected_with_its_cost(diagnosed):
     d = diagnosed("reshard_after_forward_false")
-    f = finding(d, RULE)
+    f = finding(d, RULE.id)
     assert f.verdict == "expected"
     # 6 blocks of ~12 MiB kept from forward to backward; the root (FSDP keeps it by design) and
     # the last block (runs backward first) are not counted.
@@ -53,16 +53,16 @@ def test_fsdp1_shard_grad_op_is_classified_and_keeps_params(diagnosed):
     for cat in (Category.UNSHARDED_PARAM, Category.ALL_GATHER, Category.REDUCE_SCATTER,
                 Category.SHARDED_GRAD, Category.SHARDED_PARAM):
         assert totals.get(cat, {}).get("bytes", 0) > 0, (cat, totals)
-    f = finding(d, RULE)
+    f = finding(d, RULE.id)
     assert f.verdict == "expected"
-    # FSDP1 names no unit (naming from module frames was tried and removed, docs/rules.md):
-    # the units are its flat parameters, the root is the first one and the last block is not
-    # counted.
-    assert f.evidence["named_units"] == 0 and f.evidence["units_kept"] == 5
+    # FSDP1 units named from the module frames (fsdp_units.name_fsdp1_units): the blocks kept,
+    # the root (named by FSDP1's outermost wrapper) and the last block not counted.
+    assert f.evidence["named_units"] == 5 and f.evidence["units_kept"] == 5
+    assert {m["module"] for m in f.evidence["modules"]} == {f"Block_{i}" for i in range(5)}
     assert "_alloc_padded_unsharded_flat_param" in " ".join(f.evidence["stacks"][0]["stack"])
     assert "FULL_SHARD" in f.fix
     # bf16 params, fp32 reduce: the cast of the grad to fp32 and the `_mp_shard` copies
-    m = finding(d, fsdp_mixed_precision.RULE)
+    m = finding(d, fsdp_mixed_precision.RULE.id)
     assert {"reduce_in_higher_precision", "low_precision_shard_copies"} <= set(m.evidence["parts"])
     assert m.evidence["parts"]["low_precision_shard_copies"]["blocks"] >= 7  # one per unshard
     assert not d.anomalies, [(x.rule, x.cause) for x in d.anomalies]
@@ -90,7 +90,7 @@ def test_fsdp1_prediction_with_and_without_backward_prefetch(diagnosed):
     default prefetch (checked against `fsdp1`, FULL_SHARD + BACKWARD_PRE) and without (checked
     against `fsdp1_no_prefetch`), each within 5% of its measured twin."""
     kw = {"steps": 2, "extra": list(S_FSDP1)}
-    f = finding(diagnosed("fsdp1_shard_grad_op_fp32", **kw), RULE)
+    f = finding(diagnosed("fsdp1_shard_grad_op_fp32", **kw), RULE.id)
     assert f.evidence["backward_prefetch"] == "unknown"
     with_pf = diagnosed("fsdp1", **kw).peaks["overall_bytes"]
     without = diagnosed("fsdp1_no_prefetch", **kw).peaks["overall_bytes"]

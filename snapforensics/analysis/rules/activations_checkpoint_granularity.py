@@ -45,9 +45,8 @@ from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding
 from snapforensics.analysis.evidence import counterfactual, human, lowers_peak, seen_in
 from snapforensics.analysis.fsdp_units import ROOT
+from snapforensics.analysis.rule import Family, Rule
 from snapforensics.analysis.vocab import Category, Phase, Verdict
-
-RULE = "activations.checkpoint_finer_than_unit"
 
 FIX = """\
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -167,7 +166,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
            "extra recompute launches, not memory."))
     return [Finding(
         replay=replay,
-        rule=RULE, verdict=Verdict.ANOMALOUS if anomalous else Verdict.INFO,
+        rule=RULE.id, verdict=Verdict.ANOMALOUS if anomalous else Verdict.INFO,
         title="Activation checkpointing finer than the FSDP unit",
         cause=cause, bytes=kept_bytes, blocks=len(finer), device=d.device,
         fix=FIX,
@@ -188,3 +187,6 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     )]
 
 
+RULE = Rule(
+    id="activations.checkpoint_finer_than_unit", check=check, family=Family.LIFECYCLE,
+    verdicts=frozenset({Verdict.ANOMALOUS, Verdict.INFO}), fix=FIX)

@@ -31,9 +31,8 @@ from snapforensics.analysis.diagnosis import Finding
 from snapforensics.analysis.evidence import human, peaks, seen_in, top_stacks
 from snapforensics.analysis.fsdp_units import ROOT, forward_end
 from snapforensics.analysis.phases import Iteration
+from snapforensics.analysis.rule import Family, Rule
 from snapforensics.analysis.vocab import Category, Phase, Verdict
-
-RULE = "fsdp.reshard_after_forward_disabled"
 
 # A kept unit counts when it holds at least this share of the iteration's forward unshards
 # (non-root): ignores a stray small module, not a real layer.
@@ -200,7 +199,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
            f" with FSDP's default backward prefetch, {human(no_pf['overall_bytes'])} without "
            "it (no unit was gathered in backward here, so the trace cannot tell which)."))
     return [Finding(
-        rule=RULE, verdict=Verdict.EXPECTED,
+        rule=RULE.id, verdict=Verdict.EXPECTED,
         title="Parameters kept unsharded from forward to backward (reshard_after_forward=False "
               "/ SHARD_GRAD_OP)",
         cause=cause, bytes=kept_bytes, blocks=int(len(blocks)), device=d.device, fix=FIX,
@@ -221,3 +220,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
             "predicted_peaks_without_backward_prefetch": no_pf,
         },
     )]
+
+
+RULE = Rule(
+    id="fsdp.reshard_after_forward_disabled", check=check, family=Family.FSDP_CONFIGURATION,
+    verdicts=frozenset({Verdict.EXPECTED}), fix=FIX)
