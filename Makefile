@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
-CSRC := $(wildcard snapforensics/snapshot/*.c)
+CSRC := $(wildcard snapforensics/snapshot/*.c snapforensics/snapshot/*.h)
 
 .PHONY: setup demo lint test test-fast test-pythons bench clean
 

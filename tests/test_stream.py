@@ -192,3 +192,43 @@ def test_action_strs_not_memoized_read_each_by_value(tmp_path, monkeypatch):
     assert why == ""
     _same_all(a, b)
     assert a.traces[0].action.tolist() == [A["free_requested"], A["free_completed"]] * 200
+
+
+class _Endless:
+    """A stream of `total` zero bytes after `head`, counting what the reader takes."""
+
+    def __init__(self, head: bytes, total: int) -> None:
+        self.head, self.total, self.given = head, total, 0
+
+    def read(self, n: int) -> bytes:
+        k = min(n, self.total - self.given)
+        out = (self.head + bytes(k))[self.given:self.given + k] if self.given < len(self.head) \
+            else bytes(k)
+        self.given += k
+        return out
+
+
+@needs_stream
+@pytest.mark.parametrize("head", [
+    b"\x80\x04\x8d" + (1 << 40).to_bytes(8, "little"),  # BINUNICODE8
+    b"\x80\x04X" + (0xFFFFFFF0).to_bytes(4, "little"),  # BINUNICODE
+    b"\x80\x04\x95" + (1 << 29).to_bytes(8, "little"),  # FRAME (under its 1 GiB cap)
+], ids=["BINUNICODE8", "BINUNICODE", "FRAME"])
+def test_a_length_beyond_the_allowed_bytes_is_refused_before_reading(head):
+    """A length field larger than what the stream may still hold (max_in) is refused at once:
+    the reader used to read on until the end of the data (a gzip stream far beyond max_in,
+    ~5 GB of buffer for a 5 GB file whose first string claims 2^40 bytes)."""
+    src = _Endless(head, 256 << 20)
+    root, why, traces = stream._stream.read(src, A, stream.OTHER, 1 << 40, 1 << 20, 1 << 20)
+    assert (root, why, traces) == (None, "a length beyond the end of the stream", 0)
+    assert src.given <= 8 << 20  # the first chunk only (4 MiB)
+
+
+@needs_stream
+def test_a_gzip_string_claiming_more_than_the_cap_fails_the_same(tmp_path, monkeypatch):
+    body = b"\x80\x04\x8d" + (1 << 40).to_bytes(8, "little") + bytes(96 << 20)
+    p = tmp_path / "claim.pickle.gz"
+    p.write_bytes(gzip.compress(body, 1))
+    a, why, b = _both(p, monkeypatch)
+    assert why == "a length beyond the end of the stream"
+    assert isinstance(a, str) and a == b
