@@ -83,6 +83,17 @@ def test_both_big_file_shapes_stream_into_the_same_snapshot(shared, tmp_path, mo
     out = tmp_path / "big.pickle"
     n = make_big.make(make_big.default_source(), 60_000, shared, out)
     assert n == 60_000
+    # make_big writes as it generates, with a memo that forgets: the file must hold the trace
+    # built in memory, with the same sharing (one dict per frame; lists per copy or shared)
+    want = list(make_big.repeat(max(make_big.read(make_big.default_source())["device_traces"],
+                                    key=len), 60_000, shared))
+    got = pickle.loads(out.read_bytes())["device_traces"]
+    assert got == [want]
+    for attr in ("frames", None):
+        def ids(t, attr=attr):
+            return {id(x) for e in t for x in ([e["frames"]] if attr else e["frames"] or [])
+                    if e.get("frames") is not None}
+        assert len(ids(got[0])) == len(ids(want))
     a, why, b = _both(out, monkeypatch)
     assert why == ""
     _same_all(a, b)
