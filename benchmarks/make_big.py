@@ -53,6 +53,9 @@ def _int(v: int) -> bytes:
         pickle.LONG4 + struct.pack("<i", len(b)) + b
 
 
+CHANGED = ("addr", "frames", "time_us")  # the fields `repeat` changes per copy
+
+
 class _Trace:
     """The repeated trace, generated while it is written."""
 
@@ -72,7 +75,8 @@ class _Writer(pickle._Pickler):
     def __init__(self, f: Any) -> None:
         super().__init__(f, protocol=4)
         self.count = 0
-        self.forget: set[int] = set()  # ids to memoize without keeping (entry dicts)
+        self.forget: dict[int, int] = {}  # entry dicts to memoize without keeping -> the id
+        self.templates: dict[int, list[bytes | str]] = {}  # of their source entry; its bytes
         self.gets: dict[int, bytes] = {}  # id -> BINGET, for what the memo keeps
         self.copy_of: dict[int, int] = {}  # id of a copy's frames list -> id of its source's
         self.bodies: dict[int, bytes] = {}  # id of a source list -> its items' bytes
@@ -80,7 +84,7 @@ class _Writer(pickle._Pickler):
     def memoize(self, obj: Any) -> None:
         self.write(self.put(self.count))
         if id(obj) in self.forget:
-            self.forget.discard(id(obj))
+            del self.forget[id(obj)]
         else:
             self.memo[id(obj)] = self.count, obj
         self.count += 1
@@ -115,13 +119,23 @@ class _Writer(pickle._Pickler):
         return b
 
     def _entry(self, d: dict, made: list[list]) -> bytes | None:
-        """The bytes after the dict's EMPTY_DICT MEMOIZE; `made`: the lists it writes anew."""
-        out = [pickle.MARK]
-        for k, v in d.items():
-            kb = self._get(k)
-            if kb is None:
+        """The bytes after the dict's EMPTY_DICT MEMOIZE; `made`: the lists it writes anew.
+        Built from the template of the source entry it copies: only the fields `repeat`
+        changes (CHANGED) are encoded per entry."""
+        src = self.forget.get(id(d))
+        tm = self.templates.get(src) if src is not None else None
+        if tm is None:
+            tm = self._template(d)
+            if tm is None:
                 return None
-            out.append(kb)
+            if src is not None:
+                self.templates[src] = tm
+        out = []
+        for part in tm:
+            if type(part) is bytes:
+                out.append(part)
+                continue
+            v = d[part]
             t = type(v)
             if t is int:
                 out.append(_int(v))
@@ -136,8 +150,35 @@ class _Writer(pickle._Pickler):
                 made.append(v)
             else:
                 return None
-        out.append(pickle.SETITEMS)
         return b"".join(out)
+
+    def _template(self, d: dict) -> list[bytes | str] | None:
+        """MARK, the keys and the values' bytes, SETITEMS, with the name of each CHANGED field
+        in place of its value's bytes; None if a key or a value was not written before."""
+        parts: list[bytes | str] = []
+        cur = [pickle.MARK]
+        for k, v in d.items():
+            kb = self._get(k)
+            if kb is None:
+                return None
+            cur.append(kb)
+            if k in CHANGED:
+                parts += [b"".join(cur), k]
+                cur = []
+                continue
+            t = type(v)
+            if t is int:
+                cur.append(_int(v))
+            elif t is float:
+                cur.append(pickle.BINFLOAT + struct.pack(">d", v))
+            elif v is None:
+                cur.append(pickle.NONE)
+            elif (vb := self._get(v)) is not None:
+                cur.append(vb)
+            else:
+                return None
+        parts.append(b"".join(cur) + pickle.SETITEMS)
+        return parts
 
     def _body(self, v: list) -> bytes | None:
         """MARK, the BINGETs of a frames list's items, APPENDS; cached by the source list it
@@ -194,7 +235,7 @@ def repeat(trace: list[dict], entries: int, shared: bool, w: _Writer | None = No
             if e.get("time_us") is not None:
                 d["time_us"] = e["time_us"] + k * span
             if w is not None:
-                w.forget.add(id(d))
+                w.forget[id(d)] = id(e)
             yield d
         left -= min(left, len(trace))
         made.append(list(fresh.values()))
