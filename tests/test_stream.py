@@ -85,8 +85,8 @@ def test_both_big_file_shapes_stream_into_the_same_snapshot(shared, tmp_path, mo
     assert n == 60_000
     # make_big writes as it generates, with a memo that forgets: the file must hold the trace
     # built in memory, with the same sharing (one dict per frame; lists per copy or shared)
-    want = list(make_big.repeat(max(make_big.read(make_big.default_source())["device_traces"],
-                                    key=len), 60_000, shared))
+    source = max(make_big.read(make_big.default_source())["device_traces"], key=len)
+    want = [e for copy in make_big.repeat(source, 60_000, shared) for e in copy]
     got = pickle.loads(out.read_bytes())["device_traces"]
     assert got == [want]
     for attr in ("frames", None):
