@@ -35,7 +35,7 @@ from snapforensics.analysis import forecast_band as band_data
 from snapforensics.analysis import fsdp_ranges
 from snapforensics.analysis.context import DeviceAnalysis, analyse
 from snapforensics.analysis.fsdp_units import ROOT, forward_end
-from snapforensics.analysis.rules import RULES
+from snapforensics.analysis.rules import run_rules
 from snapforensics.analysis.vocab import (
     BACKWARD_PHASES,
     CAT_CODE,
@@ -540,7 +540,7 @@ class Forecaster:
         self.strategy = detect_strategy(d, self.units) if self.fsdp else "none"
         self.checkpointing = FULL if (d.tl.phase == Phase.RECOMPUTE).any() or \
             d.mask(Category.RECOMPUTE_ACTIVATION).any() else NONE
-        self.findings = [f for rule in RULES for f in rule.check(d) if f.device == d.device]
+        self.findings = run_rules(d)
         # each anomaly's fix as its rule replayed it
         self.fixes = {f.rule: f.replay for f in self.findings
                       if f.verdict == Verdict.ANOMALOUS and f.replay is not None}
