@@ -167,7 +167,7 @@ def test_a_truncated_file_fails_the_same(tmp_path, monkeypatch):
     p = tmp_path / "cut.pickle"
     p.write_bytes(data[: len(data) * 2 // 3])
     a, why, b = _both(p, monkeypatch)
-    assert why == "truncated pickle" and a == b and "truncated" in a
+    assert why.startswith("truncated pickle") and a == b and "truncated" in a
 
 
 @needs_stream
@@ -205,6 +205,9 @@ def test_action_strs_not_memoized_read_each_by_value(tmp_path, monkeypatch):
     assert a.traces[0].action.tolist() == [A["free_requested"], A["free_completed"]] * 200
 
 
+BEYOND = "truncated pickle: a length beyond the end of the stream"
+
+
 class _Endless:
     """A stream of `total` zero bytes after `head`, counting what the reader takes."""
 
@@ -231,7 +234,7 @@ def test_a_length_beyond_the_allowed_bytes_is_refused_before_reading(head):
     ~5 GB of buffer for a 5 GB file whose first string claims 2^40 bytes)."""
     src = _Endless(head, 256 << 20)
     root, why, traces = stream._stream.read(src, A, stream.OTHER, 1 << 40, 1 << 20, 1 << 20)
-    assert (root, why, traces) == (None, "a length beyond the end of the stream", 0)
+    assert (root, why, traces) == (None, BEYOND, 0)
     assert src.given <= 8 << 20  # the first chunk only (4 MiB)
 
 
@@ -241,5 +244,5 @@ def test_a_gzip_string_claiming_more_than_the_cap_fails_the_same(tmp_path, monke
     p = tmp_path / "claim.pickle.gz"
     p.write_bytes(gzip.compress(body, 1))
     a, why, b = _both(p, monkeypatch)
-    assert why == "a length beyond the end of the stream"
+    assert why == BEYOND
     assert isinstance(a, str) and a == b

@@ -141,7 +141,7 @@ static int decline(R *r, const char *why) {
    buffer grows only as data arrives, but a gzip stream can deliver far more than max_in. */
 static int ensure(R *r, size_t n) {
     if (r->consumed > r->max_in || n > r->max_in - r->consumed)
-        return decline(r, "a length beyond the end of the stream");
+        return decline(r, "truncated pickle: a length beyond the end of the stream");
     while (r->end - r->pos < n) {
         if (r->eof)
             return decline(r, "truncated pickle");
