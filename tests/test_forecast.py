@@ -19,13 +19,10 @@ import pytest
 from corpus import corpus_file
 
 from snapforensics.analysis.context import analyse
-from snapforensics.analysis.forecast import (
-    Forecaster,
-    Scenario,
-    forecast,
-    forecast_frame,
-    parse_size,
-)
+from snapforensics.analysis.forecast import forecast, forecast_frame
+from snapforensics.analysis.forecast_capacity import parse_size
+from snapforensics.analysis.forecast_documents import Scenario
+from snapforensics.analysis.forecast_replay import Forecaster
 from snapforensics.analysis.rules.fsdp_reshard import RULE as RESHARD
 from snapforensics.snapshot import load
 
