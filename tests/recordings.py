@@ -48,9 +48,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = "snapforensics.examples.fsdp_ckpt"
 CACHE = Path(os.environ.get("SNAPFORENSICS_RECORDINGS") or REPO / ".recordings")
-# what makes a recording: the example, the recorder, the CLI that launches it, the job runner
+# what makes a recording: the example (every module of examples/: the bundled example, the
+# matrix's models, wrappings, layouts, probe and runner), the recorder and what it imports (the
+# package's version and exit codes), the CLI that launches it, the job runner
 SOURCES = ("snapforensics/examples", "snapforensics/record", "snapforensics/commands/record.py",
-           "snapforensics/cli.py", "snapforensics/__main__.py", "tests/record_example.py")
+           "snapforensics/cli.py", "snapforensics/__main__.py", "snapforensics/__init__.py",
+           "snapforensics/errors.py", "tests/record_example.py")
 
 # The runs the suite asks for (variant, nproc, steps, extra): recorded together on first use
 # (a run asked for and not listed here is recorded alone when asked).
