@@ -108,6 +108,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 
     modules = {i.module.__name__ for i in slow}
     if modules - {"test_matrix"}:
-        recordings.start()
+        full = any(i.get_closest_marker("full") for i in slow)
+        recordings.start(recordings.SUITE + (recordings.FULL_SUITE if full else ()))
     if "test_matrix" in modules and not os.environ.get("SNAPFORENSICS_MATRIX"):
         recordings.start_matrix()
