@@ -222,10 +222,12 @@ def workers_for(srcs: list[str], sizes: list[int], jobs: int,
 def run(args: Iterable[str | os.PathLike], jobs: int | None = None, cache: bool = True,
         scheduler: str | None = None, progress: bool = True,
         variant: str = "", expanded: bool = False,
-        categories: tuple[str, ...] = (), full: bool | None = None) -> list[dict[str, Any]]:
+        categories: tuple[str, ...] = (), full: bool | None = None,
+        on_doc: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
     """Diagnose every input; documents (or {"source", "error"}) in input order. `expanded`:
     the inputs are files already (`expand`'s result), not folders or globs; `full`: key the
-    cache by every byte of each file (`cache.full_hash`)."""
+    cache by every byte of each file (`cache.full_hash`); `on_doc`: called with each document
+    as it arrives (e.g. `fleet.WorstPlots.add`, which drops plot series no report will draw)."""
     srcs = [str(a) for a in args] if expanded else expand(args)
     if not srcs:
         raise SnapError("no input given")
@@ -235,7 +237,7 @@ def run(args: Iterable[str | os.PathLike], jobs: int | None = None, cache: bool 
                  for i, s in enumerate(srcs)]
         n = 0 if scheduler else workers_for(srcs, sizes, jobs or os.cpu_count() or 1, files)
         return _run(srcs, sizes, n, files, refused, cache, scheduler, progress, variant,
-                    categories, full)
+                    categories, full, on_doc or (lambda doc: None))
     finally:
         for f in files.values():
             f.close()
@@ -275,8 +277,8 @@ def _open_inputs(srcs: list[str]) -> tuple[dict[int, Any], dict[int, dict]]:
 
 def _run(srcs: list[str], sizes: list[int], n: int, files: dict[int, Any],
          refused: dict[int, dict], cache: bool, scheduler: str | None, progress: bool,
-         variant: str, categories: tuple[str, ...], full: bool | None
-         ) -> list[dict[str, Any]]:
+         variant: str, categories: tuple[str, ...], full: bool | None,
+         on_doc: Callable[[dict[str, Any]], None]) -> list[dict[str, Any]]:
     def fd(i: int) -> int | None:
         return files[i].fileno() if i in files else None
 
@@ -286,6 +288,7 @@ def _run(srcs: list[str], sizes: list[int], n: int, files: dict[int, Any],
         with _Progress(srcs, sizes, progress, lambda: [os.getpid()]) as bar:
             for i in todo:
                 docs[i] = diagnose_one(srcs[i], cache, variant, categories, full, fd(i))
+                on_doc(docs[i])
                 bar.advance(sizes[i])
         return docs
     if scheduler:
@@ -310,6 +313,7 @@ def _run(srcs: list[str], sizes: list[int], n: int, files: dict[int, Any],
                        lambda: list(getattr(ex, "_processes", None) or ())) as bar:
             for f in futures.as_completed(futs):
                 docs[futs[f]] = f.result()
+                on_doc(docs[futs[f]])
                 bar.advance(sizes[futs[f]])
         ok = True
         return docs

@@ -9,32 +9,41 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from snapforensics.analysis.diagnosis import Diagnosis
+from snapforensics.analysis.fleet import Fleet, WorstPlots, fleet
 from snapforensics.errors import SnapError
 from snapforensics.parallel import expand, is_url, run
 
-__all__ = ["compare_folders", "compare_paths", "diagnose_paths", "expand"]
+__all__ = ["compare_folders", "compare_paths", "diagnose_paths", "expand", "fleet_paths"]
 
 
 def diagnose_paths(paths: Sequence[str | Path], jobs: int | None = None, cache: bool = True,
-                   progress: bool = False, full: bool | None = None) -> list[Diagnosis]:
+                   progress: bool = False, full: bool | None = None,
+                   **opts: Any) -> list[Diagnosis]:
     """Diagnose each input once (a file given twice is read once), in order, in parallel
-    processes and through the cache (`parallel.run`; `full`: key it by every byte). Every
-    local path is checked first, so a typo in the last one fails before minutes of work; the
-    first unreadable input is the error."""
+    processes and through the cache (`parallel.run`; `full`: key it by every byte; `opts`:
+    its `scheduler` and `categories`). Every local path is checked first, so a typo in the
+    last one fails before minutes of work; the first unreadable input is the error."""
     srcs = [str(p) for p in paths]
     missing = [s for s in srcs if not is_url(s) and not Path(s).exists()]
     if missing:
         raise SnapError(f"{missing[0]}: no such file")
     unique = list(dict.fromkeys(srcs))
     docs = dict(zip(unique, run(unique, jobs=jobs, cache=cache, progress=progress,
-                                expanded=True, full=full)))
+                                expanded=True, full=full, **opts)))
     bad = next((d for d in docs.values() if "error" in d), None)
     if bad is not None:
         raise SnapError(f"{bad['source']}: {bad['error']}")
     made = {s: Diagnosis.from_dict(d) for s, d in docs.items()}
     return [made[s] for s in srcs]
+
+
+def fleet_paths(files: Sequence[str], **opts: Any) -> Fleet:
+    """Many rank files (`expand`'s result) into one fleet view; an unreadable file is listed in
+    the fleet's errors, not raised. Only the plot the fleet draws is kept (`WorstPlots`)."""
+    return fleet(run(list(files), expanded=True, on_doc=WorstPlots().add, **opts))
 
 
 def compare_paths(paths: Sequence[str | Path], mode: str = "auto", **run):

@@ -18,7 +18,7 @@ import pytest
 from corpus import corpus_files
 
 from snapforensics import parallel
-from snapforensics.analysis.fleet import fleet
+from snapforensics.analysis.fleet import WorstPlots, fleet
 from snapforensics.analysis.rules.fsdp_reshard import RULE as RESHARD
 from snapforensics.report import fleet as report
 
@@ -173,6 +173,27 @@ def test_workers_fit_in_memory(monkeypatch, tmp_path):
     assert parallel.workers_for(srcs[:2], sizes[:2], jobs=16) == 1
     monkeypatch.setattr(parallel, "mem_available", lambda: 1 << 50)
     assert parallel.workers_for(srcs[:2], sizes[:2], jobs=16) == 2  # no more than inputs
+
+
+def test_a_fleet_holds_only_the_plot_it_draws(tmp_path):
+    """Three ranks: the buggy recording twice (tied worst) and the fixed one. Documents keep
+    their plot series only while they can still be the worst rank; the fleet, its worst rank
+    and the plot it draws are those of the documents that kept every series."""
+    d = tmp_path / "run"
+    d.mkdir()
+    for rank, src in enumerate([FIXED, BUGGY, FIXED, BUGGY]):
+        shutil.copy(src, d / f"rank{rank}.pickle.gz")
+    full = parallel.run([d], jobs=1, cache=False, progress=False)
+    lean = parallel.run([d], jobs=1, cache=False, progress=False,
+                        on_doc=WorstPlots().add)
+    plotted = [any(x["plot"] for x in doc["devices"]) for doc in lean]
+    # the fixed rank 0 arrived first and was the worst so far; rank 1 took its place
+    assert plotted == [False, True, False, True]
+    assert all(any(x["plot"] for x in doc["devices"]) for doc in full)
+    a, b = fleet(full), fleet(lean)
+    assert a.to_dict() == b.to_dict()
+    assert a.worst.source == b.worst.source == str(d / "rank1.pickle.gz")
+    assert [x.plot.to_doc() for x in a.worst.devices] == [x.plot.to_doc() for x in b.worst.devices]
 
 
 def test_corpus_files_as_one_fleet(tmp_path):

@@ -60,6 +60,42 @@ class Fleet:
                 "warnings": self.warnings}
 
 
+def worst_key(doc: dict[str, Any]) -> tuple[int, int]:
+    """How bad a rank's document is, as the fleet orders ranks (`fleet`): its distinct
+    anomalous rules, then its highest peak. An error document is never the worst."""
+    if "error" in doc:
+        return (-1, -1)
+    return (len({f["rule"] for f in doc["findings"] if f["verdict"] == Verdict.ANOMALOUS}),
+            int(doc["peaks"]["overall_bytes"]))
+
+
+class WorstPlots:
+    """Fed each rank's document as it arrives (`parallel.run(on_doc=...)`), keeps the plot
+    series only on the documents that can still be the worst rank (the one plot a fleet
+    report draws): a fleet of N ranks holds one rank's series (those tied for worst, all of
+    them, so the label decides as in `fleet`), not N times ~0.2 MB."""
+
+    def __init__(self) -> None:
+        self.best: tuple[int, int] | None = None
+        self.kept: list[dict[str, Any]] = []
+
+    def add(self, doc: dict[str, Any]) -> None:
+        key = worst_key(doc)
+        if self.best is None or key > self.best:
+            for old in self.kept:
+                _drop_plots(old)
+            self.best, self.kept = key, [doc]
+        elif key == self.best:
+            self.kept.append(doc)
+        else:
+            _drop_plots(doc)
+
+
+def _drop_plots(doc: dict[str, Any]) -> None:
+    for dev in doc.get("devices") or ():
+        dev["plot"] = None
+
+
 def fleet(docs: list[dict[str, Any]]) -> Fleet:
     """Documents in input order; `{"source", "error"}` ones are listed as unreadable."""
     errors = [{"source": d["source"], "error": d["error"]} for d in docs if "error" in d]

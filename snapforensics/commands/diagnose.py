@@ -42,9 +42,8 @@ def diagnose_command(snapshots: tuple[str, ...], fmt: str | None, output: str | 
     folder (its rank*.pickle) give one fleet report: peaks per rank with their spread, findings
     by rank, the worst rank first."""
     from snapforensics.analysis.classify import user_categories
-    from snapforensics.analysis.diagnosis import Diagnosis
-    from snapforensics.parallel import expand, run
     from snapforensics.report.output import choose_format, emit
+    from snapforensics.runner import diagnose_paths, expand, fleet_paths
     from snapforensics.snapshot.cache import full_hash
 
     srcs = expand(snapshots)
@@ -53,29 +52,23 @@ def diagnose_command(snapshots: tuple[str, ...], fmt: str | None, output: str | 
     fmt = choose_format(kind, fmt, output)  # a bad -o fails before the analysis
     user_categories(categories)  # and so does a bad --category
     # the gate keys the cache by every byte of each file (an attacker may edit one in place)
-    full = full_hash(gate=fail_on != "never")
-    # one route for every input: worker documents carry the plot series (Diagnosis.to_doc)
-    docs = run(srcs, jobs=jobs, cache=not no_cache, scheduler=scheduler,
-               progress=not quiet, categories=categories, expanded=True, full=full)
+    opts = {"jobs": jobs, "cache": not no_cache, "scheduler": scheduler, "progress": not quiet,
+            "categories": categories, "full": full_hash(gate=fail_on != "never")}
     if single:
-        if "error" in docs[0]:
-            raise SnapError(f"{docs[0]['source']}: {docs[0]['error']}")
-        d = Diagnosis.from_dict(docs[0])
+        d, = diagnose_paths(srcs, **opts)
         if redact_paths:
             from snapforensics.report.redact import redact
             d = redact(d)
         emit("diagnosis", d, fmt, output)
         return EXIT_ANOMALY if fail_on == "anomalous" and d.anomalies else 0
-    from snapforensics.analysis.fleet import fleet
-
-    f = fleet(docs)
+    f = fleet_paths(srcs, **opts)
     if redact_paths:
         from snapforensics.report.redact import redact
         f = redact(f)  # type: ignore[arg-type]
     emit("fleet", f, fmt, output)
     if f.errors:
         e = f.errors[0]
-        raise SnapError(f"{len(f.errors)} of {len(docs)} inputs unreadable (first: "
+        raise SnapError(f"{len(f.errors)} of {len(srcs)} inputs unreadable (first: "
                         f"{e['source']}: {e['error']})")
     return EXIT_ANOMALY if fail_on == "anomalous" and f.anomalies else 0
 
