@@ -3,34 +3,19 @@
 from __future__ import annotations
 
 from snapforensics.analysis.diagnosis import Diagnosis, Finding
-from snapforensics.analysis.rules import (
-    activations_checkpointing,
-    allocator_fragmentation,
-    allocator_record_stream,
-    fsdp_all_gather_concurrency,
-    fsdp_double_all_gather,
-    fsdp_full_init,
-    fsdp_grad_sync_off,
-    fsdp_mixed_precision,
-    fsdp_reshard_after_forward,
-    fsdp_stale_prefetch,
-    leak_iteration_growth,
-    oom_report,
-)
+from snapforensics.analysis.rule import Family
+from snapforensics.analysis.rules import RULES
+from snapforensics.analysis.vocab import Verdict
 
-# FSDP configuration rules (issue 3): none fires on the healthy layouts.
-FSDP_CONFIGURATION = {m.RULE for m in (
-    fsdp_reshard_after_forward, fsdp_stale_prefetch, fsdp_double_all_gather,
-    fsdp_all_gather_concurrency, fsdp_full_init, fsdp_mixed_precision, fsdp_grad_sync_off)}
-FSDP_CONFIGURATION_ANOMALOUS = {m.RULE for m in (
-    fsdp_stale_prefetch, fsdp_double_all_gather, fsdp_all_gather_concurrency, fsdp_full_init)}
-# allocator / lifecycle rules (issue 3)
-LIFECYCLE = {m.RULE for m in (
-    allocator_fragmentation, allocator_record_stream, leak_iteration_growth,
-    activations_checkpointing, oom_report)}
+# the rule families the cross-rule tests check, read from the rules' contracts
+FSDP_CONFIGURATION = {r.id for r in RULES if r.family is Family.FSDP_CONFIGURATION}
+FSDP_CONFIGURATION_ANOMALOUS = {r.id for r in RULES if r.family is Family.FSDP_CONFIGURATION
+                                and Verdict.ANOMALOUS in r.verdicts}
+LIFECYCLE = {r.id for r in RULES if r.family is Family.LIFECYCLE}
 
 
 def found(d: Diagnosis, rule: str) -> list[Finding]:
+    assert isinstance(rule, str), rule  # an id (RULE.id): a Rule would match no finding
     return [f for f in d.findings if f.rule == rule]
 
 

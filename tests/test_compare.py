@@ -27,7 +27,7 @@ def render_text(c, fmt):
     return render("compare", c, fmt)
 
 REPO = Path(__file__).resolve().parents[1]
-RESHARD, REDUCE = fsdp_reshard.RULE, fsdp_reduce_scatter.RULE
+RESHARD, REDUCE = fsdp_reshard.RULE.id, fsdp_reduce_scatter.RULE.id
 FORWARD = "NiuHuangxiaozi_forward_200.pickle"
 FWD_BWD = "NiuHuangxiaozi_fwd_bwd_200_mixed.pickle"
 

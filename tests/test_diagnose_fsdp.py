@@ -40,7 +40,7 @@ def test_classification_totals(diagnosed):
     at_peak = dev.categories_at_peak
     shards = at_peak["parameter"]
     assert abs(at_peak[Category.OPTIMIZER_STATE] - 2 * shards) <= 0.05 * shards, at_peak
-    grads = next(f for f in d.findings if f.rule == fsdp_reduce_scatter.RULE).bytes
+    grads = next(f for f in d.findings if f.rule == fsdp_reduce_scatter.RULE.id).bytes
     assert abs(grads - shards) <= 0.05 * shards, (grads, shards)
     assert dev.iterations and len(dev.iterations) == 3
     for it in dev.iterations:
@@ -65,4 +65,4 @@ def test_cli_json_contract_and_fail_on(recording, tmp_path):
                         "--fail-on", "anomalous", "--format", "markdown"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    assert fsdp_reduce_scatter.RULE in r.stdout
+    assert fsdp_reduce_scatter.RULE.id in r.stdout

@@ -8,8 +8,10 @@ import pytest
 from edits import cuda_shaped
 
 from snapforensics.analysis import diagnose
-from snapforensics.analysis.rules.fsdp_reshard import RULE as RESHARD
+from snapforensics.analysis.rules import fsdp_reshard
 from snapforensics.snapshot import load, normalize, read_raw
+
+RESHARD = fsdp_reshard.RULE.id
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 

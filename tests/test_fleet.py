@@ -19,8 +19,10 @@ from corpus import corpus_files
 
 from snapforensics import parallel
 from snapforensics.analysis.fleet import WorstPlots, fleet
-from snapforensics.analysis.rules.fsdp_reshard import RULE as RESHARD
+from snapforensics.analysis.rules import fsdp_reshard
 from snapforensics.report import fleet as report
+
+RESHARD = fsdp_reshard.RULE.id
 
 REPO = Path(__file__).resolve().parents[1]
 BUGGY = REPO / "fixtures" / "fsdp2_ckpt_buggy_rank0.pickle.gz"

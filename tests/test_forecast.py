@@ -23,8 +23,10 @@ from snapforensics.analysis.forecast import forecast, forecast_frame
 from snapforensics.analysis.forecast_capacity import parse_size
 from snapforensics.analysis.forecast_documents import Scenario
 from snapforensics.analysis.forecast_replay import Forecaster
-from snapforensics.analysis.rules.fsdp_reshard import RULE as RESHARD
+from snapforensics.analysis.rules import fsdp_reshard
 from snapforensics.snapshot import load
+
+RESHARD = fsdp_reshard.RULE.id
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 BUGGY = FIXTURES / "fsdp2_ckpt_buggy_rank0.pickle.gz"

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from snapforensics.analysis.rules.fsdp_reshard import RULE as RESHARD
+from snapforensics.analysis.rules import fsdp_reshard
+
+RESHARD = fsdp_reshard.RULE.id
 
 REPO = Path(__file__).resolve().parents[1]
 BUGGY = REPO / "fixtures" / "fsdp2_ckpt_buggy_rank0.pickle.gz"

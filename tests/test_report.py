@@ -385,7 +385,7 @@ def test_reserved_savings_are_labelled_reserved():
     """Fragmentation saves reserved memory: its share is of the reserved peak, and says so."""
     res = 400 << 20
     frag = made("anomalous", "fragmentation", 100 << 20, saving=100 << 20,
-                rule=allocator_fragmentation.RULE, evidence={"reserved_peak_bytes": res})
+                rule=allocator_fragmentation.RULE.id, evidence={"reserved_peak_bytes": res})
     d = with_findings(frag)
     assert headline(d).endswith("fixing it saves ~100.0 MiB (25% of the reserved peak)")
     assert "25% of the reserved peak" in render_text(d, "terminal")

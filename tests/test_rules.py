@@ -7,8 +7,10 @@ FSDP rules hold on CUDA-shaped EDITED copies of the recordings."""
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
 import pkgutil
+import re
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,10 @@ from findings import FSDP_CONFIGURATION, LIFECYCLE, fired, found
 
 import snapforensics.analysis.rules as rules_pkg
 from snapforensics.analysis import diagnose
+from snapforensics.analysis.context import analyse
+from snapforensics.analysis.rule import Family, Rule
 from snapforensics.analysis.rules import (
+    BY_ID,
     RULES,
     activations_checkpointing,
     allocator_fragmentation,
@@ -32,7 +37,9 @@ from snapforensics.analysis.rules import (
     fsdp_stale_prefetch,
     leak_iteration_growth,
     oom_report,
+    run_rules,
 )
+from snapforensics.analysis.vocab import Verdict
 from snapforensics.snapshot import load, normalize, read_raw
 
 slow = pytest.mark.slow
@@ -40,21 +47,41 @@ slow = pytest.mark.slow
 
 RULES_DIR = Path(rules_pkg.__file__).parent
 TESTS_DIR = Path(__file__).parent / "rules"
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "rules.md"
+FSDP_FAMILIES = {Family.FSDP_SHARDING, Family.FSDP_CONFIGURATION}
+
+
+def _module(rule: Rule) -> str:
+    """The rule's module name in analysis/rules/ (where its check lives)."""
+    return rule.check.__module__.rsplit(".", 1)[1]
+
+
+def test_every_module_in_the_rules_folder_is_one_registered_rule():
+    names = sorted(i.name for i in pkgutil.iter_modules([str(RULES_DIR)]))
+    declared = [importlib.import_module(f"{rules_pkg.__name__}.{n}").RULE for n in names]
+    assert all(isinstance(r, Rule) for r in declared), names
+    assert sorted(map(_module, RULES)) == names
+    assert set(declared) == set(RULES) and len(RULES) == len(names)
 
 
 def test_every_rule_has_the_same_shape():
-    """RULE (a unique stable id), check(d) -> list[Finding], and its fix (FIX, or fix_for)."""
-    ids = [m.RULE for m in RULES]
-    assert len(set(ids)) == len(ids), ids
-    for m in RULES:
-        assert isinstance(m.RULE, str) and m.RULE.count(".") == 1, m.__name__
-        assert list(inspect.signature(m.check).parameters) == ["d"], m.__name__
-        assert hasattr(m, "FIX") or callable(getattr(m, "fix_for", None)), m.__name__
-
-
-def test_rules_folder_holds_only_the_registered_rules():
-    names = {i.name for i in pkgutil.iter_modules([str(RULES_DIR)])}
-    assert names == {m.__name__.rsplit(".", 1)[1] for m in RULES}
+    """A unique `area.name` id, check(d), the verdicts it can give, and its fix: code that
+    compiles, a fix_for(d, evidence), or None for a cost the configuration chose."""
+    assert len(BY_ID) == len(RULES)
+    for r in RULES:
+        assert re.fullmatch(r"[a-z]+\.[a-z_]+", r.id), r.id
+        assert list(inspect.signature(r.check).parameters) == ["d"], r.id
+        assert r.verdicts and r.verdicts <= set(Verdict), r.id
+        # fsdp.* ids are what the corpus test checks no FSDP-less file gets
+        assert r.id.startswith("fsdp.") == (r.family in FSDP_FAMILIES), r.id
+        if r.fix is None:
+            assert r.verdicts == {Verdict.EXPECTED}, r.id
+        elif isinstance(r.fix, str):
+            compile(r.fix, r.id, "exec")
+        else:
+            assert list(inspect.signature(r.fix).parameters) == ["d", "evidence"], r.id
+        if r.reserved_peak:
+            assert r.reserved_peak({"reserved_peak_bytes": 7}) == 7, r.id
 
 
 def test_no_rule_imports_another():
@@ -69,11 +96,31 @@ def test_no_rule_imports_another():
 
 def test_every_rule_has_its_test_module():
     """tests/rules/test_<rule module>.py, keyed by the module's RULE."""
-    for m in RULES:
-        name = m.__name__.rsplit(".", 1)[1]
+    for r in RULES:
+        name = _module(r)
         test = TESTS_DIR / f"test_{name}.py"
         assert test.is_file(), test
         assert f"from snapforensics.analysis.rules.{name} import RULE" in test.read_text(), test
+
+
+def test_every_rule_has_its_docs_line():
+    """One row of docs/rules.md's table per rule, whose verdict column names its verdicts."""
+    rows = {m.group(1): m.group(2) for m in
+            re.finditer(r"^\| `([a-z_]+\.[a-z_]+)` \| ([^|]+) \|", DOCS.read_text(), re.M)}
+    assert set(rows) == set(BY_ID), set(rows) ^ set(BY_ID)
+    for rid, cell in rows.items():
+        said = {v for v in Verdict if re.search(rf"\b{v.value}\b", cell)}
+        assert said == BY_ID[rid].verdicts, (rid, cell)
+
+
+def test_rules_run_before_user_categories(fixtures_dir):
+    """Rules read the built-in categories: run_rules refuses a device with user categories."""
+    snap = load(fixtures_dir / "fsdp2_ckpt_buggy_rank0.pickle.gz")
+    d = analyse(snap, snap.active_traces[0])
+    assert {f.rule for f in run_rules(d)}
+    d.add_categories({"mine": re.compile("forward")})
+    with pytest.raises(ValueError, match="add_categories"):
+        run_rules(d)
 
 @slow
 @pytest.mark.parametrize("variant", ["fixed", "nested"])
@@ -87,12 +134,12 @@ def test_healthy_layouts_fire_no_fsdp_configuration_rule(diagnosed, variant):
 def test_healthy_and_other_variants_stay_quiet(diagnosed):
     fixed = diagnosed("fixed")
     assert not [f.rule for f in fixed.findings if f.rule in LIFECYCLE]
-    assert not found(diagnosed("noac"), leak_iteration_growth.RULE)  # no growth without the leak
+    assert not found(diagnosed("noac"), leak_iteration_growth.RULE.id)  # no growth without the leak
     # checkpointed: recompute present
-    assert not found(diagnosed("leak"), activations_checkpointing.RULE)
+    assert not found(diagnosed("leak"), activations_checkpointing.RULE.id)
     for d in (fixed, diagnosed("noac"), diagnosed("leak")):  # CPU-recorded: no allocator findings
-        assert not found(d, allocator_fragmentation.RULE) and \
-            not found(d, allocator_record_stream.RULE) and not found(d, oom_report.RULE)
+        assert not found(d, allocator_fragmentation.RULE.id) and \
+            not found(d, allocator_record_stream.RULE.id) and not found(d, oom_report.RULE.id)
 
 
 @slow
@@ -108,7 +155,7 @@ def test_rules_hold_on_cuda_shaped_traces(recording, annotations):
               "fsdp1_shard_grad_op": (fsdp_reshard_after_forward, fsdp_mixed_precision),
               "fsdp1_reentrant": (fsdp_double_all_gather,)}
     for variant, modules in expect.items():
-        want = {m.RULE for m in modules}
+        want = {m.RULE.id for m in modules}
         raw, _ = read_raw(recording(variant))
         d = diagnose(normalize(cuda_shaped(raw, annotations=annotations), source=variant))
         assert fired(d) & FSDP_CONFIGURATION == want, (variant,
@@ -134,7 +181,10 @@ def test_corpus_without_fsdp_gets_a_diagnosis_and_no_fsdp_findings(corpus_dir):
             if dev.history["allocations"] and dev.peaks["overall_bytes"] > 0:
                 assert dev.categories_at_peak, (path.name, dev.device)
                 assert dev.top_stacks_at_peak, (path.name, dev.device)
+        no_history = {dev.device for dev in d.devices if not dev.history["rows"]}
         for f in d.findings:
+            assert f.verdict in BY_ID[f.rule].verdicts, (path.name, f.rule, f.verdict)
+            assert f.device not in no_history or BY_ID[f.rule].segments_only, (path.name, f.rule)
             if f.rule in LIFECYCLE:
                 assert f.bytes > 0 and f.evidence, (path.name, f.rule)
                 assert f.verdict != "anomalous" or f.fix, (path.name, f.rule)

@@ -100,7 +100,7 @@ def test_the_strings_reached_the_diagnosis():
     """Else the rest proves nothing: the edited recording still diagnoses the same bug, and
     the planted module name is in its evidence, the planted frame in its stacks."""
     d = hostile()
-    (f,) = [f for f in d.anomalies if f.rule == fsdp_reshard.RULE]
+    (f,) = [f for f in d.anomalies if f.rule == fsdp_reshard.RULE.id]
     assert MODULE in {m["module"] for m in f.evidence["modules"]}
     assert HOSTILE in d.devices[0].top_stacks_at_peak[0]["stack"][0]
     assert any(SITE in line for s in d.devices[0].top_stacks_at_peak for line in s["stack"])

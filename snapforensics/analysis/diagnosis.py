@@ -12,6 +12,9 @@ from snapforensics.analysis.vocab import Verdict
 
 SCHEMA = "snapforensics.diagnosis/1"
 INTERNAL = {"json": False}  # field metadata: kept for renderers and the API, not in the JSON
+# the evidence every renderer shows as tables (`Finding.modules`, `Finding.stacks`), written by
+# `evidence.by_module` and `evidence.top_stacks`; the rest of a finding's evidence is its own
+MODULES, STACKS = "modules", "stacks"
 
 
 def public(obj: Any) -> dict[str, Any]:
@@ -69,6 +72,16 @@ class Finding:
 
     def to_dict(self) -> dict[str, Any]:
         return public(self)
+
+    @property
+    def modules(self) -> list[dict[str, Any]]:
+        """Its blocks' bytes by module, largest first (`evidence.by_module`): may be empty."""
+        return (self.evidence or {}).get(MODULES) or []
+
+    @property
+    def stacks(self) -> list[dict[str, Any]]:
+        """Its representative stacks, most bytes first (`evidence.top_stacks`): may be empty."""
+        return (self.evidence or {}).get(STACKS) or []
 
 
 def saving_rank(f: Finding) -> tuple[int, int]:

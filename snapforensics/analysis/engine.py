@@ -12,7 +12,7 @@ from snapforensics.analysis.context import DeviceAnalysis, analyse
 from snapforensics.analysis.diagnosis import DeviceSummary, Diagnosis, Finding, top_anomaly
 from snapforensics.analysis.evidence import human, top_stacks
 from snapforensics.analysis.evidence import peaks as phase_peaks
-from snapforensics.analysis.rules import RULES
+from snapforensics.analysis.rules import run_rules
 from snapforensics.analysis.vocab import Phase
 from snapforensics.snapshot.model import Snapshot, Trace
 
@@ -28,7 +28,7 @@ def diagnose_devices(snapshot: Snapshot, categories: dict[str, re.Pattern] | Non
     `categories`: user categories (name -> regex on stack frames and range names), applied
     after the rules ran (see `DeviceAnalysis.add_categories`)."""
     analyses = [analyse(snapshot, t) for t in snapshot.active_traces]
-    findings = [f for d in analyses for rule in RULES for f in rule.check(d)]
+    findings = [f for d in analyses for f in run_rules(d)]
     framework = frameworks.detect(snapshot, analyses)
     framework_fixes.localize(findings, framework)
     warnings = list(snapshot.warnings)
@@ -53,9 +53,7 @@ def diagnose_devices(snapshot: Snapshot, categories: dict[str, re.Pattern] | Non
     seen = {d.device for d in analyses}
     for dev in sorted({s.device for s in snapshot.segments} - seen):
         summaries.append(_segments_only(snapshot, dev))
-        d = analyse(snapshot, Trace.empty(dev))
-        findings += [f for rule in RULES if getattr(rule, "SEGMENTS_ONLY", False)
-                     for f in rule.check(d)]
+        findings += run_rules(analyse(snapshot, Trace.empty(dev)))
     if not any(len(t) for t in snapshot.traces):
         warnings.append("no allocation history in this snapshot (recorded without "
                         "_record_memory_history, or a segments-only dump): figures come from the "

@@ -32,7 +32,7 @@ from snapforensics.analysis.forecast_plans import (
 )
 from snapforensics.analysis.forecast_scaling import CONST, SCALING, scaled_sizes, scaling
 from snapforensics.analysis.forecast_units import detect_strategy, units
-from snapforensics.analysis.rules import RULES
+from snapforensics.analysis.rules import run_rules
 from snapforensics.analysis.vocab import CAT_CODE, CATEGORIES, Category, Phase, Verdict
 
 
@@ -84,7 +84,7 @@ class Forecaster:
         self.strategy = detect_strategy(d, self.units) if self.fsdp else "none"
         self.checkpointing = FULL if (d.tl.phase == Phase.RECOMPUTE).any() or \
             d.mask(Category.RECOMPUTE_ACTIVATION).any() else NONE
-        self.findings = [f for rule in RULES for f in rule.check(d) if f.device == d.device]
+        self.findings = run_rules(d)
         # each anomaly's fix as its rule replayed it
         self.fixes = {f.rule: f.replay for f in self.findings
                       if f.verdict == Verdict.ANOMALOUS and f.replay is not None}

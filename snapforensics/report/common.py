@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from snapforensics.analysis.diagnosis import Diagnosis, Finding, saving_rank
 from snapforensics.analysis.evidence import human
+from snapforensics.analysis.rules import BY_ID
 from snapforensics.analysis.vocab import Verdict
 from snapforensics.report.sanitize import NAME, cap
 
@@ -32,9 +33,6 @@ VERDICT_ORDER = {Verdict.ANOMALOUS: 0, Verdict.EXPECTED: 1, Verdict.INFO: 2}
 # headline even without an anomaly: a fifth of the peak is the same bar the fragmentation rule
 # uses for "significant", and a saving a user would act on before buying memory.
 HEADLINE_INFO_SHARE = 0.20
-# Rules whose saving is reserved memory (what the caching allocator holds), not allocated
-# memory: their "% of peak" is of the reserved peak, and they say so.
-RESERVED_SAVING_RULES = frozenset({"allocator.fragmentation"})
 
 
 def by_saving(findings: list[Finding]) -> list[Finding]:
@@ -53,9 +51,9 @@ def ratio(a: int, b: int) -> str:
 def saving_peak(d: Diagnosis, f: Finding) -> tuple[str, int]:
     """Which peak `f.saving_bytes` is a saving of ("reserved" or "allocated") and its size."""
     dev = next((x for x in d.devices if x.device == f.device), d.primary)
-    if f.rule in RESERVED_SAVING_RULES:
-        ev = f.evidence or {}
-        res = ev.get("reserved_peak_bytes") or (ev.get("at_dump") or {}).get("reserved_bytes")
+    rule = BY_ID.get(f.rule)
+    if rule and rule.reserved_peak:  # its saving is of reserved memory, not allocated
+        res = rule.reserved_peak(f.evidence or {})
         return "reserved", int(res or (dev.segments.get("reserved_bytes", 0) if dev else 0))
     return "allocated", int(dev.peaks["overall_bytes"] if dev else d.peaks["overall_bytes"])
 
@@ -153,8 +151,7 @@ def finding_lines(d: Diagnosis, f: Finding) -> list[str]:
 
 def finding_category(f: Finding) -> str | None:
     """What made the finding's blocks (the category of its representative stacks)."""
-    stacks = (f.evidence or {}).get("stacks") or []
-    cats = {s.get("category") for s in stacks if isinstance(s, dict)}
+    cats = {s.get("category") for s in f.stacks if isinstance(s, dict)}
     return cats.pop() if len(cats) == 1 else None
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from snapforensics.analysis.diagnosis import DeviceSummary, Diagnosis, Finding
+from snapforensics.analysis.diagnosis import MODULES, STACKS, DeviceSummary, Diagnosis, Finding
 from snapforensics.report import plot
 from snapforensics.report.common import (
     command_line,
@@ -287,14 +287,14 @@ def _finding(i: int, f: Finding, d: Diagnosis) -> str:
         out.append("</div>")
     out.append(f'<p>{e(f.cause)}</p>')
     ev = f.evidence or {}
-    mods = ev.get("modules") or []
+    mods = f.modules
     if mods:
         rows = "".join(f'<tr><td><code>{e(m.get("module", "?"), NAME)}</code></td>'
                        f'<td class="n">{e(human(_num(m.get("bytes"))))}</td>'
                        f'<td class="n">{e(_num(m.get("blocks")))}</td></tr>' for m in mods[:ROWS])
         out.append('<h4>By module</h4><table><tr><th>module</th><th class="n">bytes</th>'
                    f'<th class="n">blocks</th></tr>{rows}</table>')
-    for s in (ev.get("stacks") or [])[:1]:
+    for s in f.stacks[:1]:
         out.append(f'<details open><summary>Representative stack '
                    f'({e(human(_num(s.get("bytes"))))} in {e(_num(s.get("blocks")))} blocks)'
                    f'</summary>{_stack_pre(s.get("stack") or [])}</details>')
@@ -310,7 +310,7 @@ def _finding(i: int, f: Finding, d: Diagnosis) -> str:
 def _extra_evidence(ev: dict[str, Any]) -> str:
     rows = []
     for k, v in list(ev.items())[:ROWS]:
-        if k in ("modules", "stacks"):
+        if k in (MODULES, STACKS):  # shown above
             continue
         if k in ("by_path", "per_iteration_bytes", "predicted_peaks") and isinstance(v, dict):
             txt = ", ".join(f"{kk}: {human(_num(vv))}" for kk, vv in list(v.items())[:ROWS])

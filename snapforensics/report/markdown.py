@@ -88,7 +88,7 @@ def render(d: Diagnosis, screen: Screen = PLAIN, image: str | None = None) -> st
         out += [f"### [{f.verdict.upper()}] {md(f.title)}", "", span(f.rule), ""]
         out += [f"- {md(line, TEXT)}" for line in finding_lines(d, f)]
         out += ["", md(f.cause, TEXT), ""]
-        mods = f.evidence.get("modules") or []
+        mods = f.modules
         if mods:
             out += ["| module | bytes | blocks |", "|---|---|---|"]
             out += [f"| {md(m['module'])} | {human(m['bytes'])} | {m['blocks']} |"
@@ -96,7 +96,7 @@ def render(d: Diagnosis, screen: Screen = PLAIN, image: str | None = None) -> st
             out.append("")
         if f.fix:
             out += ["Fix:", "", *code(lines(f.fix, FRAMES), "python"), ""]
-        for s in (f.evidence.get("stacks") or [])[:1]:
+        for s in f.stacks[:1]:
             out += _details("Representative stack", s["stack"][:FRAMES])
     return "\n".join(out)
 

@@ -107,7 +107,7 @@ def _finding(console: Console, d: Diagnosis, f: Finding) -> None:
     for line in finding_lines(d, f):
         console.print(t(line, TEXT, "bold"))
     console.print(t(f.cause, TEXT))
-    mods = f.evidence.get("modules") or []
+    mods = f.modules
     if mods:
         mt = Table(show_edge=False, box=None)
         mt.add_column("module", overflow="fold")
@@ -116,7 +116,7 @@ def _finding(console: Console, d: Diagnosis, f: Finding) -> None:
         for m in mods[:8]:
             mt.add_row(t(m["module"]), human(m["bytes"]), str(m["blocks"]))
         console.print(mt)
-    for s in (f.evidence.get("stacks") or [])[:1]:
+    for s in f.stacks[:1]:
         console.print(Text("stack:", style="dim"))
         for frame in s["stack"][:8]:
             console.print(t("  " + short_path(frame), FRAME, "dim"), overflow="fold")

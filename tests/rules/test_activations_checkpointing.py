@@ -13,7 +13,7 @@ from snapforensics.analysis.rules.activations_checkpointing import RULE
 @pytest.mark.slow
 def test_noac_variant_suggests_checkpointing_with_its_saving(diagnosed):
     d = diagnosed("noac")
-    f = one(d, RULE)
+    f = one(d, RULE.id)
     assert f.verdict == "info"  # a memory/compute trade, not a bug (see the rule's docstring)
     ev = f.evidence
     assert ev["layers"] == 6 and ev["layer_class"] == "Block"  # the example's 6 blocks
@@ -26,7 +26,7 @@ def test_noac_variant_suggests_checkpointing_with_its_saving(diagnosed):
 @pytest.mark.slow
 def test_checkpointing_saving_matches_the_checkpointed_run(diagnosed):
     """`fixed` is `noac` plus checkpoint_wrapper per block: same batch, measured peak."""
-    f = one(diagnosed("noac"), RULE)
+    f = one(diagnosed("noac"), RULE.id)
     measured = diagnosed("fixed", extra=["--batch", "8"]).peaks["overall_bytes"]
     assert abs(f.predicted_peak_bytes - measured) / measured < 0.10, (f.predicted_peak_bytes,
                                                                       measured)
@@ -48,7 +48,7 @@ def test_a_module_name_from_the_file_never_becomes_code_in_the_fix(recording):
                 f["name"] = f["name"].replace(
                     "Block_", "Block) if __import__('os').system('id') else (Block_")
     assert seen
-    f = one(diagnose(normalize(raw, source="hostile")), RULE)
+    f = one(diagnose(normalize(raw, source="hostile")), RULE.id)
     compile(f.fix, "<fix>", "exec")
     assert "__import__" not in f.fix
     named = f.fix.split("isinstance(m, ", 1)[1].split(")", 1)[0]

@@ -23,7 +23,7 @@ OOM_FILE = "ConstructorSun_memory_snapshot.pickle"  # 3 GPUs, expandable segment
 
 def test_fragmentation_on_a_real_cuda_file():
     d = diagnose(load(corpus_file(FWD_BWD)))
-    f = one(d, RULE)
+    f = one(d, RULE.id)
     assert f.verdict == "anomalous"
     ev = f.evidence
     peak = d.peaks["overall_bytes"]
@@ -41,7 +41,7 @@ def test_fragmentation_with_expandable_segments_does_not_suggest_them_again():
         raw["allocator_settings"].update(expandable_segments=True,
                                          PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
     d = edited_corpus_file(FWD_BWD, edit)
-    f = one(d, RULE)
+    f = one(d, RULE.id)
     assert f.verdict == "info" and not f.fix
     assert f.evidence["expandable_segments"] is True
 
@@ -53,12 +53,12 @@ def test_fragmentation_never_on_cpu_snapshots():
             s["segment_type"] = "cpu"
     d = edited_corpus_file(FWD_BWD, edit)
     assert d.format["backend"] == "cpu"
-    assert not found(d, RULE) and not found(d, allocator_record_stream.RULE)
+    assert not found(d, RULE.id) and not found(d, allocator_record_stream.RULE.id)
 
 
 def test_no_fragmentation_where_expandable_segments_keep_reserved_at_allocated():
     d = diagnose(load(corpus_file(OOM_FILE)))  # reserved within 1.5% of allocated everywhere
-    assert not found(d, RULE)
+    assert not found(d, RULE.id)
 
 
 def test_expandable_fix_names_the_backend_variable_and_keeps_other_settings():
@@ -79,9 +79,9 @@ def test_fragmentation_on_a_segments_only_file():
     from snapforensics.snapshot import load
 
     holes = diagnose(load(corpus_file("Felixburton7_dump_snapshot_a.pickle")))
-    f = next(f for f in holes.findings if f.rule == RULE)
+    f = next(f for f in holes.findings if f.rule == RULE.id)
     assert f.evidence["at_dump"]["inactive_split_bytes"] == f.bytes > 0
     assert "expandable_segments:True" in f.fix
     # Maphsge4_10k reserves 10x what it allocates, but in wholly free segments: cache, not holes
     cache = diagnose(load(corpus_file("Maphsge4_snapshot_10k.pickle")))
-    assert not [f for f in cache.findings if f.rule == RULE]
+    assert not [f for f in cache.findings if f.rule == RULE.id]

@@ -59,7 +59,7 @@ def test_record_stream_delays_on_an_edited_real_file():
         counts["delayed"], counts["pending"] = _delay_completions(raw)
     d = edited_corpus_file(FWD_BWD, edit)
     assert counts["delayed"] > 100 and counts["pending"] == 3
-    f = one(d, RULE)
+    f = one(d, RULE.id)
     assert f.verdict == "anomalous"
     ev = f.evidence
     assert ev["delayed_blocks"] > 100
@@ -73,4 +73,4 @@ def test_record_stream_delays_on_an_edited_real_file():
 
 def test_no_record_stream_delay_where_frees_complete_at_once():
     d = diagnose(load(corpus_file(FWD_BWD)))
-    assert not found(d, RULE)
+    assert not found(d, RULE.id)

@@ -14,7 +14,7 @@ slow = pytest.mark.slow
 @slow
 def test_prefetching_three_units_ahead_is_too_many_all_gathers(diagnosed):
     d = diagnosed("no_rate_limit")
-    f = finding(d, RULE)
+    f = finding(d, RULE.id)
     assert f.verdict == "anomalous"
     assert f.evidence["max_in_flight"] == 4
     assert f.evidence["excess_bytes"] >= 2 * 12 * 2**20
@@ -28,4 +28,4 @@ def test_prefetching_three_units_ahead_is_too_many_all_gathers(diagnosed):
     # trace shows, a little earlier than a rate-limited run would).
     saving = d.peaks["overall_bytes"] - measured
     assert near(f.saving_bytes, saving, 0.35), (f.saving_bytes, saving)
-    assert not fired(d) & (FSDP_CONFIGURATION - {RULE})
+    assert not fired(d) & (FSDP_CONFIGURATION - {RULE.id})

@@ -26,7 +26,7 @@ def test_kept_between_micro_batches_is_expected(matrix):
     after_last = [b["root"] + b["nonroot"] for b in t["backwards"] if b["last"]]
     assert all(kept) and not any(after_last)  # what FSDP itself held: kept, then resharded
     d = diagnose(load(matrix / "f2_ga_right" / "rank0.pickle"))
-    f = finding(d, RULE)
+    f = finding(d, RULE.id)
     assert f.verdict == "expected"
     # the non-root units' parameters (the root's are gathered in forward and kept by design)
     nonroot = max(b["nonroot"] for b in t["backwards"] if not b["last"])
@@ -39,4 +39,4 @@ def test_kept_between_micro_batches_is_expected(matrix):
 def test_no_deferral_without_micro_batches(matrix):
     for name in ("f2_block_cw", "f2_block_cw_rab_false", "f2_ga_sync_only"):
         d = diagnose(load(matrix / name / "rank0.pickle"))
-        assert RULE not in fired(d), name
+        assert RULE.id not in fired(d), name

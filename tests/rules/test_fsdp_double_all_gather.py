@@ -26,7 +26,7 @@ slow = pytest.mark.slow
 def test_fsdp1_reentrant_checkpoint_gathers_every_layer_twice(diagnosed, recording):
     """A real recording on torch 2.13: FSDP1 + HF-style reentrant checkpointing (#105635)."""
     d = diagnosed("fsdp1_reentrant")
-    f = finding(d, RULE)
+    f = finding(d, RULE.id)
     # anomalous only if gathering once lowers the peak: measured against `fsdp1` (the same
     # FSDP1 units, non-reentrant checkpointing inside them: one gather per layer)
     verdict_by_effect(f, recording("fsdp1_reentrant"), recording("fsdp1"))
@@ -36,8 +36,8 @@ def test_fsdp1_reentrant_checkpoint_gathers_every_layer_twice(diagnosed, recordi
     assert "first: recompute" in paths and "second: backward_pre_hook" in paths
     assert "use_reentrant" in f.fix or "NO_REENTRANT" in f.fix
     # FULL_SHARD keeps only the root unsharded after forward: not reshard_after_forward=False.
-    assert not fired(d) & {fsdp_reshard_after_forward.RULE, fsdp_stale_prefetch.RULE,
-                           fsdp_reshard.RULE}
+    assert not fired(d) & {fsdp_reshard_after_forward.RULE.id, fsdp_stale_prefetch.RULE.id,
+                           fsdp_reshard.RULE.id}
 
 
 def _with_recompute_regather(path) -> dict:
@@ -86,9 +86,9 @@ def _with_recompute_regather(path) -> dict:
 def test_double_all_gather_per_named_unit_on_an_edited_recording(recording):
     path = recording("fixed")
     d = diagnose(normalize(_with_recompute_regather(path), source="edited-fixed.pickle"))
-    f = finding(d, RULE)
+    f = finding(d, RULE.id)
     assert f.evidence["units_gathered_twice"] == 6
     assert {m["module"] for m in f.evidence["modules"]} == {f"layers.{i}" for i in range(6)}
     assert "first: recompute" in " ".join(f.evidence["by_path"])
-    assert not fired(d) & {fsdp_reshard.RULE, fsdp_stale_prefetch.RULE,
-                           fsdp_all_gather_concurrency.RULE, fsdp_reshard_after_forward.RULE}
+    assert not fired(d) & {fsdp_reshard.RULE.id, fsdp_stale_prefetch.RULE.id,
+                           fsdp_all_gather_concurrency.RULE.id, fsdp_reshard_after_forward.RULE.id}

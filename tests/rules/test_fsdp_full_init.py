@@ -19,7 +19,7 @@ slow = pytest.mark.slow
 @slow
 def test_full_model_built_on_the_device_before_sharding(recording, diagnosed):
     d = diagnosed("full_init")
-    f = finding(d, RULE)
+    f = finding(d, RULE.id)
     # anomalous only if the start-up peak is the run's peak (measured peak above `fixed`'s, the
     # same run with meta-device init); below it, info naming where it would take over
     if verdict_by_effect(f, recording("full_init"), recording("fixed")) == "info":
@@ -33,7 +33,7 @@ def test_full_model_built_on_the_device_before_sharding(recording, diagnosed):
     dx = analyse(fixed, fixed.active_traces[0])
     fixed_init = int(dx.lt.live[:dx.tl.iterations[0].start].max())
     assert near(ev["predicted_init_peak_bytes"], fixed_init), (ev, fixed_init)
-    assert not fired(d) & (FSDP_CONFIGURATION - {RULE})
+    assert not fired(d) & (FSDP_CONFIGURATION - {RULE.id})
 
 
 def _without_fsdp(path, world_size=None) -> dict:
@@ -57,15 +57,15 @@ def test_full_init_needs_fsdp_and_a_world_size_above_one(recording):
     # A real single-rank recording of `full_init` (FSDP over one rank): nothing is sharded away.
     one = recording("full_init", nproc=1)
     d = diagnose(load(one))
-    assert RULE not in fired(d), [(f.rule, f.cause) for f in d.findings]
+    assert RULE.id not in fired(d), [(f.rule, f.cause) for f in d.findings]
     # The same full-model init with no FSDP in the trace, world size unknown or one.
     for path in (one, recording("full_init"), recording("fixed")):
         for ws in (None, 1):
             d = diagnose(normalize(_without_fsdp(path, ws), source="no-fsdp.pickle"))
-            assert RULE not in fired(d), (path, ws, [(f.rule, f.cause) for f in d.findings])
+            assert RULE.id not in fired(d), (path, ws, [(f.rule, f.cause) for f in d.findings])
 
 
 def test_full_init_silent_on_a_real_single_process_file():
     d = diagnose(load(corpus_file("NiuHuangxiaozi_fwd_bwd_200_mixed.pickle")))
-    assert RULE not in fired(d)
+    assert RULE.id not in fired(d)
     assert not fired(d) & FSDP_CONFIGURATION

@@ -13,7 +13,7 @@ slow = pytest.mark.slow
 @slow
 def test_gradient_sync_off_holds_unsharded_grads_across_micro_batches(diagnosed):
     d = diagnosed("no_grad_sync")
-    f = finding(d, RULE)
+    f = finding(d, RULE.id)
     assert f.verdict == "expected"
     # the whole model's unsharded fp32 grads (~76 MiB) held into the next micro-batch
     assert f.bytes >= 0.8 * f.evidence["gathered_param_bytes"]

@@ -13,7 +13,7 @@ slow = pytest.mark.slow
 @slow
 def test_mixed_precision_reduce_in_fp32_is_expected_with_its_cost(diagnosed):
     d = diagnosed("mixed_precision")
-    f = finding(d, RULE)
+    f = finding(d, RULE.id)
     assert f.verdict == "expected"
     assert abs(f.evidence["reduce_to_param_dtype_ratio"] - 2.0) < 0.1
     assert {"reduce_in_higher_precision", "low_precision_shard_copies"} <= set(

@@ -15,4 +15,4 @@ slow = pytest.mark.slow
 def test_expected_gradient_growth_is_not_an_anomaly(diagnosed):
     for variant in ("buggy", "fixed"):
         d = diagnosed(variant)
-        assert RULE in fired(d, "expected"), variant
+        assert RULE.id in fired(d, "expected"), variant

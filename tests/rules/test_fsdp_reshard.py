@@ -19,8 +19,8 @@ slow = pytest.mark.slow
 @slow
 def test_buggy_run_names_the_seed_bug(diagnosed):
     d = diagnosed("buggy")
-    assert RULE in fired(d, "anomalous")
-    f = next(f for f in d.findings if f.rule == RULE)
+    assert RULE.id in fired(d, "anomalous")
+    f = next(f for f in d.findings if f.rule == RULE.id)
     assert f.bytes > 0 and f.blocks > 0
     assert "set_reshard_after_backward(True)" in f.fix
     # Evidence names the FSDP units and a stack through the unshard path.
@@ -38,7 +38,7 @@ def test_buggy_run_names_the_seed_bug(diagnosed):
 def test_predicted_peak_matches_the_fixed_run(diagnosed):
     bug = diagnosed("buggy")
     fix = diagnosed("fixed")
-    f = next(f for f in bug.findings if f.rule == RULE)
+    f = next(f for f in bug.findings if f.rule == RULE.id)
     measured = fix.peaks["overall_bytes"]
     assert f.predicted_peak_bytes < bug.peaks["overall_bytes"]
     assert abs(f.predicted_peak_bytes - measured) / measured < 0.10, (
@@ -49,13 +49,13 @@ def test_predicted_peak_matches_the_fixed_run(diagnosed):
 @pytest.mark.parametrize("variant", ["nested", "noac"])
 def test_healthy_layouts_get_no_reshard_anomaly(diagnosed, variant):
     d = diagnosed(variant)
-    assert RULE not in fired(d), [f.rule for f in d.findings]
+    assert RULE.id not in fired(d), [f.rule for f in d.findings]
 
 
 @slow
 def test_seed_bug_fires_only_the_seed_rule(diagnosed):
     d = diagnosed("buggy")
-    assert RULE in fired(d, "anomalous")
+    assert RULE.id in fired(d, "anomalous")
     assert not fired(d) & FSDP_CONFIGURATION, [(f.rule, f.cause) for f in d.findings]
 
 
@@ -70,9 +70,9 @@ def test_seed_bug_found_without_backward_frames(recording, annotations):
     bug = diagnose(normalize(shaped, source="cuda-shaped-buggy.pickle"))
     fixed = diagnose(normalize(cuda_shaped(read_raw(recording("fixed"))[0], annotations),
                                source="cuda-shaped-fixed.pickle"))
-    assert RULE in {f.rule for f in bug.anomalies}
+    assert RULE.id in {f.rule for f in bug.anomalies}
     assert not fixed.anomalies, [f.rule for f in fixed.anomalies]
-    f = next(f for f in bug.findings if f.rule == RULE)
+    f = next(f for f in bug.findings if f.rule == RULE.id)
     measured = fixed.peaks["overall_bytes"]
     assert abs(f.predicted_peak_bytes - measured) / measured < 0.10
     # backward is still seen as backward, and iterations are still found
@@ -120,7 +120,7 @@ def test_released_only_at_backward_end_is_still_anomalous(recording):
     raw, moved = freed_at_backward_end(buggy)
     assert moved > 10
     d = diagnose(normalize(raw, source="edited-buggy.pickle"))
-    f = next((f for f in d.anomalies if f.rule == RULE), None)
+    f = next((f for f in d.anomalies if f.rule == RULE.id), None)
     assert f is not None, [x.rule for x in d.findings]
     # It grows through backward: more than a few units' worth alive at once.
     assert len(f.evidence["modules"]) >= 4
@@ -135,7 +135,7 @@ def test_released_at_backward_end_without_unit_names(fixtures_dir):
     raw, moved = freed_at_backward_end(fixtures_dir / "fsdp2_ckpt_buggy_rank0.pickle.gz")
     assert moved > 10
     d = diagnose(normalize(cuda_shaped(raw, annotations=False)))
-    f = next((f for f in d.anomalies if f.rule == RULE), None)
+    f = next((f for f in d.anomalies if f.rule == RULE.id), None)
     assert f is not None, [x.rule for x in d.findings]
     assert {m["module"] for m in f.evidence["modules"]} == {"(unknown module)"}
     fixed = diagnose(normalize(cuda_shaped(

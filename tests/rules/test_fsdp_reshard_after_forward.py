@@ -22,7 +22,7 @@ slow = pytest.mark.slow
 @slow
 def test_reshard_after_forward_false_is_expected_with_its_cost(diagnosed):
     d = diagnosed("reshard_after_forward_false")
-    f = finding(d, RULE)
+    f = finding(d, RULE.id)
     assert f.verdict == "expected"
     # 6 blocks of ~12 MiB kept from forward to backward; the root (FSDP keeps it by design) and
     # the last block (runs backward first) are not counted.
@@ -46,7 +46,7 @@ def test_fsdp1_shard_grad_op_is_classified_and_keeps_params(diagnosed):
     for cat in (Category.UNSHARDED_PARAM, Category.ALL_GATHER, Category.REDUCE_SCATTER,
                 Category.SHARDED_GRAD, Category.SHARDED_PARAM):
         assert totals.get(cat, {}).get("bytes", 0) > 0, (cat, totals)
-    f = finding(d, RULE)
+    f = finding(d, RULE.id)
     assert f.verdict == "expected"
     # FSDP1 names no unit (naming from module frames was tried and removed, docs/rules.md):
     # the units are its flat parameters, the root is the first one and the last block is not
@@ -55,7 +55,7 @@ def test_fsdp1_shard_grad_op_is_classified_and_keeps_params(diagnosed):
     assert "_alloc_padded_unsharded_flat_param" in " ".join(f.evidence["stacks"][0]["stack"])
     assert "FULL_SHARD" in f.fix
     # bf16 params, fp32 reduce: the cast of the grad to fp32 and the `_mp_shard` copies
-    m = finding(d, fsdp_mixed_precision.RULE)
+    m = finding(d, fsdp_mixed_precision.RULE.id)
     assert {"reduce_in_higher_precision", "low_precision_shard_copies"} <= set(m.evidence["parts"])
     assert m.evidence["parts"]["low_precision_shard_copies"]["blocks"] >= 7  # one per unshard
     assert not d.anomalies, [(x.rule, x.cause) for x in d.anomalies]

@@ -20,7 +20,7 @@ slow = pytest.mark.slow
 @slow
 def test_forward_prefetch_in_recompute_leaves_stale_all_gathers(diagnosed):
     d = diagnosed("prefetch_in_recompute")
-    f = finding(d, RULE)
+    f = finding(d, RULE.id)
     assert f.verdict == "anomalous"
     # one attention all-gather buffer per layer but the first, from the recompute's prefetch
     assert f.blocks >= 4 and f.bytes >= 4 * 4 * 2**20
@@ -33,7 +33,7 @@ def test_forward_prefetch_in_recompute_leaves_stale_all_gathers(diagnosed):
     assert near(f.predicted_peak_bytes, measured), (f.predicted_peak_bytes, measured)
     # Its prefetch lists reach two units ahead: three units in flight in forward, but rate
     # limiting them would not lower the peak (the stale buffers set it): info, not anomalous.
-    c = finding(d, fsdp_all_gather_concurrency.RULE)
+    c = finding(d, fsdp_all_gather_concurrency.RULE.id)
     assert c.evidence["max_in_flight_by_phase"]["forward"] == 3
     assert c.verdict == "info" and c.saving_bytes < 0.05 * d.peaks["overall_bytes"], c.saving_bytes
-    assert fsdp_reshard.RULE not in fired(d) and fsdp_double_all_gather.RULE not in fired(d)
+    assert fsdp_reshard.RULE.id not in fired(d) and fsdp_double_all_gather.RULE.id not in fired(d)

@@ -18,7 +18,7 @@ NPU_LEAK = "MemSnapDump_snapshot_expandable.pkl"  # torch_npu memory_leaks_demo.
 @pytest.mark.slow
 def test_leak_variant_is_an_iteration_growth_leak(diagnosed):
     d = diagnosed("leak")
-    f = one(d, RULE)
+    f = one(d, RULE.id)
     assert f.verdict == "anomalous"
     ev = f.evidence
     # per step the loop keeps logits and the softmax its statistic's graph saved:
@@ -40,7 +40,7 @@ def test_leak_variant_is_an_iteration_growth_leak(diagnosed):
 
 def test_real_leak_in_the_corpus():
     d = diagnose(load(corpus_file(NPU_LEAK)))
-    f = one(d, RULE)
+    f = one(d, RULE.id)
     assert f.evidence["growth_per_iteration_bytes"] == 40 << 20
     assert any("memory_leaks_demo.py" in u for u in f.evidence["user_code"])
     assert f.predicted_peak_bytes < d.peaks["overall_bytes"]

@@ -14,7 +14,7 @@ OOM_FILE = "ConstructorSun_memory_snapshot.pickle"  # 3 GPUs, expandable segment
 
 def test_oom_report_on_a_real_oom():
     d = diagnose(load(corpus_file(OOM_FILE)))
-    f = one(d, RULE)
+    f = one(d, RULE.id)
     assert f.verdict == "anomalous" and f.device == 1
     ev = f.evidence
     assert ev["requested_bytes"] == 5308694528 and ev["device_free_bytes"] == 95682560

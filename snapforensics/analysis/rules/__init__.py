@@ -1,10 +1,15 @@
-"""Rules: each a module with a stable `RULE` id, `check(DeviceAnalysis) -> list[Finding]` and its
-`FIX` (code, or a `fix_for(d)` function when the fix depends on the file). Facts several rules
-share live in `analysis/` modules (fsdp_units, allocator, stacks, evidence), never in a rule.
+"""Rules: each a module whose `RULE` is its contract (`analysis/rule.py`: id, check, family,
+verdicts, fix, what it needs). Facts several rules share live in `analysis/` modules
+(fsdp_units, allocator, stacks, evidence), never in a rule.
 
 The order below is the order of the findings in every report.
 """
 
+from __future__ import annotations
+
+from snapforensics.analysis.context import DeviceAnalysis
+from snapforensics.analysis.diagnosis import Finding
+from snapforensics.analysis.rule import Rule
 from snapforensics.analysis.rules import (
     activations_checkpointing,
     allocator_fragmentation,
@@ -22,8 +27,9 @@ from snapforensics.analysis.rules import (
     leak_iteration_growth,
     oom_report,
 )
+from snapforensics.analysis.vocab import CATEGORIES
 
-RULES = [
+RULES: tuple[Rule, ...] = tuple(m.RULE for m in (
     fsdp_reshard,
     fsdp_deferred_reshard,
     fsdp_reduce_scatter,
@@ -39,4 +45,15 @@ RULES = [
     fsdp_full_init,
     fsdp_mixed_precision,
     fsdp_grad_sync_off,
-]
+))
+BY_ID = {r.id: r for r in RULES}
+
+
+def run_rules(d: DeviceAnalysis) -> list[Finding]:
+    """Every rule's findings on one device, in RULES order; on a device with segments but no
+    history, only the `segments_only` rules. Rules read the built-in categories: run them before
+    `DeviceAnalysis.add_categories`."""
+    if d.category_names != CATEGORIES:
+        raise ValueError("rules read the built-in categories: run them before add_categories")
+    history = len(d.trace) > 0
+    return [f for r in RULES if history or r.segments_only for f in r.check(d)]

@@ -31,10 +31,10 @@ import numpy as np
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding
 from snapforensics.analysis.evidence import human, top_stacks
+from snapforensics.analysis.rule import Family, Rule
 from snapforensics.analysis.stacks import generic_keys, hugging_face, repeated_module
 from snapforensics.analysis.vocab import CAT_CODE, CATEGORIES, Category, Phase, Verdict
 
-RULE = "activations.no_checkpointing"
 MIN_SHARE = 0.30  # activations / forward peak
 MIN_SAVING = 0.05  # of the overall peak
 
@@ -54,9 +54,10 @@ _HF_FIX = """\
 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})"""
 
 
-def fix_for(d: DeviceAnalysis, layer: str | None) -> str:
+def fix_for(d: DeviceAnalysis, evidence: dict) -> str:
     """HF's switch on a Hugging Face model, else checkpoint_wrapper on the repeated class."""
-    return _HF_FIX if hugging_face(d) else FIX.format(layer=layer or "TransformerBlock")
+    layer = evidence.get("layer_class") or "TransformerBlock"
+    return _HF_FIX if hugging_face(d) else FIX.format(layer=layer)
 
 
 class Layers(NamedTuple):
@@ -146,32 +147,37 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         f"(~{human(h)}) plus one layer's activations while it runs: about "
         f"{human(save_peak)} less at the overall peak ({d.phase_name(p)}), for one extra "
         f"forward per step.")
+    evidence = {
+        "iteration": it.index,
+        "forward_peak_bytes": fwd,
+        "forward_peak_row": r,
+        "activation_bytes_at_forward_peak": act,
+        "activation_share": round(act / fwd, 3),
+        "categories_at_forward_peak": {CATEGORIES[i]: int(v) for i, v in enumerate(by_cat)
+                                       if v},
+        "layers": L,
+        "layer_class": name,
+        "per_layer_bytes": layer,
+        "layer_input_bytes": h,
+        "outside_layers_bytes": other,
+        "kept_with_checkpointing_bytes": kept_cap,
+        "saving_at_forward_peak_bytes": save_fwd,
+        "activation_bytes_at_overall_peak": act_p,
+        "saving_at_overall_peak_bytes": save_peak,
+        "estimate": "kept = one layer's activations + one input per layer + activations "
+                    "outside the repeated layers; layers = repeat count (by bytes) of the "
+                    "activation stacks alive at the forward peak",
+        "stacks": top_stacks(d, act_blocks, 3),
+    }
     return [Finding(
-        rule=RULE, verdict=Verdict.INFO,
+        rule=RULE.id, verdict=Verdict.INFO,
         title="Activations dominate the peak and nothing is checkpointed",
         cause=cause, bytes=act, blocks=int(act_blocks.size), device=d.device,
-        fix=fix_for(d, name),
-        predicted_peak_bytes=predicted, saving_bytes=save_peak,
-        evidence={
-            "iteration": it.index,
-            "forward_peak_bytes": fwd,
-            "forward_peak_row": r,
-            "activation_bytes_at_forward_peak": act,
-            "activation_share": round(act / fwd, 3),
-            "categories_at_forward_peak": {CATEGORIES[i]: int(v) for i, v in enumerate(by_cat)
-                                           if v},
-            "layers": L,
-            "layer_class": name,
-            "per_layer_bytes": layer,
-            "layer_input_bytes": h,
-            "outside_layers_bytes": other,
-            "kept_with_checkpointing_bytes": kept_cap,
-            "saving_at_forward_peak_bytes": save_fwd,
-            "activation_bytes_at_overall_peak": act_p,
-            "saving_at_overall_peak_bytes": save_peak,
-            "estimate": "kept = one layer's activations + one input per layer + activations "
-                        "outside the repeated layers; layers = repeat count (by bytes) of the "
-                        "activation stacks alive at the forward peak",
-            "stacks": top_stacks(d, act_blocks, 3),
-        },
+        fix=fix_for(d, evidence),
+        predicted_peak_bytes=predicted, saving_bytes=save_peak, evidence=evidence,
     )]
+
+
+RULE = Rule(
+    id="activations.no_checkpointing", check=check, family=Family.LIFECYCLE,
+    verdicts=frozenset({Verdict.INFO}), fix=fix_for)

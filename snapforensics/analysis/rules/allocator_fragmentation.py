@@ -22,10 +22,10 @@ from snapforensics.analysis.allocator import LARGE_SEGMENT
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding
 from snapforensics.analysis.evidence import human
+from snapforensics.analysis.rule import Family, Rule
 from snapforensics.analysis.vocab import Verdict
 from snapforensics.snapshot.model import SEGMENT_ALLOC, SEGMENT_MAP
 
-RULE = "allocator.fragmentation"
 MIN_RATIO = 0.20  # waste / allocated peak
 MIN_SEGMENTS = 2  # waste must exceed this many large segments
 
@@ -48,13 +48,15 @@ def _dump_facts(d: DeviceAnalysis) -> dict:
     }
 
 
-def fix_for(d: DeviceAnalysis) -> str:
+def fix_for(d: DeviceAnalysis, evidence: dict) -> str:
     """Turn expandable segments on, for this file's backend, keeping the other settings."""
     return d.allocator.expandable_fix
 
 
-# Also run on devices with segments but no history (engine.py): judged at dump only.
-SEGMENTS_ONLY = True
+def reserved_peak(evidence: dict) -> int | None:
+    """The reserved peak the saving is a share of: over the trace, else at dump."""
+    return evidence.get("reserved_peak_bytes") or \
+        (evidence.get("at_dump") or {}).get("reserved_bytes")
 
 
 def _check_dump(d: DeviceAnalysis) -> list[Finding]:
@@ -65,18 +67,18 @@ def _check_dump(d: DeviceAnalysis) -> list[Finding]:
     if alloc <= 0 or waste < MIN_RATIO * alloc or waste <= MIN_SEGMENTS * LARGE_SEGMENT:
         return []
     already = d.allocator.expandable
+    evidence = {"at_dump": dump, "expandable_segments": already}
     cause = (f"At dump {human(waste)} ({waste / alloc:.0%} of the {human(alloc)} allocated) is "
              f"free space in {dump['inactive_split_blocks']} holes inside segments that still "
              f"hold live blocks (largest free block {human(dump['largest_free_block_bytes'])}); "
              f"{human(dump['reserved_bytes'])} reserved in {dump['segments']} segments. The "
              "file has no allocation history, so this is the state at dump, not at the peak.")
     return [Finding(
-        rule=RULE, verdict=Verdict.INFO if already else Verdict.ANOMALOUS,
+        rule=RULE.id, verdict=Verdict.INFO if already else Verdict.ANOMALOUS,
         title="Allocator fragmentation at dump: free holes inside used segments",
         cause=cause, bytes=waste, blocks=dump["inactive_split_blocks"], device=d.device,
-        fix=None if already else fix_for(d),
-        saving_bytes=None if already else waste,
-        evidence={"at_dump": dump, "expandable_segments": already})]
+        fix=None if already else fix_for(d, evidence),
+        saving_bytes=None if already else waste, evidence=evidence)]
 
 
 def check(d: DeviceAnalysis) -> list[Finding]:
@@ -134,7 +136,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         f"free block is {human(dump['largest_free_block_bytes'])}.")
     if already:
         return [Finding(
-            rule=RULE, verdict=Verdict.INFO,
+            rule=RULE.id, verdict=Verdict.INFO,
             title="Reserved memory well above allocated, even with expandable segments",
             cause=cause + " Expandable segments are already on, so the remaining gap is "
                           "memory cached per stream or in private pools (CUDA graphs), or "
@@ -143,7 +145,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
             bytes=waste, blocks=dump["inactive_split_blocks"], device=d.device,
             evidence=evidence)]
     return [Finding(
-        rule=RULE, verdict=Verdict.ANOMALOUS,
+        rule=RULE.id, verdict=Verdict.ANOMALOUS,
         title="Allocator fragmentation: reserved far above allocated",
         cause=cause + " Expandable segments let the allocator grow one mapping per stream "
                       "instead of stranding fixed-size segments, so reserved tracks allocated: "
@@ -151,8 +153,14 @@ def check(d: DeviceAnalysis) -> list[Finding]:
                       f"{human(res_peak)} toward {human(peak)}); the allocated peak "
                       f"({human(peak)}) does not change.",
         bytes=waste, blocks=dump["inactive_split_blocks"], device=d.device,
-        fix=fix_for(d),
+        fix=fix_for(d, evidence),
         saving_bytes=waste,
         evidence=evidence | {"saving_is": "reserved bytes (upper bound: the waste above the "
                                           "allocated peak); the allocated peak is unchanged"},
     )]
+
+
+RULE = Rule(
+    id="allocator.fragmentation", check=check, family=Family.LIFECYCLE,
+    verdicts=frozenset({Verdict.ANOMALOUS, Verdict.INFO}), fix=fix_for,
+    segments_only=True, reserved_peak=reserved_peak)

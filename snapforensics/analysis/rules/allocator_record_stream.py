@@ -20,10 +20,10 @@ import numpy as np
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding
 from snapforensics.analysis.evidence import human, top_stacks
+from snapforensics.analysis.rule import Family, Rule
 from snapforensics.analysis.vocab import Verdict
 from snapforensics.snapshot.model import FREE_COMPLETED, Backend
 
-RULE = "allocator.record_stream_delay"
 MIN_HELD = 0.05  # of the peak: delayed memory held at some row
 MIN_PEAK = 0.05  # of the peak: the delays raise the peak this much -> anomalous
 
@@ -44,7 +44,7 @@ torch.{dev}.current_stream().wait_event(done)
 del tensor"""
 
 
-def fix_for(d: DeviceAnalysis) -> str:
+def fix_for(d: DeviceAnalysis, evidence: dict) -> str:
     if d.snapshot.kind.backend == Backend.NPU:
         # TORCH_NCCL_AVOID_RECORD_STREAMS is read by ProcessGroupNCCL only; HCCL has no
         # verified equivalent here, so only the code change is suggested.
@@ -119,11 +119,16 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         f"Up to {human(held_max)} was held that way at once; counting memory as free only when "
         f"it is reusable, the peak is {human(peak_held)} instead of {human(peak)}.")
     return [Finding(
-        rule=RULE, verdict=Verdict.ANOMALOUS if anomalous else Verdict.INFO,
+        rule=RULE.id, verdict=Verdict.ANOMALOUS if anomalous else Verdict.INFO,
         title="Frees delayed by record_stream hold memory" if anomalous else
         "Frees delayed by record_stream (off the peak)",
         cause=cause if anomalous else cause + " The delays do not coincide with the peak.",
         bytes=held_max, blocks=int(idx.size), device=d.device,
-        fix=fix_for(d), saving_bytes=max(cost, 0),
+        fix=fix_for(d, evidence), saving_bytes=max(cost, 0),
         evidence=evidence,
     )]
+
+
+RULE = Rule(
+    id="allocator.record_stream_delay", check=check, family=Family.LIFECYCLE,
+    verdicts=frozenset({Verdict.ANOMALOUS, Verdict.INFO}), fix=fix_for)

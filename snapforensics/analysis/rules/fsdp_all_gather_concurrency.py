@@ -30,9 +30,9 @@ from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding
 from snapforensics.analysis.evidence import by_module, counterfactual, human, top_stacks
 from snapforensics.analysis.fsdp_units import forward_end, unit_of_event
+from snapforensics.analysis.rule import Family, Rule
 from snapforensics.analysis.vocab import BACKWARD_PHASES, CAT_CODE, Category, Phase, Verdict
 
-RULE = "fsdp.too_many_concurrent_all_gathers"
 LIMIT = 2
 _MIN_SAVING = 0.05  # below this share of the peak the rate limit would not lower it: `info`
 
@@ -215,7 +215,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
             "the peak here."))
     return [Finding(
         replay=replay,
-        rule=RULE, verdict=verdict,
+        rule=RULE.id, verdict=verdict,
         title=f"{n} all-gathers in flight at once (more than {LIMIT}): no rate limit",
         cause=cause, bytes=alive_bytes, blocks=int(len(alive)), device=d.device, fix=FIX,
         predicted_peak_bytes=after["overall_bytes"],
@@ -232,3 +232,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
             "predicted_peaks": after,
         },
     )]
+
+
+RULE = Rule(
+    id="fsdp.too_many_concurrent_all_gathers", check=check, family=Family.FSDP_CONFIGURATION,
+    verdicts=frozenset({Verdict.ANOMALOUS, Verdict.INFO}), fix=FIX)

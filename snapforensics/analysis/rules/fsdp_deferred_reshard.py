@@ -19,9 +19,8 @@ from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding
 from snapforensics.analysis.evidence import by_module, counterfactual, human, max_alive, top_stacks
 from snapforensics.analysis.fsdp_units import reshard_rows
+from snapforensics.analysis.rule import Family, Rule
 from snapforensics.analysis.vocab import Verdict
-
-RULE = "fsdp.reshard_deferred_to_last_micro_batch"
 
 FIX = """\
 # only if memory matters more than all-gather traffic: reshard after every micro-batch
@@ -55,7 +54,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
            "the kept parameters are not where it is."))
     return [Finding(
         replay=replay,
-        rule=RULE, verdict=Verdict.EXPECTED,
+        rule=RULE.id, verdict=Verdict.EXPECTED,
         title="Parameters kept unsharded between micro-batches (gradient accumulation)",
         cause=cause, bytes=kept, blocks=int(len(blocks)), device=d.device, fix=FIX,
         predicted_peak_bytes=after["overall_bytes"], saving_bytes=saving,
@@ -68,3 +67,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
             "iterations": sorted({int(i) for i in np.unique(d.iteration[blocks])}),
         },
     )]
+
+
+RULE = Rule(
+    id="fsdp.reshard_deferred_to_last_micro_batch", check=check, family=Family.FSDP_SHARDING,
+    verdicts=frozenset({Verdict.EXPECTED}), fix=FIX)

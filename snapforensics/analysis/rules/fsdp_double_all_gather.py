@@ -33,9 +33,8 @@ from snapforensics.analysis.evidence import (
     top_stacks,
 )
 from snapforensics.analysis.fsdp_units import FsdpUnits, forward_end, unit_of_event
+from snapforensics.analysis.rule import Family, Rule
 from snapforensics.analysis.vocab import BACKWARD_PHASES, Verdict
-
-RULE = "fsdp.double_all_gather_in_backward"
 
 FIX = """\
 # FSDP1 + HF-style checkpointing: checkpoint *inside* the FSDP unit, non-reentrant
@@ -178,7 +177,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
            "not memory."))
     return [Finding(
         replay=replay,
-        rule=RULE, verdict=Verdict.ANOMALOUS if at_peak else Verdict.INFO,
+        rule=RULE.id, verdict=Verdict.ANOMALOUS if at_peak else Verdict.INFO,
         title="Units all-gathered twice per backward (recompute reshards, backward re-gathers)",
         cause=cause, bytes=per_iter[worst], blocks=int(len(seconds)), device=d.device, fix=FIX,
         predicted_peak_bytes=after["overall_bytes"],
@@ -193,3 +192,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
             "predicted_peaks": after,
         },
     )]
+
+
+RULE = Rule(
+    id="fsdp.double_all_gather_in_backward", check=check, family=Family.FSDP_CONFIGURATION,
+    verdicts=frozenset({Verdict.ANOMALOUS, Verdict.INFO}), fix=FIX)

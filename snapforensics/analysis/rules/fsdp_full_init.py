@@ -27,12 +27,12 @@ import numpy as np
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding
 from snapforensics.analysis.evidence import human, lowers_peak, peaks, top_stacks
+from snapforensics.analysis.rule import Family, Rule
 from snapforensics.analysis.vocab import CAT_CODE, FSDP_CATEGORIES, Category, Verdict
 
-RULE = "fsdp.full_model_materialized_at_init"
 _SHARE_OF_FULL_MODEL = 0.5
 
-def fix_for(d: DeviceAnalysis) -> str:
+def fix_for(d: DeviceAnalysis, evidence: dict) -> str:
     """Meta-device init for this run's device and (when units are named) its block container."""
     container = _container(d)
     return f"""\
@@ -125,26 +125,26 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         "sharded. Its size does not shrink with more ranks while the sharded part of the "
         f"training peak falls as 1/world size. {effect} With meta-device init the start-up "
         f"peak is predicted at {human(new_init)}.")
+    evidence = {
+        "init_peak_bytes": init_peak,
+        "init_peak_row": peak_row,
+        "predicted_init_peak_bytes": new_init,
+        "init_saving_bytes": init_peak - new_init,
+        "sharded_param_bytes": sharded,
+        "full_model_bytes": full_model,
+        "world_size": world,
+        "world_size_estimated": d.fsdp.world.estimated,
+        "training_peak_bytes": training_peak,
+        "becomes_peak_at_world_size": takeover[0],
+        "stacks": top_stacks(d, blocks, 1),
+        "predicted_peaks": after,
+    }
     return [Finding(
-        rule=RULE, verdict=Verdict.ANOMALOUS if starts_at_peak else Verdict.INFO,
+        rule=RULE.id, verdict=Verdict.ANOMALOUS if starts_at_peak else Verdict.INFO,
         title="Full model materialized on the device before sharding",
-        cause=cause, bytes=transient, blocks=int(len(blocks)), device=d.device, fix=fix_for(d),
-        predicted_peak_bytes=after["overall_bytes"],
-        saving_bytes=max(d.peak_bytes - after["overall_bytes"], 0),
-        evidence={
-            "init_peak_bytes": init_peak,
-            "init_peak_row": peak_row,
-            "predicted_init_peak_bytes": new_init,
-            "init_saving_bytes": init_peak - new_init,
-            "sharded_param_bytes": sharded,
-            "full_model_bytes": full_model,
-            "world_size": world,
-            "world_size_estimated": d.fsdp.world.estimated,
-            "training_peak_bytes": training_peak,
-            "becomes_peak_at_world_size": takeover[0],
-            "stacks": top_stacks(d, blocks, 1),
-            "predicted_peaks": after,
-        },
+        cause=cause, bytes=transient, blocks=int(len(blocks)), device=d.device,
+        fix=fix_for(d, evidence), predicted_peak_bytes=after["overall_bytes"],
+        saving_bytes=max(d.peak_bytes - after["overall_bytes"], 0), evidence=evidence,
     )]
 
 
@@ -164,3 +164,8 @@ def _takeover_world(d: DeviceAnalysis, start: int, init_peak: int, world: int
     if init_peak <= rest or sharded <= 0:
         return None, rest
     return max(int(np.ceil(sharded * world / (init_peak - rest))), world), rest
+
+
+RULE = Rule(
+    id="fsdp.full_model_materialized_at_init", check=check, family=Family.FSDP_CONFIGURATION,
+    verdicts=frozenset({Verdict.ANOMALOUS, Verdict.INFO}), fix=fix_for)

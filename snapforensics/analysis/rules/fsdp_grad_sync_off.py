@@ -20,9 +20,9 @@ import numpy as np
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding
 from snapforensics.analysis.evidence import human, peaks, top_stacks
+from snapforensics.analysis.rule import Family, Rule
 from snapforensics.analysis.vocab import BACKWARD_PHASES, CAT_CODE, Category, Phase, Verdict
 
-RULE = "fsdp.gradient_sync_disabled"
 # Held gradients must reach this share of the model's unsharded size as the iteration gathered it
 # (all of the model's gradients is ~1.0): a few leftover tensors are not gradient accumulation.
 _MIN_SHARE_OF_PARAMS = 0.25
@@ -104,7 +104,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         "saves one reduce-scatter per unit per non-final micro-batch. "
         + _effect(d, after["overall_bytes"], "Syncing every micro-batch"))
     return [Finding(
-        rule=RULE, verdict=Verdict.EXPECTED,
+        rule=RULE.id, verdict=Verdict.EXPECTED,
         title="Gradient sync off across micro-batches: unsharded gradients held",
         cause=cause, bytes=nbytes, blocks=int(len(held)), device=d.device, fix=FIX,
         predicted_peak_bytes=after["overall_bytes"],
@@ -136,3 +136,8 @@ def _effect(d: DeviceAnalysis, predicted: int, change: str) -> str:
         return f"{change} would put the peak at {human(predicted)} instead of " \
                f"{human(d.peak_bytes)}."
     return f"{change} would not lower the peak ({human(d.peak_bytes)}): it is set elsewhere."
+
+
+RULE = Rule(
+    id="fsdp.gradient_sync_disabled", check=check, family=Family.FSDP_CONFIGURATION,
+    verdicts=frozenset({Verdict.EXPECTED}), fix=FIX)

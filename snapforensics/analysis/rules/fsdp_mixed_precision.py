@@ -25,9 +25,9 @@ from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding
 from snapforensics.analysis.evidence import human, peaks, top_stacks
 from snapforensics.analysis.fsdp_units import FsdpUnits
+from snapforensics.analysis.rule import Family, Rule
 from snapforensics.analysis.vocab import CAT_CODE, Category, Verdict
 
-RULE = "fsdp.mixed_precision_extras"
 _RATIO = 1.5  # reduce-scatter input at least this many times the all-gather output
 _MIN_SHARE = 0.01  # extras alive at once, as a share of the peak
 
@@ -140,7 +140,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
                  f" Reducing in the parameter dtype would put the peak at "
                  f"{human(after['overall_bytes'])}." if wide or ug.any() else ""))
     return [Finding(
-        rule=RULE, verdict=Verdict.EXPECTED,
+        rule=RULE.id, verdict=Verdict.EXPECTED,
         title="Mixed precision: higher-precision reduce buffers and low-precision copies",
         cause=cause, bytes=at_peak, blocks=int(len(blocks)), device=d.device,
         fix=FIX if (wide or ug.any()) else None,
@@ -157,3 +157,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
             "predicted_peaks": after,
         },
     )]
+
+
+RULE = Rule(
+    id="fsdp.mixed_precision_extras", check=check, family=Family.FSDP_CONFIGURATION,
+    verdicts=frozenset({Verdict.EXPECTED}), fix=FIX)

@@ -7,10 +7,8 @@ import numpy as np
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding
 from snapforensics.analysis.evidence import by_module, human, per_iteration, top_stacks
+from snapforensics.analysis.rule import Family, Rule
 from snapforensics.analysis.vocab import BACKWARD_PHASES, Category, Verdict
-
-RULE = "fsdp.reduce_scatter_accumulation"
-FIX = None  # what sharded gradients cost (verdict `expected`): nothing to fix
 
 
 def check(d: DeviceAnalysis) -> list[Finding]:
@@ -22,7 +20,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     blocks = idx[d.iteration[idx] == worst]
     n_mod = len({d.module_of(b) for b in blocks.tolist()})
     return [Finding(
-        rule=RULE, verdict=Verdict.EXPECTED,
+        rule=RULE.id, verdict=Verdict.EXPECTED,
         title="Reduce-scatter outputs (sharded gradients) accumulate through backward",
         cause=(f"Each unit's gradient is reduce-scattered after its backward and the 1/world_size "
                f"output is kept as the sharded param.grad until the optimizer step: "
@@ -33,3 +31,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         evidence={"iteration": worst, "modules": by_module(d, blocks),
                   "stacks": top_stacks(d, blocks, 1)},
     )]
+
+
+RULE = Rule(
+    id="fsdp.reduce_scatter_accumulation", check=check, family=Family.FSDP_SHARDING,
+    verdicts=frozenset({Verdict.EXPECTED}), fix=None)

@@ -28,9 +28,8 @@ from snapforensics.analysis.evidence import (
     top_stacks,
 )
 from snapforensics.analysis.fsdp_units import reshard_rows
+from snapforensics.analysis.rule import Family, Rule
 from snapforensics.analysis.vocab import Verdict
-
-RULE = "fsdp.unsharded_params_not_resharded"
 
 FIX = """\
 from torch.distributed.fsdp import FSDPModule
@@ -83,7 +82,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         "backward instead of staying at one or two layers. " + effect)
     return [Finding(
         replay=replay,
-        rule=RULE, verdict=Verdict.ANOMALOUS if at_peak else Verdict.INFO,
+        rule=RULE.id, verdict=Verdict.ANOMALOUS if at_peak else Verdict.INFO,
         title="Parameters unsharded in backward/recompute are not resharded",
         cause=cause, bytes=per_iter[worst], blocks=int(len(worst_blocks)), device=d.device,
         fix=FIX, predicted_peak_bytes=after["overall_bytes"], saving_bytes=max(saving, 0),
@@ -98,3 +97,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
             "predicted_peaks": after,
         },
     )]
+
+
+RULE = Rule(
+    id="fsdp.unsharded_params_not_resharded", check=check, family=Family.FSDP_SHARDING,
+    verdicts=frozenset({Verdict.ANOMALOUS, Verdict.INFO}), fix=FIX)

@@ -27,9 +27,8 @@ from snapforensics.analysis.diagnosis import Finding
 from snapforensics.analysis.evidence import human, peaks, seen_in, top_stacks
 from snapforensics.analysis.fsdp_units import ROOT, forward_end
 from snapforensics.analysis.phases import Iteration
+from snapforensics.analysis.rule import Family, Rule
 from snapforensics.analysis.vocab import Category, Phase, Verdict
-
-RULE = "fsdp.reshard_after_forward_disabled"
 
 # A kept unit counts when it holds at least this share of the iteration's forward unshards
 # (non-root): ignores a stray small module, not a real layer.
@@ -184,7 +183,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         f"With reshard_after_forward=True on the non-root units the peak is predicted at "
         f"{human(after['overall_bytes'])} instead of {human(before)}.")
     return [Finding(
-        rule=RULE, verdict=Verdict.EXPECTED,
+        rule=RULE.id, verdict=Verdict.EXPECTED,
         title="Parameters kept unsharded from forward to backward (reshard_after_forward=False "
               "/ SHARD_GRAD_OP)",
         cause=cause, bytes=kept_bytes, blocks=int(len(blocks)), device=d.device, fix=FIX,
@@ -203,3 +202,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
             "predicted_peaks": after,
         },
     )]
+
+
+RULE = Rule(
+    id="fsdp.reshard_after_forward_disabled", check=check, family=Family.FSDP_CONFIGURATION,
+    verdicts=frozenset({Verdict.EXPECTED}), fix=FIX)

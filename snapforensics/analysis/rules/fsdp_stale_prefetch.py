@@ -30,9 +30,8 @@ from snapforensics.analysis.evidence import (
     seen_in,
     top_stacks,
 )
+from snapforensics.analysis.rule import Family, Rule
 from snapforensics.analysis.vocab import Verdict
-
-RULE = "fsdp.stale_prefetch_all_gather"
 
 FIX = """\
 # Prefetch lists only between units at the same level (whole blocks), never from a unit nested
@@ -80,7 +79,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
            f"{human(after['overall_bytes'])}; they still cost one wasted all-gather each."))
     return [Finding(
         replay=replay,
-        rule=RULE, verdict=Verdict.ANOMALOUS if at_peak else Verdict.INFO,
+        rule=RULE.id, verdict=Verdict.ANOMALOUS if at_peak else Verdict.INFO,
         title="Unused all-gather buffers from prefetch during backward, freed only at the end",
         cause=cause, bytes=per_iter[worst], blocks=int(len(blocks)), device=d.device, fix=FIX,
         predicted_peak_bytes=after["overall_bytes"],
@@ -95,3 +94,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
             "predicted_peaks": after,
         },
     )]
+
+
+RULE = Rule(
+    id="fsdp.stale_prefetch_all_gather", check=check, family=Family.FSDP_CONFIGURATION,
+    verdicts=frozenset({Verdict.ANOMALOUS, Verdict.INFO}), fix=FIX)

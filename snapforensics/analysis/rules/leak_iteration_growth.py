@@ -20,10 +20,10 @@ import numpy as np
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding
 from snapforensics.analysis.evidence import counterfactual, human, top_stacks
+from snapforensics.analysis.rule import Family, Rule
 from snapforensics.analysis.stacks import python_stacks, user_frame
 from snapforensics.analysis.vocab import CATEGORIES, Category, Verdict
 
-RULE = "leak.iteration_growth"
 MIN_RATE = 0.001  # growth per iteration, of the peak
 
 FIX = """\
@@ -108,7 +108,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
                   "graph." if graph else "Something in the loop keeps a reference every step."))
     return [Finding(
         replay=replay,
-        rule=RULE, verdict=Verdict.ANOMALOUS,
+        rule=RULE.id, verdict=Verdict.ANOMALOUS,
         title="Memory grows iteration over iteration (leak in the training loop)",
         cause=cause, bytes=kept, blocks=int(retained.size), device=d.device,
         fix=FIX, predicted_peak_bytes=after["overall_bytes"],
@@ -131,3 +131,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
             "predicted_is": "each leaked block freed when the next iteration starts",
         },
     )]
+
+
+RULE = Rule(
+    id="leak.iteration_growth", check=check, family=Family.LIFECYCLE,
+    verdicts=frozenset({Verdict.ANOMALOUS}), fix=FIX)

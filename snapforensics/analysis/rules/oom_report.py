@@ -15,11 +15,10 @@ import numpy as np
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding
 from snapforensics.analysis.evidence import human, top_stacks
+from snapforensics.analysis.rule import Family, Rule
 from snapforensics.analysis.stacks import hugging_face, user_frame
 from snapforensics.analysis.vocab import CATEGORIES, Category, Verdict
 from snapforensics.snapshot.model import OOM
-
-RULE = "oom.report"
 
 _FIXES = {
     Category.ACTIVATION:
@@ -50,11 +49,13 @@ _HF_ACTIVATIONS = (
 _REDUCE = "# reduce what the largest stacks in the evidence keep alive, or the batch size"
 
 
-def fix_for(d: DeviceAnalysis, top: Category | None, fragmented: bool) -> str:
-    """Expandable segments when the free bytes were there but in pieces, else what to do about
-    the category that filled the device (`top`)."""
-    if fragmented and not d.allocator.expandable:
+def fix_for(d: DeviceAnalysis, evidence: dict) -> str:
+    """Expandable segments when the free bytes were there but in pieces (nothing short), else
+    what to do about the category that filled the device (the largest alive)."""
+    short = evidence.get("short_by_bytes")
+    if short is not None and short <= 0 and not d.allocator.expandable:
         return d.allocator.expandable_fix
+    top = next(iter(evidence.get("alive_by_category") or {}), None)
     if top == Category.ACTIVATION and hugging_face(d):
         return _HF_ACTIVATIONS
     return _FIXES.get(top, _REDUCE) if top else _REDUCE
@@ -111,9 +112,14 @@ def check(d: DeviceAnalysis) -> list[Finding]:
            else "The file does not say what the driver had free.")
         + (f" {len(rows)} OOMs in this trace." if len(rows) > 1 else ""))
     return [Finding(
-        rule=RULE, verdict=Verdict.ANOMALOUS,
+        rule=RULE.id, verdict=Verdict.ANOMALOUS,
         title=f"Out of memory: {human(want)} requested"
               + (f", {human(free)} free" if free is not None else ""),
         cause=cause, bytes=allocated, blocks=int(alive.size), device=d.device,
-        fix=fix_for(d, top, frag), evidence=evidence,
+        fix=fix_for(d, evidence), evidence=evidence,
     )]
+
+
+RULE = Rule(
+    id="oom.report", check=check, family=Family.LIFECYCLE,
+    verdicts=frozenset({Verdict.ANOMALOUS}), fix=fix_for)
