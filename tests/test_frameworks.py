@@ -334,6 +334,7 @@ def test_framework_evidence_does_not_follow_the_hash_seed(corpus_dir):
 
 @needs_hf
 @pytest.mark.slow
+@pytest.mark.full
 def test_hf_trainer_shard_grad_op(tmp_path_factory):
     """The HF Trainer with `fsdp="shard_grad_op auto_wrap"`, `fsdp_config={"version": 2,
     "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}` and `activation_checkpointing`
@@ -366,6 +367,7 @@ def test_hf_trainer_shard_grad_op(tmp_path_factory):
 
 @needs_hf
 @pytest.mark.slow
+@pytest.mark.full
 def test_fabric_fsdp1_shard_grad_op(tmp_path_factory):
     """Lightning Fabric 2.6.6 with `FSDPStrategy(sharding_strategy="SHARD_GRAD_OP",
     auto_wrap_policy={LlamaDecoderLayer})` (FSDP1: Lightning's FSDP2 path is
