@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import io
 import os
 import pickle
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = Path(os.environ.get("SNAPFORENSICS_CORPUS", ROOT.parent / "shared" / "corpus"))
@@ -37,19 +40,78 @@ def read(src: Path) -> dict:
         return pickle.load(f)  # our own corpus/fixture files, not a stranger's
 
 
-def make(src: Path, entries: int, shared: bool, out: Path) -> int:
-    raw = read(src)
-    trace = max(raw["device_traces"], key=len)
-    if not trace:
-        raise SystemExit(f"{src} has no trace to repeat")
+class _Trace:
+    """The repeated trace, generated while it is written."""
+
+    def __init__(self, trace: list[dict], entries: int, shared: bool) -> None:
+        self.trace, self.entries, self.shared = trace, entries, shared
+
+
+class _Writer(pickle._Pickler):
+    """Python's pickler at protocol 4, writing the trace as it is generated, one copy at a
+    time, so memory stays that of one copy, not the ~3.6x the file that building the whole
+    object first takes (18 GB for a 5 GB file).
+
+    Copy 0 is written by this pickler, which memoizes every key, str and frame dict the way
+    torch's pickle does. Each later copy is written by the C pickler (~20x faster) at
+    protocol 3, its memo seeded with this one's (all of copy 0): every shared object is
+    referred to by the index copy 0 gave it, and a copy's own objects (entry dicts, frames
+    lists) are put at explicit indexes (BINPUT) from there on, every copy reusing the same
+    ones (a PUT replaces; no copy refers to another's lists). The file unpickles to the trace
+    `repeat` builds (tests/test_stream.py checks it, sharing included); the opcodes are
+    protocol 4's but BINPUT for MEMOIZE in copies 1+, and no FRAME around those."""
+
+    dispatch = dict(pickle._Pickler.dispatch)
+
+    def __init__(self, f: Any) -> None:
+        super().__init__(f, protocol=4)
+
+    def save_trace(self, obj: _Trace) -> None:
+        self.write(pickle.EMPTY_LIST)
+        self.memoize(obj)
+        copies = iter(repeat(obj.trace, obj.entries, obj.shared))
+        self._batch_appends(next(copies, []))
+        seed = dict(self.memo)  # {id: (index, object)}, indexes 0..n0-1: all of copy 0
+        top = n0 = len(seed)
+        for entries in copies:
+            buf = io.BytesIO()
+            p = pickle.Pickler(buf, 3)
+            p.memo = seed
+            p.dump(entries)
+            top = max(top, n0 + len(entries) + 1 + sum(1 for _ in _new_lists(entries, seed)))
+            b = buf.getbuffer()
+            skip = 5 if b[3] == ord("q") else 8  # PROTO 3, EMPTY_LIST, (LONG_)BINPUT
+            self.framer.commit_frame(force=True)
+            self.framer.file_write(b[skip:-1])  # the APPENDS into the trace; no STOP
+        # as many memo entries as the unpickler has now: later MEMOIZEs go on from there
+        self.memo.update((-i, (i, None)) for i in range(n0, top))
+
+    dispatch[_Trace] = save_trace
+
+
+def _new_lists(entries: list[dict], seed: dict) -> Iterator[list]:
+    seen: set[int] = set()
+    for e in entries:
+        fr = e.get("frames")
+        if fr is not None and id(fr) not in seed and id(fr) not in seen:
+            seen.add(id(fr))
+            yield fr
+
+
+def repeat(trace: list[dict], entries: int, shared: bool) -> Iterator[list[dict]]:
+    """The entries of `trace` repeated up to `entries`, one list per copy: new dicts,
+    addresses shifted per copy (blocks of different copies never collide), times continuing,
+    frames lists new per copy (one per list of the source: torch shares an alloc's list with
+    its free) unless `shared`."""
     times = [e["time_us"] for e in trace if e.get("time_us") is not None]
     span = (max(times) - min(times) + 1) if times else 1
-    copies = -(-entries // len(trace))
-    out_trace = []
-    for k in range(copies):
+    left = entries
+    k = 0
+    while left > 0:
         shift = k << 44
-        fresh: dict[int, list] = {}  # one new list per list of the source (torch shares an
-        for e in trace[: entries - len(out_trace)]:  # alloc's list with its free)
+        fresh: dict[int, list] = {}
+        out = []
+        for e in trace[:left]:
             d = dict(e)
             if e.get("addr"):
                 d["addr"] = e["addr"] + shift
@@ -57,18 +119,28 @@ def make(src: Path, entries: int, shared: bool, out: Path) -> int:
                 d["frames"] = fresh.setdefault(id(e["frames"]), list(e["frames"]))
             if e.get("time_us") is not None:
                 d["time_us"] = e["time_us"] + k * span
-            out_trace.append(d)
-    raw["device_traces"] = [out_trace]
+            out.append(d)
+        yield out
+        left -= len(out)
+        k += 1
+
+
+def make(src: Path, entries: int, shared: bool, out: Path) -> int:
+    raw = read(src)
+    trace = max(raw["device_traces"], key=len)
+    if not trace:
+        raise SystemExit(f"{src} has no trace to repeat")
     # Segments describe the dump-time state of the last copy.
-    last = (copies - 1) << 44
+    last = ((-(-entries // len(trace))) - 1) << 44
     for s in raw.get("segments") or []:
         s["address"] = s.get("address", 0) + last
         for b in s.get("blocks") or []:
             if "address" in b:
                 b["address"] += last
+    raw["device_traces"] = [_Trace(trace, entries, shared)]
     with open(out, "wb") as f:
-        pickle.dump(raw, f, protocol=4)
-    return len(out_trace)
+        _Writer(f).dump(raw)
+    return entries
 
 
 def main() -> None:

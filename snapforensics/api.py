@@ -29,7 +29,7 @@ import numpy as np
 from snapforensics.analysis.compare import Comparison as _Comparison
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Diagnosis
-from snapforensics.analysis.forecast import Forecast as _Forecast
+from snapforensics.analysis.forecast_documents import Forecast as _Forecast
 from snapforensics.analysis.stacks import is_noise
 from snapforensics.snapshot.model import Frame, Snapshot
 
@@ -85,7 +85,7 @@ def forecast(source: str | Path | Snapshot, world_sizes=(), strategies=(), check
     full), micro-batch scales; `capacity` in bytes or a size with its unit ("80GiB").
     `.to_frame()` is one row per scenario."""
     from snapforensics.analysis.forecast import forecast as _forecast
-    from snapforensics.analysis.forecast import parse_size
+    from snapforensics.analysis.forecast_capacity import parse_size
 
     snap = source if isinstance(source, Snapshot) else load(source)
     cap = parse_size(capacity) if isinstance(capacity, str) else capacity
@@ -293,8 +293,8 @@ def _concat(parts: list) -> pd.DataFrame:
 
 
 class Forecast(_Forecast):
-    """A forecast (analysis.forecast.Forecast) that a notebook shows as its HTML report and a
-    console as one line."""
+    """A forecast (analysis.forecast_documents.Forecast) that a notebook shows as its HTML report
+    and a console as one line."""
 
     def __repr__(self) -> str:
         from snapforensics.report.common import human

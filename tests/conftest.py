@@ -78,7 +78,7 @@ def matrix(tmp_path_factory) -> Path:
     pytest.importorskip("torch")
     from recordings import matrix_folders
 
-    from snapforensics.examples.scenarios import LAYOUTS
+    from snapforensics.examples.scenario_layouts import LAYOUTS
 
     reuse = os.environ.get("SNAPFORENSICS_MATRIX")
     if reuse:
@@ -108,6 +108,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 
     modules = {i.module.__name__ for i in slow}
     if modules - {"test_matrix"}:
-        recordings.start()
+        full = any(i.get_closest_marker("full") for i in slow)
+        recordings.start(recordings.SUITE + (recordings.FULL_SUITE if full else ()))
     if "test_matrix" in modules and not os.environ.get("SNAPFORENSICS_MATRIX"):
         recordings.start_matrix()

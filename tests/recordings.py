@@ -48,30 +48,38 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = "snapforensics.examples.fsdp_ckpt"
 CACHE = Path(os.environ.get("SNAPFORENSICS_RECORDINGS") or REPO / ".recordings")
-# what makes a recording: the example, the recorder, the CLI that launches it, the job runner
+# what makes a recording: the example (every module of examples/: the bundled example, the
+# matrix's models, wrappings, layouts, probe and runner), the recorder and what it imports (the
+# package's version and exit codes), the CLI that launches it, the job runner
 SOURCES = ("snapforensics/examples", "snapforensics/record", "snapforensics/commands/record.py",
-           "snapforensics/cli.py", "snapforensics/__main__.py", "tests/record_example.py")
+           "snapforensics/cli.py", "snapforensics/__main__.py", "snapforensics/__init__.py",
+           "snapforensics/errors.py", "tests/record_example.py")
 
 # The runs the suite asks for (variant, nproc, steps, extra): recorded together on first use
-# (a run asked for and not listed here is recorded alone when asked).
+# (a run asked for and not listed here is recorded alone when asked). SUITE: what `make test`
+# needs; FULL_SUITE: what only the `full` tests need (`make test-full`: test_forecast's pairs
+# recorded for the forecast alone), recorded when such a test is in the session.
 S_FSDP1 = ("--layers", "4", "--dim", "256")  # small shapes: test_forecast's world-size pairs
 S_NOAC = ("--layers", "4", "--dim", "128")
 # activations over parameters (8 thin blocks, 8 x 256 tokens): checkpoint granularity sets the peak
 S_AC = ("--layers", "8", "--dim", "256", "--seq", "256", "--batch", "8")
-SUITE: tuple[tuple[str, int, int, tuple[str, ...]], ...] = (
+Run = tuple[str, int, int, tuple[str, ...]]
+SUITE: tuple[Run, ...] = (
     *((v, 2, 3, ()) for v in (
         "buggy", "fixed", "nested", "noac", "leak", "reshard_after_forward_false",
         "prefetch_in_recompute", "no_rate_limit", "full_init", "no_grad_sync", "mixed_precision",
         "fsdp1", "fsdp1_shard_grad_op", "fsdp1_reentrant")),
-    ("noac", 2, 3, ("--batch", "4")),
     ("fixed", 2, 3, ("--batch", "8")),
+    ("full_init", 1, 3, ()),
     ("ac_submodules", 2, 3, ()),
     *((v, 2, 3, S_AC) for v in ("ac_submodules", "fixed")),
-    ("fsdp1_no_prefetch", 2, 2, S_FSDP1),
+)
+FULL_SUITE: tuple[Run, ...] = (
+    ("noac", 2, 3, ("--batch", "4")),
     *((v, w, 2, shape) for w in (2, 4) for v, shape in (("fsdp1", S_FSDP1), ("noac", S_NOAC))),
     ("fsdp1_shard_grad_op_fp32", 2, 2, S_FSDP1),
+    ("fsdp1_no_prefetch", 2, 2, S_FSDP1),
     ("fixed", 4, 3, ()),
-    ("full_init", 1, 3, ()),
 )
 CLI_SUITE = (("fixed", 2, 3, ()),)  # recorded through `snapforensics record` (test_record)
 
@@ -248,7 +256,7 @@ def recorded(variant: str, tmp_path_factory=None, *, nproc: int = 2, steps: int 
     for _ in range(2):  # a job already running may lack this run: the next one has it
         if _cached(folder, nproc):
             return _paths(folder, nproc)
-        start(SUITE if run in SUITE else (run,))
+        start(SUITE if run in SUITE else FULL_SUITE if run in FULL_SUITE else (run,))
         err = _wait(f"example-w{nproc}", lambda: _cached(folder, nproc) is not None)
     if not _cached(folder, nproc):
         raise AssertionError(f"recording {run} failed\n{err}")

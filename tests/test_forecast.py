@@ -19,13 +19,10 @@ import pytest
 from corpus import corpus_file
 
 from snapforensics.analysis.context import analyse
-from snapforensics.analysis.forecast import (
-    Forecaster,
-    Scenario,
-    forecast,
-    forecast_frame,
-    parse_size,
-)
+from snapforensics.analysis.forecast import forecast, forecast_frame
+from snapforensics.analysis.forecast_capacity import parse_size
+from snapforensics.analysis.forecast_documents import Scenario
+from snapforensics.analysis.forecast_replay import Forecaster
 from snapforensics.analysis.rules import fsdp_reshard
 from snapforensics.snapshot import load
 
@@ -35,6 +32,10 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 BUGGY = FIXTURES / "fsdp2_ckpt_buggy_rank0.pickle.gz"
 FIXED = FIXTURES / "fsdp2_ckpt_fixed_rank0.pickle.gz"
 slow = pytest.mark.slow
+# the pairs recorded for the forecast alone (world sizes 2 <-> 4 on three models, FSDP1's two
+# strategies, micro-batch x2): `make test-full`; `make test` checks the forecast on the pairs
+# the rules' tests record anyway (strategy, checkpointing with micro-batch, the fix)
+full = pytest.mark.full
 
 # Model shapes (the example's flags); () is the default 6 blocks of dim 512.
 S1 = ()
@@ -276,6 +277,7 @@ def test_every_format_renders_the_same_scenarios(tmp_path):
 
 
 @slow
+@full
 @pytest.mark.parametrize("variant,shape", [("fixed", S1), ("fsdp1", S2), ("noac", S3)],
                          ids=["fsdp2-ckpt-6x512", "fsdp1-4x256", "fsdp2-noac-4x128"])
 def test_world_size_both_ways(rec, variant, shape):
@@ -294,6 +296,7 @@ def test_fsdp2_reshard_after_forward_both_ways(rec):
 
 
 @slow
+@full
 def test_fsdp1_full_shard_and_shard_grad_op_both_ways(rec):
     fs, sgo = rec("fsdp1", 2, S2), rec("fsdp1_shard_grad_op_fp32", 2, S2)
     assert (fs.strategy, sgo.strategy) == ("full_shard", "shard_grad_op")
@@ -311,6 +314,7 @@ def test_checkpointing_both_ways(rec):
 
 
 @slow
+@full
 def test_micro_batch_times_two(rec):
     # without checkpointing, activations are ~45% of the peak at batch 8: the batch matters
     half, one = rec("noac", 2, ("--batch", "4")), rec("noac")

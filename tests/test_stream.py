@@ -83,6 +83,17 @@ def test_both_big_file_shapes_stream_into_the_same_snapshot(shared, tmp_path, mo
     out = tmp_path / "big.pickle"
     n = make_big.make(make_big.default_source(), 60_000, shared, out)
     assert n == 60_000
+    # make_big writes as it generates, with a memo that forgets: the file must hold the trace
+    # built in memory, with the same sharing (one dict per frame; lists per copy or shared)
+    source = max(make_big.read(make_big.default_source())["device_traces"], key=len)
+    want = [e for copy in make_big.repeat(source, 60_000, shared) for e in copy]
+    got = pickle.loads(out.read_bytes())["device_traces"]
+    assert got == [want]
+    for attr in ("frames", None):
+        def ids(t, attr=attr):
+            return {id(x) for e in t for x in ([e["frames"]] if attr else e["frames"] or [])
+                    if e.get("frames") is not None}
+        assert len(ids(got[0])) == len(ids(want))
     a, why, b = _both(out, monkeypatch)
     assert why == ""
     _same_all(a, b)
@@ -156,7 +167,7 @@ def test_a_truncated_file_fails_the_same(tmp_path, monkeypatch):
     p = tmp_path / "cut.pickle"
     p.write_bytes(data[: len(data) * 2 // 3])
     a, why, b = _both(p, monkeypatch)
-    assert why == "truncated pickle" and a == b and "truncated" in a
+    assert why.startswith("truncated pickle") and a == b and "truncated" in a
 
 
 @needs_stream
@@ -192,3 +203,46 @@ def test_action_strs_not_memoized_read_each_by_value(tmp_path, monkeypatch):
     assert why == ""
     _same_all(a, b)
     assert a.traces[0].action.tolist() == [A["free_requested"], A["free_completed"]] * 200
+
+
+BEYOND = "truncated pickle: a length beyond the end of the stream"
+
+
+class _Endless:
+    """A stream of `total` zero bytes after `head`, counting what the reader takes."""
+
+    def __init__(self, head: bytes, total: int) -> None:
+        self.head, self.total, self.given = head, total, 0
+
+    def read(self, n: int) -> bytes:
+        k = min(n, self.total - self.given)
+        out = (self.head + bytes(k))[self.given:self.given + k] if self.given < len(self.head) \
+            else bytes(k)
+        self.given += k
+        return out
+
+
+@needs_stream
+@pytest.mark.parametrize("head", [
+    b"\x80\x04\x8d" + (1 << 40).to_bytes(8, "little"),  # BINUNICODE8
+    b"\x80\x04X" + (0xFFFFFFF0).to_bytes(4, "little"),  # BINUNICODE
+    b"\x80\x04\x95" + (1 << 29).to_bytes(8, "little"),  # FRAME (under its 1 GiB cap)
+], ids=["BINUNICODE8", "BINUNICODE", "FRAME"])
+def test_a_length_beyond_the_allowed_bytes_is_refused_before_reading(head):
+    """A length field larger than what the stream may still hold (max_in) is refused at once:
+    the reader used to read on until the end of the data (a gzip stream far beyond max_in,
+    ~5 GB of buffer for a 5 GB file whose first string claims 2^40 bytes)."""
+    src = _Endless(head, 256 << 20)
+    root, why, traces = stream._stream.read(src, A, stream.OTHER, 1 << 40, 1 << 20, 1 << 20)
+    assert (root, why, traces) == (None, BEYOND, 0)
+    assert src.given <= 8 << 20  # the first chunk only (4 MiB)
+
+
+@needs_stream
+def test_a_gzip_string_claiming_more_than_the_cap_fails_the_same(tmp_path, monkeypatch):
+    body = b"\x80\x04\x8d" + (1 << 40).to_bytes(8, "little") + bytes(96 << 20)
+    p = tmp_path / "claim.pickle.gz"
+    p.write_bytes(gzip.compress(body, 1))
+    a, why, b = _both(p, monkeypatch)
+    assert why == BEYOND
+    assert isinstance(a, str) and a == b

@@ -1,7 +1,8 @@
 """The forecast's error band: how far forecasts landed from peaks actually recorded, per kind of
 change, as data, and which scenarios lie outside what was checked.
 
-Where the numbers come from: `tests/test_forecast.py` (slow tests) records the bundled example
+Where the numbers come from: `tests/test_forecast.py` (slow tests; the pairs recorded for the
+forecast alone are `full` tests, run by `make test-full`) records the bundled example
 (`snapforensics.examples.fsdp_ckpt`) with the project's recorder on CPU (gloo, torch 2.13.0,
 Python 3.12) and forecasts rank 0 of each recording from a second recording of the same script
 with one setting changed; the error is (forecast - recorded) / recorded of the allocated peak.

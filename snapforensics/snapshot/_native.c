@@ -27,15 +27,10 @@
  * linear in the entries plus the frames they reference, memory is the columns plus one hash
  * table of the distinct frames lists.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "_common.h"
 #include <math.h>
-#include <stdint.h>
 #include <string.h>
 
-#define K0 0xBF58476D1CE4E5B9ULL
-#define K1 0x94D049BB133111EBULL
-#define K2 0x9E3779B97F4A7C15ULL
 /* Lists longer than this are also remembered by object, so a list shared by many rows is
    read once: real stacks are a few dozen frames deep. */
 #define LONG_LIST 64
@@ -52,15 +47,6 @@ typedef struct {
     Slot *slots;
     size_t mask, used;
 } Table;
-
-static uint64_t mix(uint64_t v) {
-    v ^= v >> 30;
-    v *= K0;
-    v ^= v >> 27;
-    v *= K1;
-    v ^= v >> 31;
-    return v;
-}
 
 static int table_init(Table *t, size_t cap) {
     t->slots = PyMem_Malloc(cap * sizeof(Slot));

@@ -31,28 +31,17 @@
  * gives the exact one-line error or the same Snapshot. It never runs Python code other than
  * file.read and never imports anything.
  *
- * Bounds: every length field is checked against the bytes actually read (the buffer grows
- * only as data arrives, so a 2^63 length allocates nothing); memo indexes must stay within
+ * Bounds: every length field (BINUNICODE, BINUNICODE8, SHORT_BINUNICODE, LONG1, FRAME) is
+ * checked against the bytes the stream may still hold (max_in less what was consumed) before
+ * anything is read, and the buffer grows only as data arrives; memo indexes must stay within
  * 2^20 of the memo's filled count; rows are capped by max_rows; bytes read by max_in. Memory
  * is the columns (37 bytes a row), the memo, the stack and the Python objects of everything
  * outside the traces (segments, frames, metadata) and one list per distinct frames list.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "_common.h"
 #include <math.h>
-#include <stdint.h>
 #include <string.h>
 
-#if PY_VERSION_HEX < 0x030A0000
-static inline PyObject *Py_NewRef(PyObject *o) {
-    Py_INCREF(o);
-    return o;
-}
-#endif
-
-#define K0 0xBF58476D1CE4E5B9ULL
-#define K1 0x94D049BB133111EBULL
-#define K2 0x9E3779B97F4A7C15ULL
 #define CHUNK_IN (4 << 20)
 #define MEMO_SLACK (1 << 20)
 #define RING 500
@@ -147,17 +136,12 @@ static int decline(R *r, const char *why) {
     return -1;
 }
 
-static uint64_t mix(uint64_t v) {
-    v ^= v >> 30;
-    v *= K0;
-    v ^= v >> 27;
-    v *= K1;
-    v ^= v >> 31;
-    return v;
-}
-
-/* ---- input: at least n bytes at buf+pos, reading only as the data arrives */
+/* ---- input: at least n bytes at buf+pos, reading only as the data arrives. A length field
+   beyond the bytes the stream may still hold (max_in) is refused before anything is read: the
+   buffer grows only as data arrives, but a gzip stream can deliver far more than max_in. */
 static int ensure(R *r, size_t n) {
+    if (r->consumed > r->max_in || n > r->max_in - r->consumed)
+        return decline(r, "truncated pickle: a length beyond the end of the stream");
     while (r->end - r->pos < n) {
         if (r->eof)
             return decline(r, "truncated pickle");

@@ -14,6 +14,7 @@ from __future__ import annotations
 import gzip
 import os
 import zlib
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -23,9 +24,10 @@ from snapforensics.snapshot.columns import MAX_BYTES
 from snapforensics.snapshot.model import A
 from snapforensics.snapshot.unpickle import GZIP_RATIO, _memory_guard, tname
 
+_stream: ModuleType | None
 try:
-    from snapforensics.snapshot import _stream  # type: ignore[attr-defined]
-except ImportError:  # built without a C compiler
+    from snapforensics.snapshot import _stream
+except ImportError:  # built without a C compiler (types in _stream.pyi)
     _stream = None
 
 OTHER = A["other"]
@@ -65,7 +67,7 @@ class StreamTrace:
         return e
 
 
-def reader() -> Any:
+def reader() -> ModuleType | None:
     if os.environ.get("SNAPFORENSICS_PURE_PYTHON") or \
             os.environ.get("SNAPFORENSICS_STREAM", "").strip() == "0":
         return None
