@@ -63,11 +63,21 @@ _register()
 _NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
 
 
+def check_settings() -> None:
+    """Every numeric SNAPFORENSICS_* variable (settings.NUMBERS) and the cache's
+    (snapshot/cache.py), parsed once: a typo fails at once, not in a worker."""
+    from snapforensics.settings import NUMBERS, number
+    from snapforensics.snapshot import cache
+
+    for name in NUMBERS:
+        number(name)
+    cache.limit()
+    cache.full_hash()
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
-        from snapforensics.settings import check_all
-
-        check_all()  # a malformed SNAPFORENSICS_* variable fails before any work
+        check_settings()  # a malformed SNAPFORENSICS_* variable fails before any work
         if not (sys.argv[1:] if argv is None else argv) and not _NO_ARGS_IS_HELP:
             # click < 8.2 (the newest for Python 3.9) prints the help and returns 0
             click.echo(cli.get_help(click.Context(cli, info_name="snapforensics")))

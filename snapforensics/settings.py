@@ -2,8 +2,8 @@
 malformed or out-of-range value is one SnapError line (exit 2), never a traceback and never a
 silently different setting (`nan` must not turn a limit off).
 
-The CLI checks them all before any work (`check_all`), so a typo fails at once rather than in a
-worker; the library reads each where it is used, through the same function.
+The CLI checks them all before any work (`cli.check_settings`), so a typo fails at once rather
+than in a worker; the library reads each where it is used, through the same function.
 """
 
 from __future__ import annotations
@@ -41,14 +41,4 @@ def number(name: str) -> float:
     return v
 
 
-def check_all() -> None:
-    """Every numeric variable, and the cache's (snapshot/cache.py), parsed once."""
-    for name in NUMBERS:
-        number(name)
-    from snapforensics.snapshot import cache
-
-    cache.limit()
-    cache.full_hash()
-
-
-__all__ = ["NUMBERS", "number", "check_all"]
+__all__ = ["NUMBERS", "number"]

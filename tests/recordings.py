@@ -70,15 +70,15 @@ SUITE: tuple[Run, ...] = (
         "prefetch_in_recompute", "no_rate_limit", "full_init", "no_grad_sync", "mixed_precision",
         "fsdp1", "fsdp1_shard_grad_op", "fsdp1_reentrant")),
     ("fixed", 2, 3, ("--batch", "8")),
+    ("full_init", 1, 3, ()),
     ("ac_submodules", 2, 3, ()),
     *((v, 2, 3, S_AC) for v in ("ac_submodules", "fixed")),
-    ("fsdp1_no_prefetch", 2, 2, S_FSDP1),
-    ("full_init", 1, 3, ()),
 )
 FULL_SUITE: tuple[Run, ...] = (
     ("noac", 2, 3, ("--batch", "4")),
     *((v, w, 2, shape) for w in (2, 4) for v, shape in (("fsdp1", S_FSDP1), ("noac", S_NOAC))),
     ("fsdp1_shard_grad_op_fp32", 2, 2, S_FSDP1),
+    ("fsdp1_no_prefetch", 2, 2, S_FSDP1),
     ("fixed", 4, 3, ()),
 )
 CLI_SUITE = (("fixed", 2, 3, ()),)  # recorded through `snapforensics record` (test_record)

@@ -47,6 +47,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -208,7 +209,8 @@ def _trainer(layout: str, fix: str | None, steps: int) -> list[dict]:
         exec(fix.split("\n# Raw torch")[0], ns)
         fsdp, fsdp_config = ns["args"].fsdp, dict(ns["args"].fsdp_config)
     args = TrainingArguments(
-        "out", fsdp=fsdp, fsdp_config=fsdp_config, activation_checkpointing=True,
+        tempfile.mkdtemp(prefix="hf_fsdp-trainer-"),  # save_strategy="no": stays empty
+        fsdp=fsdp, fsdp_config=fsdp_config, activation_checkpointing=True,
         gradient_checkpointing_kwargs={"use_reentrant": False}, use_cpu=True,
         per_device_train_batch_size=BATCH, max_steps=steps, learning_rate=1e-3,
         report_to=[], save_strategy="no", logging_strategy="no", dataloader_num_workers=0,

@@ -69,6 +69,7 @@ def test_fsdp1_shard_grad_op_is_classified_and_keeps_params(diagnosed):
 
 
 @slow
+@pytest.mark.full  # FULL_SUITE's small FSDP1 runs (test_forecast's pairs)
 def test_backward_prefetch_is_read_from_the_trace():
     """FSDP1 FULL_SHARD gathers a unit for backward on the prefetch path (`_prefetch_handle`)
     with BACKWARD_PRE (torch's default) and at its own pre-backward with `backward_prefetch=None`
@@ -85,6 +86,7 @@ def test_backward_prefetch_is_read_from_the_trace():
 
 
 @slow
+@pytest.mark.full
 def test_fsdp1_prediction_with_and_without_backward_prefetch(diagnosed):
     """SHARD_GRAD_OP (fp32) shows no backward gather, so the finding predicts both: with FSDP's
     default prefetch (checked against `fsdp1`, FULL_SHARD + BACKWARD_PRE) and without (checked
