@@ -333,63 +333,48 @@ def test_framework_evidence_does_not_follow_the_hash_seed(corpus_dir):
     assert len(outs) == 1, outs
 
 
-@needs_hf
-@pytest.mark.slow
-@pytest.mark.full
-def test_hf_trainer_shard_grad_op(tmp_path_factory):
-    """The HF Trainer with `fsdp="shard_grad_op auto_wrap"`, `fsdp_config={"version": 2,
-    "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}` and `activation_checkpointing`
-    (transformers 5.23's name for `gradient_checkpointing`), 2 steps on CPU/gloo. Set by hand
-    (hf_fsdp `_trainer`): accelerate drops the FSDP plugin on CPU, so the Trainer's own plugin
-    (from `args.fsdp_plugin_args`) is put back on the accelerator state with distributed_type
-    FSDP; the wrapping is the Trainer's own `_prepare_for_training` through accelerate.
-    FSDP's state: every layer's parameters stay unsharded after forward (shard_grad_op is FSDP2's
-    reshard_after_forward=False). The report names the Trainer and gives the fix as its
-    `fsdp_config`; the args the printed fix builds, trained with, reshard after forward and give
-    the predicted peak (5%)."""
-    doc, truth = _record(tmp_path_factory, "trainer_sgo")
-    assert all(s["after_forward"] > 0 for s in truth["steps"]), truth
-    fw = doc["framework"]
-    assert (fw["owner"], fw["fsdp"], fw["layer_class"]) == \
-        ("hf_trainer", "FSDP2", "LlamaDecoderLayer"), fw
-    f = _finding(doc, "fsdp.reshard_after_forward_disabled")
-    # the rule states a chosen trade-off: always "expected" (fsdp_reshard_after_forward.py)
-    assert f and f["verdict"] == "expected", [x["rule"] for x in doc["findings"]]
-    head = f["fix"].split("# Raw torch")[0]
-    assert "TrainingArguments(" in head and "fsdp_config=" in head
-    assert '"reshard_after_forward": True' in head and "LlamaDecoderLayer" in head
-    fixed, truth_fixed = _record(tmp_path_factory, "trainer_sgo", f["fix"])
-    assert all(s["after_forward"] < b["after_forward"]
-               for s, b in zip(truth_fixed["steps"], truth["steps"])), truth_fixed
-    assert _finding(fixed, "fsdp.reshard_after_forward_disabled") is None
-    measured = fixed["peaks"]["overall_bytes"]
-    assert abs(f["predicted_peak_bytes"] - measured) <= 0.05 * measured, \
-        (f["predicted_peak_bytes"], measured)
+# What each framework's run must show, and words its printed fix must hold before "# Raw torch".
+FRAMEWORK_SGO = {
+    # The HF Trainer with `fsdp="shard_grad_op auto_wrap"`, `fsdp_config={"version": 2,
+    # "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}` and `activation_checkpointing`
+    # (transformers 5.23's name for `gradient_checkpointing`), 2 steps on CPU/gloo. Set by hand
+    # (hf_fsdp `_trainer`): accelerate drops the FSDP plugin on CPU, so the Trainer's own plugin
+    # (from `args.fsdp_plugin_args`) is put back on the accelerator state with distributed_type
+    # FSDP; the wrapping is the Trainer's own `_prepare_for_training` through accelerate.
+    # shard_grad_op is FSDP2's reshard_after_forward=False; the fix is its `fsdp_config`.
+    "trainer_sgo": ("transformers",
+                    {"owner": "hf_trainer", "fsdp": "FSDP2", "layer_class": "LlamaDecoderLayer"},
+                    ("TrainingArguments(", "fsdp_config=", '"reshard_after_forward": True',
+                     "LlamaDecoderLayer")),
+    # Lightning Fabric 2.6.6 with `FSDPStrategy(sharding_strategy="SHARD_GRAD_OP",
+    # auto_wrap_policy={LlamaDecoderLayer})` (FSDP1: Lightning's FSDP2 path is
+    # ModelParallelStrategy, the user's own fully_shard). Set by hand (hf_fsdp `_fabric`): a
+    # subclass passes the connector's GPU-only check and gives FSDP1 `device_id=cpu` inside
+    # Lightning's own `setup_module`. The fix is the strategy's `sharding_strategy`.
+    "fabric_sgo": ("lightning", {"owner": "fabric", "fsdp": "FSDP1"},
+                   ('FSDPStrategy(sharding_strategy="FULL_SHARD"', "LlamaDecoderLayer")),
+}
 
 
 @needs_hf
 @pytest.mark.slow
 @pytest.mark.full
-def test_fabric_fsdp1_shard_grad_op(tmp_path_factory):
-    """Lightning Fabric 2.6.6 with `FSDPStrategy(sharding_strategy="SHARD_GRAD_OP",
-    auto_wrap_policy={LlamaDecoderLayer})` (FSDP1: Lightning's FSDP2 path is
-    ModelParallelStrategy, the user's own fully_shard). Set by hand (hf_fsdp `_fabric`): a
-    subclass passes the connector's GPU-only check and gives FSDP1 `device_id=cpu` inside
-    Lightning's own `setup_module`. FSDP's state: the layers stay unsharded after forward. The
-    report names Fabric and FSDP1 and the fix is the strategy's `sharding_strategy`; the strategy
-    the printed fix builds, used as printed, reshards after forward and gives the predicted
-    peak (5%)."""
-    pytest.importorskip("lightning")
-    doc, truth = _record(tmp_path_factory, "fabric_sgo")
+@pytest.mark.parametrize("layout", sorted(FRAMEWORK_SGO))
+def test_framework_shard_grad_op_fix_in_its_own_terms(tmp_path_factory, layout):
+    """FSDP's state: every layer's parameters stay unsharded after forward. The report names
+    the framework and gives the fix in its terms; the fix as printed, trained with, reshards
+    after forward and gives the predicted peak (5%)."""
+    package, framework, words = FRAMEWORK_SGO[layout]
+    pytest.importorskip(package)
+    doc, truth = _record(tmp_path_factory, layout)
     assert all(s["after_forward"] > 0 for s in truth["steps"]), truth
-    fw = doc["framework"]
-    assert (fw["owner"], fw["fsdp"]) == ("fabric", "FSDP1"), fw
+    assert {k: doc["framework"].get(k) for k in framework} == framework, doc["framework"]
     f = _finding(doc, "fsdp.reshard_after_forward_disabled")
     # the rule states a chosen trade-off: always "expected" (fsdp_reshard_after_forward.py)
     assert f and f["verdict"] == "expected", [x["rule"] for x in doc["findings"]]
     head = f["fix"].split("# Raw torch")[0]
-    assert 'FSDPStrategy(sharding_strategy="FULL_SHARD"' in head and "LlamaDecoderLayer" in head
-    fixed, truth_fixed = _record(tmp_path_factory, "fabric_sgo", f["fix"])
+    assert all(w in head for w in words), head
+    fixed, truth_fixed = _record(tmp_path_factory, layout, f["fix"])
     assert all(s["after_forward"] < b["after_forward"]
                for s, b in zip(truth_fixed["steps"], truth["steps"])), truth_fixed
     assert _finding(fixed, "fsdp.reshard_after_forward_disabled") is None
