@@ -53,6 +53,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+# The frameworks are imported at the top, as training scripts do: the recorder imports a
+# script's leading imports before its CPU profiler starts (record/_bootstrap._import_prefix).
+# Imported inside the run, their imports were traced call by call: a Trainer run was
+# OOM-killed (exit 137) on both ranks on this 24 GB machine. Lightning stays lazy (fabric_sgo).
+from accelerate import Accelerator, FullyShardedDataParallelPlugin
+from accelerate.utils import DistributedType
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
 LAYOUTS = ("raw_rab_false", "raw_fixed", "accel_fsdp1_sgo", "accel_fsdp1_full",
            "accel_fsdp2_ac", "accel_fsdp2_gc", "accel_fsdp2_ac_size", "trainer_sgo",
            "fabric_sgo")
@@ -60,16 +69,12 @@ LAYERS, HIDDEN, VOCAB, BATCH, SEQ = 4, 256, 512, 2, 32
 
 
 def tiny_config():
-    from transformers import LlamaConfig
-
     return LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
                        num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=4,
                        max_position_embeddings=SEQ * 2, tie_word_embeddings=False)
 
 
 def tiny_model():
-    from transformers import LlamaForCausalLM
-
     torch.manual_seed(0)
     return LlamaForCausalLM(tiny_config())
 
@@ -112,7 +117,6 @@ def _raw(layout: str, fix: str | None):
 
 
 def _accelerate(layout: str, fix: str | None):
-    from accelerate import Accelerator, FullyShardedDataParallelPlugin
 
     version = 1 if "fsdp1" in layout else 2
     kw: dict = {"fsdp_version": version, "auto_wrap_policy": "transformer_based_wrap",
@@ -139,7 +143,6 @@ def _accelerate(layout: str, fix: str | None):
     # plugin only for MULTI_GPU/NPU/XPU/...; on CPU it is MULTI_CPU and `prepare` would not
     # wrap). Everything after this is accelerate's own wrapping code (prepare_model: FSDP1
     # with the plugin's auto-wrap policy, or fsdp2_prepare_model / fsdp2_apply_ac).
-    from accelerate.utils import DistributedType
 
     acc.state.distributed_type = DistributedType.FSDP
     acc.state.fsdp_plugin = plugin
@@ -156,7 +159,6 @@ def _accelerate(layout: str, fix: str | None):
 def _fabric(layout: str, fix: str | None):
     from lightning.fabric import Fabric
     from lightning.fabric.strategies import FSDPStrategy
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     class CPUFSDPStrategy(FSDPStrategy):
         """Set by hand: lightning 2.6.6 refuses FSDPStrategy off GPU in the connector
@@ -199,8 +201,6 @@ def _fabric(layout: str, fix: str | None):
 def _trainer(layout: str, fix: str | None, steps: int) -> list[dict]:
     """Train with the HF Trainer; returns the truth (FSDP's state after each forward, read in
     `compute_loss`, and after each backward, read when `training_step` returns)."""
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-    from transformers import Trainer, TrainingArguments
 
     fsdp: object = "shard_grad_op auto_wrap"
     fsdp_config: dict = {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
