@@ -35,8 +35,11 @@ lint: setup
 test: lint test-pythons
 	$(BIN)/python -m pytest -q -m "not full"
 
-# everything: `make test` plus the `full` tests (the forecast's pairs recorded for it alone)
+# everything: `make test` plus the `full` tests (the forecast's pairs recorded for it alone,
+# the framework runs: HF Trainer, accelerate, Fabric, torchtitan's wrapping), with the pinned
+# `frameworks` extra installed (torch stays pinned: the extra must not move it)
 test-full: lint test-pythons
+	$(BIN)/pip install -q -e '.[test,frameworks]' '$(TORCH)'
 	$(BIN)/python -m pytest -q
 
 # The analyzer on the oldest and the newest Python it supports, in venvs without torch: the
