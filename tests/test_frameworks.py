@@ -353,6 +353,16 @@ FRAMEWORK_SGO = {
     # Lightning's own `setup_module`. The fix is the strategy's `sharding_strategy`.
     "fabric_sgo": ("lightning", {"owner": "fabric", "fsdp": "FSDP1"},
                    ('FSDPStrategy(sharding_strategy="FULL_SHARD"', "LlamaDecoderLayer")),
+    # torchtitan 0.3.0's own `SelectiveAC.Config().build().apply` (its default AC) and
+    # `apply_fsdp_to_decoder` with `ParallelismConfig(fsdp_reshard_after_forward="never")`, bf16
+    # params (TrainingConfig's default). Set by hand (hf_fsdp `_titan`): torchtitan's Llama imports
+    # triton, so the tiny HF Llama's modules sit under the names torchtitan reads (`TitanDecoder`);
+    # the mesh is `init_device_mesh("cpu", ...)` (ParallelDims builds on "cuda" off GPU); each
+    # unit gets `set_force_sum_reduction_for_comms(True)` (gloo refuses PREMUL_SUM). The fix is
+    # the config field, executed on torchtitan's own ParallelismConfig before wrapping.
+    "titan_never": ("torchtitan", {"owner": "torchtitan", "fsdp": "FSDP2",
+                                   "layer_class": "LlamaDecoderLayer"},
+                    ('config.parallelism.fsdp_reshard_after_forward = "default"',)),
 }
 
 

@@ -190,9 +190,16 @@ for layer in model.{_container(fw)}:
 
 
 def _raf_titan(fw: Framework, f: Finding) -> str:
+    # torchtitan 0.3.0 config/configs.py ParallelismConfig.fsdp_reshard_after_forward:
+    # Literal["default", "always", "never"]; distributed/fsdp.py apply_fsdp_to_decoder reshards
+    # the embeddings and every block under "default" (without pipeline parallelism) and the
+    # [norm, output] unit only under "always": "default" is what the rule's replay predicts
     return """\
-# torchtitan 0.3 config (config_registry function or CLI --parallelism.fsdp_reshard_after_forward)
-config.parallelism.fsdp_reshard_after_forward = "always"  # "default": all but the last block"""
+# torchtitan 0.3 config (a config_registry function's Trainer.Config, or on the command line
+# --parallelism.fsdp_reshard_after_forward default)
+config.parallelism.fsdp_reshard_after_forward = "default"  # was "never"
+# "default" reshards the embeddings and every block after forward and keeps [norm, output]
+# (its backward runs first); under pipeline parallelism "default" keeps all: set "always"."""
 
 
 def _sync_accelerate(fw: Framework, f: Finding) -> str:

@@ -30,6 +30,18 @@ batch 2 x 32 tokens, 2 optimizer steps, CPU + gloo. Layouts (``LAYOUTS``):
   Set by hand (`_fabric`): a subclass of `FSDPStrategy` (Fabric's connector refuses the exact
   type off GPU) whose `setup_module` gives FSDP1 `device_id=cpu` (Lightning passes None).
 
+- ``titan_never``: torchtitan 0.3's own `ActivationCheckpointing.apply` and
+  `apply_fsdp_to_decoder` (`_titan`), configured from torchtitan's config dataclasses at their
+  defaults (`SelectiveAC.Config()`, `TrainingConfig()`: bf16 params, fp32 reduce) except
+  `ParallelismConfig(fsdp_reshard_after_forward="never")`. Set by hand: torchtitan's Llama
+  cannot be imported on CPU (its decoder imports `triton`), so the tiny HF Llama's modules are
+  put in a module with the attribute names `apply_fsdp_to_decoder` reads (`tok_embeddings`,
+  `layers` a ModuleDict, `norm`, `lm_head`, `enable_weight_tying`); and the mesh is
+  `init_device_mesh("cpu", (2,), mesh_dim_names=("fsdp",))` (torchtitan's `ParallelDims`
+  builds it on `device_type`, "cuda" without an accelerator, and its size-1 axes on the
+  "fake" backend); each FSDP unit's `set_force_sum_reduction_for_comms(True)` (torchtitan's
+  gradient_divide_factor=1.0 makes FSDP reduce with PREMUL_SUM, which gloo refuses).
+
 Set by hand because accelerate refuses FSDP without an accelerator (on CPU its state is
 MULTI_CPU and `prepare` does not wrap): `acc.state.distributed_type = DistributedType.FSDP` and
 `acc.state.fsdp_plugin`; from there on `prepare` runs accelerate's own wrapping (FSDP1 with the
@@ -64,7 +76,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 LAYOUTS = ("raw_rab_false", "raw_fixed", "accel_fsdp1_sgo", "accel_fsdp1_full",
            "accel_fsdp2_ac", "accel_fsdp2_gc", "accel_fsdp2_ac_size", "trainer_sgo",
-           "fabric_sgo")
+           "fabric_sgo", "titan_never")
 LAYERS, HIDDEN, VOCAB, BATCH, SEQ = 4, 256, 512, 2, 32
 
 
@@ -247,6 +259,69 @@ def _trainer(layout: str, fix: str | None, steps: int) -> list[dict]:
     return truth
 
 
+class TitanDecoder(torch.nn.Module):
+    """The tiny HF Llama's modules under the names torchtitan 0.3's `apply_fsdp_to_decoder`
+    and `ActivationCheckpointing.apply` read (models/common/decoder.py `Decoder`: `layers` a
+    ModuleDict keyed "0".."3", `tok_embeddings`, `norm`, `lm_head`, `enable_weight_tying`).
+    Built by hand: torchtitan's own Llama imports triton and cannot load on CPU."""
+
+    enable_weight_tying = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        hf = tiny_model()
+        self.tok_embeddings = hf.model.embed_tokens
+        self.rotary_emb = hf.model.rotary_emb
+        self.layers = torch.nn.ModuleDict({str(i): m for i, m in enumerate(hf.model.layers)})
+        self.norm = hf.model.norm
+        self.lm_head = hf.lm_head
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor):  # type: ignore[no-untyped-def]
+        h = self.tok_embeddings(input_ids)
+        pos = torch.arange(input_ids.shape[1]).unsqueeze(0)
+        rope = self.rotary_emb(h, position_ids=pos)
+        for layer in self.layers.values():  # causal: HF's sdpa with no mask
+            h = layer(h, position_embeddings=rope, position_ids=pos)
+        logits = self.lm_head(self.norm(h)).float()
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+        return argparse.Namespace(loss=loss)
+
+
+def _titan(layout: str, fix: str | None):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.config import TORCH_DTYPE_MAP, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+
+    # torchtitan's Trainer.Config fields, at torchtitan's defaults but for the reshard policy
+    config = argparse.Namespace(
+        training=TrainingConfig(), activation_checkpoint=SelectiveAC.Config(),
+        parallelism=ParallelismConfig(fsdp_reshard_after_forward="never"))
+    if fix:  # the analyzer's printed fix: its torchtitan part edits `config`
+        exec(fix.split("\n# Raw torch")[0], {"config": config})
+    model = TitanDecoder()
+    # torchtitan's parallelize_llama, as it runs on the partial_dtensor path without TP/CP/PP
+    if config.activation_checkpoint is not None:
+        config.activation_checkpoint.build().apply(model)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("fsdp",))
+    apply_fsdp_to_decoder(
+        model, mesh, param_dtype=TORCH_DTYPE_MAP[config.training.mixed_precision_param],
+        reduce_dtype=TORCH_DTYPE_MAP[config.training.mixed_precision_reduce], pp_enabled=False,
+        cpu_offload=config.training.enable_cpu_offload,
+        reshard_after_forward_policy=config.parallelism.fsdp_reshard_after_forward)
+    # Set by hand: apply_fsdp_to_decoder sets gradient_divide_factor=1.0 (torchtitan scales
+    # the loss itself), which FSDP reduces with ReduceOp.PREMUL_SUM, refused by gloo; FSDP's
+    # own switch to a plain SUM (what torchtitan's enable_fsdp_symm_mem sets) instead
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_force_sum_reduction_for_comms(True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, opt, lambda loss: loss.backward()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m snapforensics.examples.hf_fsdp")
     p.add_argument("--layout", choices=LAYOUTS, required=True)
@@ -268,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
             return 3
         return _write_truth(a.layout, a.truth, rank, truth)
     try:
-        build = {"raw": _raw, "accel": _accelerate, "fabric": _fabric}[a.layout.split("_")[0]]
+        build = {"raw": _raw, "accel": _accelerate, "fabric": _fabric,
+                 "titan": _titan}[a.layout.split("_")[0]]
         model, opt, backward = build(a.layout, fix)
     except (RuntimeError, ValueError, NotImplementedError) as e:
         print(f"{a.layout}: the framework refused: {e}", file=sys.stderr)
