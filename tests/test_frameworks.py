@@ -51,6 +51,44 @@ def test_plain_fsdp2_fixture_names_its_layer(fixtures_dir):
     assert "in every iteration (0-2)" in f.cause and "(iteration 0)" not in f.cause
 
 
+def test_fabric_fsdp1_units_named_through_its_fsdp_subclass(fixtures_dir):
+    """The committed Lightning Fabric FSDP1 runs (`fabric_sgo`: SHARD_GRAD_OP, and the same with
+    the printed FULL_SHARD fix; fixtures/README.md). The root wrapper there is a subclass of
+    FullyShardedDataParallel (the layout's `OnCPU`, as a user's own subclass would be), so its
+    module frame is `OnCPU_0`, not `FullyShardedDataParallel_0`: named by class, the layers'
+    wrappers were each taken for the root and the root went unnamed, and the rule reported the
+    root's 1,049,600 B as "(unit 0)" with no saving on both runs. FSDP1 wrappers are known by
+    FSDP1's forward running in them (fsdp_units._module_chain).
+
+    Against FSDP's state (truth.rank0.json of each run): after forward the bug run holds the
+    root and all 4 layers unsharded, the fixed run the root only; the rule counts the layers but
+    the last to run forward (it runs backward first). The prediction replays the re-gathers in
+    backward order from that last layer on (it was re-gathering one layer early: +6.2%)."""
+    from snapforensics.api import diagnose
+
+    rule = "fsdp.reshard_after_forward_disabled"
+    bug = diagnose(fixtures_dir / "hf_fabric_fsdp1_sgo_rank0.pickle.gz").diagnosis
+    fixed = diagnose(fixtures_dir / "hf_fabric_fsdp1_full_rank0.pickle.gz").diagnosis
+    truth = [json.loads((fixtures_dir / f"hf_fabric_fsdp1_{v}_truth.rank0.json").read_text())
+             for v in ("sgo", "full")]
+    assert (bug.to_dict()["framework"]["owner"], bug.to_dict()["framework"]["fsdp"]) == \
+        ("fabric", "FSDP1")
+    f = next(x for x in bug.findings if x.rule == rule)
+    mods = {m["module"]: m["bytes"] for m in f.evidence["modules"]}
+    assert set(mods) == {f"LlamaDecoderLayer_{i}" for i in range(3)}, mods
+    layer = f.bytes // len(mods)
+    assert set(mods.values()) == {layer}
+    for b, ok in zip(truth[0]["steps"], truth[1]["steps"]):
+        # bug = root + 4 layers; fixed = root
+        assert b["after_forward"] == ok["after_forward"] + 4 * layer, (b, ok, layer)
+    assert all(x.rule != rule for x in fixed.findings), [x.rule for x in fixed.findings]
+    assert 'FSDPStrategy(sharding_strategy="FULL_SHARD"' in f.fix.split("# Raw torch")[0]
+    measured = fixed.peaks["overall_bytes"]
+    assert f.predicted_peak_bytes is not None
+    assert abs(f.predicted_peak_bytes - measured) <= 0.05 * measured, \
+        (f.predicted_peak_bytes, measured)
+
+
 def test_frameworks_from_frames():
     """Each framework recognized from its package's frames; the owner is the outermost."""
     from snapforensics.analysis.frameworks import detect

@@ -350,33 +350,54 @@ def forward_end(it: Iteration) -> int:
     return (it.backward_start - 1) if it.backward_start >= 0 else it.end
 
 
-_FSDP1_WRAPPER = re.compile(r"^FullyShardedDataParallel_\d+$")
+# FSDP1's forward (`FullyShardedDataParallel.forward`): a module frame whose own frames (those
+# down to the next module frame inward) hold it is an FSDP1 wrapper, whatever its class is
+# called (a subclass of FullyShardedDataParallel is named after itself: `OnCPU_0`).
+_FSDP1_FORWARD = ("forward", "distributed/fsdp/fully_sharded_data_parallel.py")
 # wrappers between an FSDP1 unit and the module it holds (checkpoint_wrapper, offload_wrapper)
 _WRAPPERS = re.compile(r"^(CheckpointWrapper|OffloadWrapper)_\d+$")
+
+
+def _module_chain(frames: list) -> list[tuple[str, bool]]:
+    """(module instance, is an FSDP1 wrapper) of a stack's module frames, outermost first.
+
+    The CPU recorder writes a module's frame just outside the frames of its `forward`, so a
+    module frame is an FSDP1 wrapper when FSDP1's `forward` is among the frames between it and
+    the next module frame inward (its own forward, and a subclass's forward around it)."""
+    out: list[tuple[str, bool]] = []
+    fsdp_forward = False
+    for f in frames:  # innermost first
+        if f.filename == "<nn.Module>":
+            out.append((f.name, fsdp_forward))
+            fsdp_forward = False
+        elif f.name == _FSDP1_FORWARD[0] and \
+                f.filename.replace("\\", "/").endswith(_FSDP1_FORWARD[1]):
+            fsdp_forward = True
+    return out[::-1]
 
 
 def name_fsdp1_units(snapshot, infos: list, stack_ids: list[int]) -> list:
     """FSDP1 units named from the module frames the CPU recorder writes (FSDP1's ranges name no
     unit, and its flat parameter has no FQN in the trace).
 
-    Each `FullyShardedDataParallel_K` wrapper frame is followed, on the stacks where its module
-    runs, by the module it wraps (`LlamaDecoderLayer_2`; through a `CheckpointWrapper_J`): that
-    instance names the unit. The
-    outermost wrapper (no wrapper around it on any stack) is the root, "(root)" as for FSDP2.
-    An FSDP block whose innermost wrapper frame is K gets K's name; blocks with no wrapper frame
-    (made on the autograd thread in backward) are named by `name_fsdp1_backward`.
-    `stack_ids[i]` is infos[i]'s stack.
+    An FSDP1 wrapper's module frame (`FullyShardedDataParallel_K`, or a subclass's: known by
+    FSDP1's `forward` running in it, see `_module_chain`) is followed, on the stacks where its
+    module runs, by the module it wraps (`LlamaDecoderLayer_2`; through a `CheckpointWrapper_J`):
+    that instance names the unit. The outermost wrapper (no wrapper around it on any stack) is
+    the root, "(root)" as for FSDP2. An FSDP block whose innermost wrapper frame is K gets K's
+    name; blocks with no wrapper frame (made on the autograd thread in backward) are named by
+    `name_fsdp1_backward`. `stack_ids[i]` is infos[i]'s stack.
     """
     from dataclasses import replace
 
     from snapforensics.analysis.vocab import FSDP_CATEGORIES
 
-    chains: dict[int, list[str]] = {}
+    chains: dict[int, list[tuple[str, bool]]] = {}
     for s in set(stack_ids):
         if s < 0:
             continue
-        mods = [f.name for f in reversed(snapshot.stack_frames(s)) if f.filename == "<nn.Module>"]
-        if any(_FSDP1_WRAPPER.match(m) for m in mods):
+        mods = _module_chain(snapshot.stack_frames(s))
+        if any(w for _, w in mods):
             chains[s] = mods  # outermost first
     if not chains:
         return infos
@@ -384,20 +405,20 @@ def name_fsdp1_units(snapshot, infos: list, stack_ids: list[int]) -> list:
     nested: set[str] = set()
     for mods in chains.values():
         seen_wrapper = False
-        for i, m in enumerate(mods):
-            if not _FSDP1_WRAPPER.match(m):
+        for i, (m, wrapper) in enumerate(mods):
+            if not wrapper:
                 continue
             if seen_wrapper:
                 nested.add(m)
             seen_wrapper = True
-            inner = next((x for x in mods[i + 1:] if not _WRAPPERS.match(x)), None)
-            if inner is not None and not _FSDP1_WRAPPER.match(inner):
-                wraps.setdefault(m, inner)
+            inner = next((x for x in mods[i + 1:] if not _WRAPPERS.match(x[0])), None)
+            if inner is not None and not inner[1]:
+                wraps.setdefault(m, inner[0])
     out = list(infos)
     for i, (info, s) in enumerate(zip(infos, stack_ids)):
         if info.module is not None or info.category not in FSDP_CATEGORIES or s not in chains:
             continue
-        unit = [m for m in chains[s] if _FSDP1_WRAPPER.match(m)][-1]
+        unit = [m for m, wrapper in chains[s] if wrapper][-1]
         name = ROOT if unit not in nested else wraps.get(unit)
         if name:
             out[i] = replace(info, module=name)

@@ -15,9 +15,10 @@ all-gather per unit in backward). The finding gives the cost and what `reshard_a
 on non-root units would save, predicted by replaying the trace with each kept unit freed at its
 post-forward and re-gathered for its backward: one unit ahead when the trace shows backward
 prefetch (`FsdpUnits.backward_prefetch`: a unit gathered for backward on FSDP's prefetch path),
-at its own pre-backward when it shows none; when no unit was gathered in backward at all (every
-unit kept, the usual case here) the headline assumes FSDP's default (prefetch) and the evidence
-also gives the peak without it.
+at its own pre-backward when it shows none (the backward order starts with the uncounted last
+unit: the first kept unit is gathered during its backward, not beside it); when no unit was
+gathered in backward at all (every unit kept, the usual case here) the headline assumes FSDP's
+default (prefetch) and the evidence also gives the peak without it.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class Kept(NamedTuple):
     kept: dict[UnitKey, np.ndarray]  # non-root units still unsharded after forward: blocks
     units: dict[UnitKey, np.ndarray]  # every unit unsharded in forward, in forward order
     root: UnitKey | None
+    last: np.ndarray  # the last unit's blocks still unsharded after forward (kept for free)
 
 
 class Plan(NamedTuple):
@@ -66,6 +68,7 @@ class Plan(NamedTuple):
     it: Iteration
     kept: dict[UnitKey, np.ndarray]
     units: dict[UnitKey, np.ndarray]
+    last: np.ndarray  # Kept.last: runs backward first, so it is in the backward order too
 
 
 def _units(d: DeviceAnalysis, blocks: np.ndarray, ev: np.ndarray) -> dict[UnitKey, np.ndarray]:
@@ -90,7 +93,7 @@ def _forward_unshards(d: DeviceAnalysis) -> dict[int, np.ndarray]:
 
 def _kept(d: DeviceAnalysis, it: Iteration, ev: np.ndarray, fw: np.ndarray | None) -> Kept:
     if fw is None or not fw.size or it.backward_start < 0:
-        return Kept({}, {}, None)
+        return Kept({}, {}, None, np.zeros(0, np.int64))
     units = _units(d, fw, ev)
     end = forward_end(it)
     alive_keys = [k for k, v in units.items() if (d.lt.free_row[v] > end).any()]
@@ -112,7 +115,9 @@ def _kept(d: DeviceAnalysis, it: Iteration, ev: np.ndarray, fw: np.ndarray | Non
         alive = v[d.lt.free_row[v] > end]
         if alive.size and d.lt.size[alive].sum() >= _MIN_SHARE * total:
             kept[k] = alive
-    return Kept(kept, units, root)
+    last_alive = units[last][d.lt.free_row[units[last]] > end] if last is not None else \
+        np.zeros(0, np.int64)
+    return Kept(kept, units, root, last_alive)
 
 
 def _counterfactual(d: DeviceAnalysis, plans: list[Plan], prefetch: bool
@@ -123,7 +128,7 @@ def _counterfactual(d: DeviceAnalysis, plans: list[Plan], prefetch: bool
     done (its pre-backward)."""
     free_row = d.lt.free_row.copy()
     extra = []
-    for it, kept, units in plans:
+    for it, kept, units, last in plans:
         order = list(units)  # forward order
         end = forward_end(it)
         for k, blocks in kept.items():
@@ -132,14 +137,17 @@ def _counterfactual(d: DeviceAnalysis, plans: list[Plan], prefetch: bool
             post_forward = min(nxt) if nxt else end
             post_forward = max(post_forward, int(d.lt.alloc_row[blocks].max()) + 1)
             free_row[blocks] = np.minimum(free_row[blocks], post_forward)
-        # backward order: by when each unit's kept params were freed (its post-backward)
-        bw = sorted(kept, key=lambda k: int(d.lt.free_row[kept[k]].min()))
-        need = [it.backward_start]
-        for k in bw[:-1]:
-            need.append(int(d.lt.free_row[kept[k]].min()))
-        for j, k in enumerate(bw):
+        # backward order: by when each unit's kept params were freed (its post-backward); the
+        # last unit to run forward, kept unsharded as it is, runs backward first and is part of
+        # that order (the unit after it is gathered during its backward, not beside it)
+        alive = [(v, True) for v in kept.values()] + ([(last, False)] if last.size else [])
+        alive.sort(key=lambda x: int(d.lt.free_row[x[0]].min()))
+        need = [it.backward_start] + [int(d.lt.free_row[v].min()) for v, _ in alive[:-1]]
+        for j, (v, counted) in enumerate(alive):
+            if not counted:
+                continue
             gather = need[max(j - 1, 0)] if prefetch else need[j]
-            for b in kept[k].tolist():
+            for b in v.tolist():
                 fr = int(d.lt.free_row[b])
                 if fr > gather:
                     extra.append((gather, fr, int(d.lt.size[b])))
@@ -152,15 +160,15 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     per_iter: dict[int, Kept] = {}
     fw = _forward_unshards(d)
     for it in d.tl.iterations:
-        kept, units, root = _kept(d, it, f.event, fw.get(it.index))
-        if kept:
-            plans.append(Plan(it, kept, units))
-            per_iter[it.index] = Kept(kept, units, root)
+        k = _kept(d, it, f.event, fw.get(it.index))
+        if k.kept:
+            plans.append(Plan(it, k.kept, k.units, k.last))
+            per_iter[it.index] = k
     if not plans:
         return []
     worst = max(per_iter, key=lambda i: sum(int(d.lt.size[v].sum())
                                             for v in per_iter[i].kept.values()))
-    kept, _, root = per_iter[worst]
+    kept, _, root, _ = per_iter[worst]
     blocks = np.concatenate(list(kept.values()))
     kept_bytes = int(d.lt.size[blocks].sum())
     # FSDP's backward prefetch as the trace shows it; when no unit was gathered in backward
