@@ -31,16 +31,20 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
+# Tests run on every core (pytest-xdist; at most 4 workers: each holds the fixtures' diagnoses);
+# recordings stay at two at once over all workers (tests/recordings.py `SLOTS`).
+XDIST := -n auto --maxprocesses 4 -p no:benchmark
+
 # what CI runs: every test but the longer proofs marked `full` (README: Tests)
 test: lint test-pythons
-	$(BIN)/python -m pytest -q -m "not full"
+	$(BIN)/python -m pytest -q $(XDIST) -m "not full"
 
 # everything: `make test` plus the `full` tests (the forecast's pairs recorded for it alone,
 # the framework runs: HF Trainer, accelerate, Fabric, torchtitan's wrapping), with the pinned
 # `frameworks` extra installed (torch stays pinned: the extra must not move it)
 test-full: lint test-pythons
 	$(BIN)/pip install -q -e '.[test,frameworks]' '$(TORCH)'
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(XDIST)
 
 # The analyzer on the oldest and the newest Python it supports, in venvs without torch: the
 # torch-free tier (tests that need torch skip). Interpreters from pyenv when it has them, else
@@ -58,16 +62,17 @@ test-pythons:
 	  env=.venv-py$$v; \
 	  [ -z "$$(find pyproject.toml setup.py $(CSRC) -newer $$env/.installed 2>/dev/null)" ] && [ -f $$env/.installed ] || { \
 	    rm -rf $$env && $$py -m venv $$env && \
-	    $$env/bin/pip install -q -e . pytest hypothesis markdown-it-py && touch $$env/.installed; \
+	    $$env/bin/pip install -q -e . pytest pytest-xdist hypothesis markdown-it-py && \
+	    touch $$env/.installed; \
 	  } || exit 1; \
 	  echo "== Python $$($$env/bin/python -c 'import platform; print(platform.python_version())'), no torch"; \
 	  $$env/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is not None)" || \
 	    { echo "$$env has torch: it must not"; exit 1; }; \
-	  $$env/bin/python -m pytest -q -p no:cacheprovider -m "not slow" $(PYTHONS_TESTS) || exit 1; \
+	  $$env/bin/python -m pytest -q -p no:cacheprovider -n 2 -m "not slow" $(PYTHONS_TESTS) || exit 1; \
 	done
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q $(XDIST) -m "not slow"
 
 bench: setup
 	$(BIN)/python benchmarks/bench_load.py

@@ -32,6 +32,7 @@ does), and ``replay_peak(snapshot)`` (max of cumulative alloc - free_completed o
 from __future__ import annotations
 
 import atexit
+import fcntl
 import hashlib
 import json
 import os
@@ -41,7 +42,9 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
@@ -163,8 +166,12 @@ def _stop_children() -> None:
 
 
 def _record_job(world: int, runs: list[tuple[str, int, int, tuple[str, ...]]]) -> str:
-    """Record `runs` (all for `world` ranks) in one job; '' or what went wrong."""
-    CACHE.mkdir(parents=True, exist_ok=True)
+    """Record `runs` (all for `world` ranks) in one job; '' or what went wrong. Runs another
+    process published meanwhile (a pytest-xdist worker, another session) are not recorded
+    again: the caller holds this job's lock (`_background`)."""
+    runs = [r for r in runs if not _cached(_job_folder(*r), world)]
+    if not runs:
+        return ""
     stage = Path(tempfile.mkdtemp(prefix=f".job-w{world}-", dir=CACHE))
     try:
         todo = [(stage / str(i), run) for i, run in enumerate(runs)]
@@ -201,20 +208,52 @@ def _record_job(world: int, runs: list[tuple[str, int, int, tuple[str, ...]]]) -
 _lock = threading.Lock()
 _threads: dict[str, threading.Thread] = {}
 _errors: dict[str, str] = {}
-# Jobs recording at once: two keep both cores busy through each job's waits (start-up, gloo,
-# the profiler's post-processing) without holding every rank of every job in memory at once.
-_slots = threading.Semaphore(2)
+# Jobs recording at once, over every process using this cache (pytest-xdist's workers each start
+# the jobs they lack): two keep both cores busy through each job's waits (start-up, gloo, the
+# profiler's post-processing) without holding every rank of every job in memory at once.
+SLOTS = 2
+
+
+@contextmanager
+def _flock(name: str, *, wait: bool = True) -> Iterator[bool]:
+    """An exclusive lock on CACHE/.lock-NAME shared by every process (flock: released when the
+    process dies). Yields whether it is held (always, when `wait`)."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    fd = os.open(CACHE / f".lock-{name}", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)  # releases the lock
+
+
+@contextmanager
+def _slot() -> Iterator[None]:
+    """One of the SLOTS recording slots, across processes."""
+    while True:
+        for i in range(SLOTS):
+            with _flock(f"slot-{i}", wait=False) as held:
+                if held:
+                    yield
+                    return
+        time.sleep(0.5)
 
 
 def _background(name: str, work) -> None:
-    """Run `work()` (returns '' or an error) on a thread named `name`, unless one runs."""
+    """Run `work()` (returns '' or an error) on a thread named `name`, unless one runs: under
+    the job's lock (another process recording it finishes first; `work` then finds what it
+    published) and in a recording slot."""
     with _lock:
         if name in _threads and _threads[name].is_alive():
             return
 
         def go() -> None:
             try:
-                with _slots:
+                with _flock(name), _slot():
                     _errors[name] = work()
             except Exception as e:  # reported by whoever waits for it
                 _errors[name] = f"{type(e).__name__}: {e}"
@@ -268,7 +307,8 @@ def _matrix_folder(world: int) -> Path:
 
 
 def _record_matrix(world: int) -> str:
-    CACHE.mkdir(parents=True, exist_ok=True)
+    if _matrix_folder(world).is_dir():  # published by another process meanwhile
+        return ""
     stage = Path(tempfile.mkdtemp(prefix=f".matrix-w{world}-", dir=CACHE))
     try:
         proc = subprocess.Popen(
