@@ -18,7 +18,7 @@ import sys
 
 import pytest
 from findings import near
-from recordings import REPO, _env
+from recordings import REPO, _env, _slot
 
 from snapforensics.analysis.diagnosis import Finding
 from snapforensics.analysis.framework_fixes import localize
@@ -213,8 +213,9 @@ def _record(tmp_path_factory, layout: str, fix: str | None = None):
         fix_file = tmp_path_factory.mktemp(f"fix-{layout}") / "fix.py"
         fix_file.write_text(fix)
         args += ["--fix-file", str(fix_file)]
-    proc = subprocess.run(args, cwd=REPO, env=_env(), capture_output=True, text=True,
-                          timeout=1500)
+    with _slot():  # two recordings at once over every xdist worker (recordings.SLOTS)
+        proc = subprocess.run(args, cwd=REPO, env=_env(), capture_output=True, text=True,
+                              timeout=1500)
     if proc.returncode == 3:
         pytest.skip(f"{layout}: {proc.stderr.strip().splitlines()[-1]}")
     assert proc.returncode == 0, proc.stderr[-3000:]
