@@ -94,11 +94,15 @@ def tiny_model():
 def unsharded_bytes(model: torch.nn.Module) -> int:
     """Bytes of unsharded parameter storage FSDP holds now, from FSDP's own state."""
     total = 0
+    seen: set[int] = set()
     for m in model.modules():
         state = getattr(m, "_get_fsdp_state", None)
         if state is not None:  # FSDP2
+            # one state per fully_shard call: fully_shard([norm, lm_head]) (accelerate 1.15's
+            # tail unit) gives both modules the same state, counted once
             pg = state()._fsdp_param_group
-            if pg is not None:
+            if pg is not None and id(pg) not in seen:
+                seen.add(id(pg))
                 for p in pg.fsdp_params:
                     for t in getattr(p, "all_gather_outputs", []) or []:
                         total += t.untyped_storage().size()
