@@ -216,8 +216,9 @@ def _record(tmp_path_factory, layout: str, fix: str | None = None):
     with _slot():  # two recordings at once over every xdist worker (recordings.SLOTS)
         proc = subprocess.run(args, cwd=REPO, env=_env(), capture_output=True, text=True,
                               timeout=1500)
-    if proc.returncode == 3:
-        pytest.skip(f"{layout}: {proc.stderr.strip().splitlines()[-1]}")
+    if proc.returncode == 3:  # hf_fsdp's one line; the recorder's own lines follow it
+        pytest.skip(next((ln for ln in proc.stderr.splitlines() if "the framework refused" in ln),
+                         proc.stderr.strip()[-300:]))
     assert proc.returncode == 0, proc.stderr[-3000:]
     diag = subprocess.run([sys.executable, "-m", "snapforensics", "diagnose", "--format",
                            "json", str(out / "rank0.pickle")], cwd=REPO, env=_env(),
@@ -358,6 +359,33 @@ def test_every_framework_form_compiles_and_names_the_layer():
                 assert "# Raw torch" in f.fix, (rule, owner)
 
 
+def test_fsdp2_fixes_name_the_framework_keys_that_do_nothing():
+    """The HF Trainer's and accelerate's FSDP2 reshard fix names what FSDP2 ignores or refuses
+    (transformers 5.23 / accelerate 1.15 sources, framework_fixes `_FSDP2_*_NOOPS`) and still
+    compiles; the FSDP1 forms, where those keys work, do not carry the line."""
+    from snapforensics.analysis.framework_fixes import _FORMS
+
+    layer = Layer("LlamaDecoderLayer", "model.layers", (0, 1, 2, 3))
+    keys = {"hf_trainer": ("sharding_strategy", "backward_prefetch", "forward_prefetch",
+                           "use_orig_params", "sync_module_states", "limit_all_gathers"),
+            "accelerate": ("backward_prefetch", "use_orig_params", "sync_module_states",
+                           "limit_all_gathers", "forward_prefetch", "sharding_strategy")}
+    for owner, words in keys.items():
+        for gen in ("FSDP1", "FSDP2"):
+            fw = Framework(owner, (owner,), gen, layer)
+            f = Finding(rule="fsdp.reshard_after_forward_disabled", verdict=Verdict.EXPECTED,
+                        title="", cause="", bytes=0, blocks=0, device=0, fix="pass\n")
+            localize([f], fw)
+            assert f.fix is not None
+            compile(f.fix, f"{owner}/{gen}", "exec")
+            line = next((ln for ln in f.fix.splitlines() if ln.startswith("# FSDP2 ")), "")
+            if gen == "FSDP2":
+                assert all(w in line for w in words), (owner, line)
+            else:
+                assert not line, (owner, line)
+    assert set(keys) <= set(_FORMS["fsdp.reshard_after_forward_disabled"])
+
+
 def test_framework_evidence_does_not_follow_the_hash_seed(corpus_dir):
     """The evidence names one file per framework; picked from a set of file names, it followed
     PYTHONHASHSEED (a different JSON on every run of this corpus file)."""
@@ -431,3 +459,50 @@ def test_framework_shard_grad_op_fix_in_its_own_terms(tmp_path_factory, layout):
     measured = fixed["peaks"]["overall_bytes"]
     assert abs(f["predicted_peak_bytes"] - measured) <= 0.05 * measured, \
         (f["predicted_peak_bytes"], measured)
+
+
+# accelerate 1.15's FSDP2 plugin (fsdp2_prepare_model, fsdp2_apply_ac) with its default
+# reshard_after_forward=True, transformer_based_wrap on LlamaDecoderLayer; distributed_type set
+# by hand on CPU (hf_fsdp `_accelerate`). `_ac`: the plugin's activation_checkpointing (one
+# CheckpointWrapper per decoder layer: the FSDP unit itself); `_gc`: HF's
+# gradient_checkpointing_enable instead; `_ac_size`: size_based_wrap, refused (below).
+ACCEL_FSDP2 = ("accel_fsdp2_ac", "accel_fsdp2_gc", "accel_fsdp2_ac_size")
+
+
+@needs_hf
+@pytest.mark.slow
+@pytest.mark.full
+@pytest.mark.parametrize("layout", ACCEL_FSDP2)
+def test_accelerate_fsdp2_checkpointing_layouts(tmp_path_factory, layout):
+    """FSDP's state: every layer resharded after forward (only the root's parameters held).
+    The report names accelerate, FSDP2 and LlamaDecoderLayer, finds nothing anomalous, no
+    reshard_after_forward_disabled, and (checkpoint = unit) no finer-than-unit checkpointing."""
+    if layout.endswith("_size"):
+        # accelerate 1.15's size_based_wrap checkpoint-wraps and shards every module above
+        # min_num_params, the layers' ModuleList included; fully_shard refuses it (ValueError
+        # in torch's _fully_shard: "does not support containers that do not implement
+        # forward"), which the layout reports as the framework's refusal, exit 3
+        with pytest.raises(pytest.skip.Exception, match="containers that do not implement"):
+            _record(tmp_path_factory, layout)
+        return
+    from snapforensics.examples.hf_fsdp import HIDDEN, VOCAB
+
+    doc, truth = _record(tmp_path_factory, layout)
+    fw = doc["framework"]
+    assert (fw["owner"], fw["fsdp"], fw["layer_class"]) == \
+        ("accelerate", "FSDP2", "LlamaDecoderLayer"), fw
+    # `_ac`'s units are `model.layers.N._checkpoint_wrapped_module` (the plugin wraps each layer
+    # in a CheckpointWrapper before sharding it): still the layers at model.layers.N
+    assert (fw["layer_container"], fw["layer_indices"]) == ("model.layers", [0, 1, 2, 3]), fw
+    # FSDP's state after forward: every layer and the embedding resharded; held is only the
+    # unit accelerate 1.15 builds of the final norm and the head, `fully_shard([norm,
+    # lm_head], reshard_after_forward=False)` by design (fsdp2_prepare_model: "re-gather would
+    # be unhideable"), 512 x 256 + 256 fp32; after backward nothing
+    tail = (VOCAB * HIDDEN + HIDDEN) * 4
+    assert all(s["after_forward"] == tail and s["after_backward"] == 0
+               for s in truth["steps"]), truth
+    rules = {f["rule"]: f["verdict"] for f in doc["findings"]}
+    assert "anomalous" not in rules.values(), rules
+    assert "fsdp.reshard_after_forward_disabled" not in rules, rules
+    if layout == "accel_fsdp2_ac":
+        assert "activations.checkpoint_finer_than_unit" not in rules, rules

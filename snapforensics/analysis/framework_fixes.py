@@ -140,6 +140,18 @@ def _rab_titan(fw: Framework, f: Finding) -> str:
 # training-loop change that turns it off must be removed; no config field controls it."""
 
 
+# What does nothing under FSDP2, from the sources: transformers 5.23 training_args.py
+# `_process_fsdp_args` reads the five FSDP1 keys only when version != 2 (2859-2883) and never
+# reads "sharding_strategy"; accelerate 1.15 utils/dataclasses.py `__post_init__` resets
+# backward_prefetch, use_orig_params, sync_module_states to None (1903, 1940, 1946), refuses
+# forward_prefetch (1955) and a sharding_strategy without reshard_after_forward (1855, 1877);
+# limit_all_gathers is read only by FSDP1's prepare (accelerator.py 1957).
+_FSDP2_TRAINER_NOOPS = ("# FSDP2 ignores fsdp_config keys sharding_strategy, backward_prefetch, "
+                        "forward_prefetch, use_orig_params, sync_module_states, limit_all_gathers")
+_FSDP2_PLUGIN_NOOPS = ("# FSDP2 drops backward_prefetch, use_orig_params, sync_module_states, "
+                       "limit_all_gathers; refuses forward_prefetch, sharding_strategy alone")
+
+
 def _raf_accelerate(fw: Framework, f: Finding) -> str:
     if fw.fsdp == "FSDP1":
         return f"""\
@@ -158,7 +170,8 @@ from accelerate import FullyShardedDataParallelPlugin
 plugin = FullyShardedDataParallelPlugin(
     fsdp_version=2, reshard_after_forward=True,
     auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["{_cls(fw)}"])
-# accelerate config file: fsdp_config: {{fsdp_version: 2, fsdp_reshard_after_forward: true}}"""
+# accelerate config file: fsdp_config: {{fsdp_version: 2, fsdp_reshard_after_forward: true}}
+{_FSDP2_PLUGIN_NOOPS}"""
 
 
 def _raf_trainer(fw: Framework, f: Finding) -> str:
@@ -174,7 +187,8 @@ from transformers import TrainingArguments
 args = TrainingArguments(
     "out", fsdp=True,
     fsdp_config={{"version": 2, "reshard_after_forward": True,
-                 "transformer_layer_cls_to_wrap": ["{_cls(fw)}"]}})"""
+                 "transformer_layer_cls_to_wrap": ["{_cls(fw)}"]}})
+{_FSDP2_TRAINER_NOOPS}"""
 
 
 def _raf_lightning(fw: Framework, f: Finding) -> str:

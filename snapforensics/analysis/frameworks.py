@@ -48,6 +48,12 @@ _FSDP1_FILES = ("fsdp/fully_sharded_data_parallel.py", "fsdp/_flat_param.py",
                 "fsdp/_runtime_utils.py")
 _MODULE = re.compile(r"^([A-Za-z_]\w*?)_(\d+)$")
 _UNIT = re.compile(r"^([A-Za-z_][\w.]*)\.(\d+)$")
+# Path segments a wrapper module adds between the user's module and its parameters, so a unit
+# is named `model.layers.0._checkpoint_wrapped_module` when the layer is wrapped (accelerate's
+# FSDP2 activation_checkpointing): checkpoint_wrapper's `_CHECKPOINT_WRAPPED_MODULE`
+# (torch/distributed/algorithms/_checkpoint/checkpoint_wrapper.py), FSDP1's
+# `FSDP_WRAPPED_MODULE` (fsdp/_common_utils.py), torch.compile's `OptimizedModule._orig_mod`.
+_WRAPPER = re.compile(r"\.(?:_checkpoint_wrapped_module|_fsdp_wrapped_module|_orig_mod)(?=\.|$)")
 
 
 @dataclass(frozen=True)
@@ -146,7 +152,7 @@ def _layer(analyses: list[DeviceAnalysis]) -> Layer:
     units = {i.module for d in analyses for i in d.infos if i.module}
     by_container: dict[str, set[int]] = {}
     for u in units:
-        m = _UNIT.match(u)
+        m = _UNIT.match(_WRAPPER.sub("", u))
         if m:
             by_container.setdefault(m.group(1), set()).add(int(m.group(2)))
     container = max(by_container, key=lambda c: (len(by_container[c]), -c.count("."), c)) \

@@ -94,11 +94,15 @@ def tiny_model():
 def unsharded_bytes(model: torch.nn.Module) -> int:
     """Bytes of unsharded parameter storage FSDP holds now, from FSDP's own state."""
     total = 0
+    seen: set[int] = set()
     for m in model.modules():
         state = getattr(m, "_get_fsdp_state", None)
         if state is not None:  # FSDP2
+            # one state per fully_shard call: fully_shard([norm, lm_head]) (accelerate 1.15's
+            # tail unit) gives both modules the same state, counted once
             pg = state()._fsdp_param_group
-            if pg is not None:
+            if pg is not None and id(pg) not in seen:
+                seen.add(id(pg))
                 for p in pg.fsdp_params:
                     for t in getattr(p, "all_gather_outputs", []) or []:
                         total += t.untyped_storage().size()
@@ -339,16 +343,14 @@ def main(argv: list[str] | None = None) -> int:
         try:
             truth = _trainer(a.layout, fix, a.steps)
         except (RuntimeError, ValueError, NotImplementedError) as e:
-            print(f"{a.layout}: the framework refused: {e}", file=sys.stderr)
-            return 3
+            return _refused(a.layout, e)
         return _write_truth(a.layout, a.truth, rank, truth)
     try:
         build = {"raw": _raw, "accel": _accelerate, "fabric": _fabric,
                  "titan": _titan}[a.layout.split("_")[0]]
         model, opt, backward = build(a.layout, fix)
     except (RuntimeError, ValueError, NotImplementedError) as e:
-        print(f"{a.layout}: the framework refused: {e}", file=sys.stderr)
-        return 3
+        return _refused(a.layout, e)
     gen = torch.Generator().manual_seed(rank)
     truth = []
     for _ in range(a.steps):
@@ -360,6 +362,14 @@ def main(argv: list[str] | None = None) -> int:
         opt.step()
         opt.zero_grad(set_to_none=True)
     return _write_truth(a.layout, a.truth, rank, truth)
+
+
+def _refused(layout: str, e: Exception) -> int:
+    # one line: torch's messages can carry a module's repr (fully_shard's refusal of a
+    # ModuleList prints the whole list)
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    print(f"{layout}: the framework refused: {first}", file=sys.stderr)
+    return 3
 
 
 def _write_truth(layout: str, folder: str | None, rank: int, truth: list[dict]) -> int:
