@@ -62,15 +62,6 @@ class Kept(NamedTuple):
     last: np.ndarray  # the last unit's blocks still unsharded after forward (kept for free)
 
 
-class Plan(NamedTuple):
-    """What resharding after forward changes in one iteration."""
-
-    it: Iteration
-    kept: dict[UnitKey, np.ndarray]
-    units: dict[UnitKey, np.ndarray]
-    last: np.ndarray  # Kept.last: runs backward first, so it is in the backward order too
-
-
 def _units(d: DeviceAnalysis, blocks: np.ndarray, ev: np.ndarray) -> dict[UnitKey, np.ndarray]:
     """unit key -> blocks (forward unshards of one iteration), in first-allocation order."""
     units: dict[UnitKey, list[int]] = {}
@@ -120,7 +111,7 @@ def _kept(d: DeviceAnalysis, it: Iteration, ev: np.ndarray, fw: np.ndarray | Non
     return Kept(kept, units, root, last_alive)
 
 
-def _counterfactual(d: DeviceAnalysis, plans: list[Plan], prefetch: bool
+def _counterfactual(d: DeviceAnalysis, plans: dict[int, Kept], prefetch: bool
                     ) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
     """Free rows and extra (start, end, bytes) intervals of the trace replayed with each kept
     unit freed at its post-forward and re-gathered for its backward: while the unit before it
@@ -128,7 +119,8 @@ def _counterfactual(d: DeviceAnalysis, plans: list[Plan], prefetch: bool
     done (its pre-backward)."""
     free_row = d.lt.free_row.copy()
     extra = []
-    for it, kept, units, last in plans:
+    for i, (kept, units, _, last) in plans.items():
+        it = d.tl.iterations[i]
         order = list(units)  # forward order
         end = forward_end(it)
         for k, blocks in kept.items():
@@ -156,15 +148,13 @@ def _counterfactual(d: DeviceAnalysis, plans: list[Plan], prefetch: bool
 
 def check(d: DeviceAnalysis) -> list[Finding]:
     f = d.fsdp
-    plans: list[Plan] = []
-    per_iter: dict[int, Kept] = {}
+    per_iter: dict[int, Kept] = {}  # iteration -> what it kept (its replay plan)
     fw = _forward_unshards(d)
     for it in d.tl.iterations:
         k = _kept(d, it, f.event, fw.get(it.index))
         if k.kept:
-            plans.append(Plan(it, k.kept, k.units, k.last))
             per_iter[it.index] = k
-    if not plans:
+    if not per_iter:
         return []
     worst = max(per_iter, key=lambda i: sum(int(d.lt.size[v].sum())
                                             for v in per_iter[i].kept.values()))
@@ -175,10 +165,10 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     # (all kept) the trace cannot tell: the headline assumes prefetch (FSDP2 always prefetches,
     # FSDP1 defaults to BACKWARD_PRE) and the evidence gives the peak without it too
     seen = d.fsdp.backward_prefetch
-    free_row, extra = _counterfactual(d, plans, seen is not False)
+    free_row, extra = _counterfactual(d, per_iter, seen is not False)
     after = peaks(d, d.lt.replay(free_row=free_row, extra=extra))
     no_pf = after if seen is False else peaks(
-        d, d.lt.replay(free_row=free_row, extra=_counterfactual(d, plans, False)[1]))
+        d, d.lt.replay(free_row=free_row, extra=_counterfactual(d, per_iter, False)[1]))
     before = d.peak_bytes
     named = [k for k in kept if isinstance(k, str)]
     mods: list[dict[str, Any]] = [
