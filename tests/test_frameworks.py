@@ -401,6 +401,32 @@ def test_framework_evidence_does_not_follow_the_hash_seed(corpus_dir):
     assert len(outs) == 1, outs
 
 
+@needs_hf
+def test_fsdp2_noop_plugin_fields_are_what_installed_accelerate_does():
+    """The accelerate FSDP2 fix's line of fields FSDP2 drops or refuses (framework_fixes
+    `_FSDP2_PLUGIN_NOOPS`) held against the installed accelerate itself, not our reading of it:
+    each "dropped" field set on an FSDP2 plugin comes back None (or, limit_all_gathers, is never
+    read by accelerate's FSDP2 prepare), each "refused" one raises."""
+    import inspect
+
+    from accelerate import FullyShardedDataParallelPlugin
+    from accelerate.utils import fsdp_utils
+
+    from snapforensics.analysis.framework_fixes import _FSDP2_PLUGIN_NOOPS
+
+    dropped, refused = _FSDP2_PLUGIN_NOOPS.removeprefix("# FSDP2 drops ").split("; refuses ")
+    values = {"backward_prefetch": "BACKWARD_PRE", "use_orig_params": True,
+              "sync_module_states": True, "forward_prefetch": True, "limit_all_gathers": False}
+    prepare = inspect.getsource(fsdp_utils.fsdp2_prepare_model)
+    for name in dropped.split(", "):
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, **{name: values[name]})
+        assert getattr(plugin, name) is None or name not in prepare, name
+    for name in refused.replace(" alone", "").split(", "):
+        kw = {name: values.get(name, "FULL_SHARD")}
+        with pytest.raises(ValueError):
+            FullyShardedDataParallelPlugin(fsdp_version=2, **kw)
+
+
 # What each framework's run must show, and words its printed fix must hold before "# Raw torch".
 FRAMEWORK_SGO = {
     # The HF Trainer with `fsdp="shard_grad_op auto_wrap"`, `fsdp_config={"version": 2,
