@@ -412,3 +412,28 @@ def replay_peak(snapshot: dict, device: int = 0) -> int:
         elif a == "free_completed":
             cur -= e["size"]
     return peak
+
+
+def recorded_module(module: str, args: Iterable[str] = (), nproc: int = 2) -> Path:
+    """A run of another example module (``-m MODULE -- ARGS --truth OUT``) recorded through the
+    real CLI (`snapforensics record`), cached under a key of the sources and its arguments: the
+    folder holding rank{R}.pickle and the module's truth.rank{R}.json."""
+    args = tuple(str(a) for a in args)
+    name = module.rsplit(".", 1)[-1]
+    folder = CACHE / f"mod-{name}-w{nproc}-{key('module', module, args, nproc)}"
+    with _flock(folder.name):
+        if _cached(folder, nproc):
+            return folder
+        with _slot():
+            CACHE.mkdir(parents=True, exist_ok=True)
+            out = Path(tempfile.mkdtemp(prefix=".mod-", dir=CACHE))
+            proc = run_cli(["record", "--nproc-per-node", str(nproc), "--device", "cpu",
+                            "--out", str(out), "-m", module, "--", *args, "--truth", str(out)])
+        missing = [p.name for p in _paths(out, nproc) if not p.is_file()]
+        if proc.returncode != 0 or missing:
+            shutil.rmtree(out, ignore_errors=True)
+            raise AssertionError(f"recording {module} {args} failed: exit {proc.returncode}, "
+                                 f"missing {missing}\n{proc.stderr[-4000:]}")
+        out.chmod(0o755)
+        _publish(out, folder)
+    return folder

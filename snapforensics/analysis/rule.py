@@ -23,6 +23,8 @@ class Family(StrEnum):
     FSDP_CONFIGURATION = "FSDP configuration"
     # the caching allocator, leaks, activations, an OOM: any framework, any model
     LIFECYCLE = "allocator and lifecycle"
+    # how the model is split across ranks beyond FSDP: pipeline stages, tensor and data parallel
+    PARALLELISM = "parallelism"
 
 
 # The one signature of a fix that depends on the file: the device and the finding's evidence

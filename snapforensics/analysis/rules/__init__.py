@@ -27,6 +27,7 @@ from snapforensics.analysis.rules import (
     fsdp_stale_prefetch,
     leak_iteration_growth,
     oom_report,
+    pipeline_schedule,
 )
 from snapforensics.analysis.vocab import CATEGORIES
 
@@ -47,6 +48,7 @@ RULES: tuple[Rule, ...] = tuple(m.RULE for m in (
     fsdp_full_init,
     fsdp_mixed_precision,
     fsdp_grad_sync_off,
+    pipeline_schedule,
 ))
 BY_ID = {r.id: r for r in RULES}
 

@@ -1,0 +1,98 @@
+"""A pipeline-parallel run (``torch.distributed.pipelining``) with ground truth, for the pipeline
+rules: one stage per rank, a stack of MLP blocks split evenly, GPipe or 1F1B over M micro-batches.
+
+    snapforensics record --nproc-per-node 2 --device cpu --out DIR \\
+        -m snapforensics.examples.pipeline -- --schedule gpipe --microbatches 8 --truth DIR
+
+``--truth DIR`` writes ``DIR/truth.rank{R}.json`` from the running stage, not from any snapshot:
+the schedule, the stage index and count, the micro-batches, and per step the most micro-batches
+whose forward had run and whose backward had not (what the stage holds activations for), counted
+by wrapping the stage's own ``forward_one_chunk``/``backward_one_chunk``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.up, self.act, self.down = nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(self.act(self.up(x)))
+
+
+def _count_in_flight(stage: PipelineStage, held: list[int]) -> None:
+    """Wrap the stage's chunk methods: held[-1] is the most micro-batches in flight this step."""
+    fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
+    state = {"now": 0}
+
+    def forward_one_chunk(*a, **k):
+        out = fwd(*a, **k)
+        state["now"] += 1
+        held[-1] = max(held[-1], state["now"])
+        return out
+
+    def backward_one_chunk(*a, **k):
+        out = bwd(*a, **k)
+        state["now"] -= 1
+        return out
+
+    stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--schedule", choices=sorted(SCHEDULES), default="gpipe")
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--truth", type=Path)
+    a = p.parse_args(argv)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    blocks = [Block(a.dim) for _ in range(a.layers)]
+    per = a.layers // world
+    module = nn.Sequential(*blocks[rank * per:(rank + 1) * per])
+    stage = PipelineStage(module, rank, world, torch.device("cpu"))
+    held: list[int] = []
+    _count_in_flight(stage, held)
+    schedule = SCHEDULES[a.schedule](stage, n_microbatches=a.microbatches,
+                                     loss_fn=lambda out, tgt: ((out - tgt) ** 2).mean())
+    opt = torch.optim.SGD(module.parameters(), lr=0.01)
+    for _ in range(a.steps):
+        held.append(0)
+        x, y = torch.randn(a.batch, a.seq, a.dim), torch.randn(a.batch, a.seq, a.dim)
+        if rank == 0:
+            schedule.step(x)
+        elif rank == world - 1:
+            schedule.step(target=y, losses=[])
+        else:
+            schedule.step()
+        opt.step()
+        opt.zero_grad()
+    if a.truth:
+        a.truth.mkdir(parents=True, exist_ok=True)
+        (a.truth / f"truth.rank{rank}.json").write_text(json.dumps({
+            "schedule": a.schedule, "stage": rank, "stages": world,
+            "microbatches": a.microbatches, "held_per_step": held}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
