@@ -37,6 +37,13 @@ pytorch 2.13 sources):
   (``THNPModule_attachOutOfMemoryObserver``, Module.cpp 1477-1490; torch/csrc/cuda/Module.cpp
   ``_cuda_attach_out_of_memory_observer``) throws ``py::error_already_set`` when the Python
   observer raises: the observer's exception REPLACES the OOM.
+- device memory: torch's ``torch/csrc/cuda/shared/cudart.cpp`` binds ``cudaMemGetInfo(device)``
+  (under a ``CUDAGuard`` on that device) returning ``(free, total)`` of the whole device, what
+  every process and the driver hold; ``memory_reserved``/``memory_allocated`` read the
+  allocator's ``reserved_bytes.all.current``/``allocated_bytes.all.current`` stats
+  (c10/cuda/CUDACachingAllocator.cpp: a freed block stays reserved in its cached segment).
+  The stub's device holds ``context`` bytes outside the allocator (set per test) plus what the
+  allocator reserved.
 """
 
 from __future__ import annotations
@@ -80,6 +87,10 @@ class StubAllocator:
         self.count_calls_before_init = 0
         self.next_addr = 0x7F0000000000
         self.clock = 1.7e15
+        self.live = 0  # allocated_bytes.all.current
+        self.reserved = 0  # reserved_bytes.all.current: cached segments are kept
+        self.context = 0  # device bytes outside the allocator (CUDA context, NCCL, ...)
+        self.total = 80 << 30
 
     # --- history
     def record_memory_history(self, enabled, context, stacks, max_entries,
@@ -114,11 +125,14 @@ class StubAllocator:
     # --- what the script does on the device
     def alloc(self, size: int) -> int:
         self.allocated += 1
+        self.live += size
+        self.reserved = max(self.reserved, self.live)
         self.next_addr += 1 << 20
         self._append({"action": "alloc", "addr": self.next_addr, "size": size, "stream": 0})
         return self.next_addr
 
     def free(self, addr: int, size: int) -> None:
+        self.live -= size
         for action in ("free_requested", "free_completed"):
             self._append({"action": action, "addr": addr, "size": size, "stream": 0})
 
@@ -137,7 +151,12 @@ class StubAllocator:
         return {"segments": [], "device_traces": traces}
 
     def memory_stats(self, device=None) -> dict:
-        return {"allocation.all.allocated": self.allocated}
+        return {"allocation.all.allocated": self.allocated,
+                "allocated_bytes.all.current": self.live,
+                "reserved_bytes.all.current": self.reserved}
+
+    def mem_get_info(self, device: int) -> tuple[int, int]:
+        return self.total - self.reserved - self.context, self.total
 
     def init(self) -> None:
         self.initialized = True
@@ -173,7 +192,8 @@ def cuda_allocator(monkeypatch, devices: int = 2) -> StubAllocator:
     }.items():
         monkeypatch.setattr(c, name, fn, raising=False)
     # state the real module has on a CUDA build: libcudart loaded, nothing initialized yet
-    monkeypatch.setattr(torch.cuda, "_cudart", types.SimpleNamespace(), raising=False)
+    monkeypatch.setattr(torch.cuda, "_cudart", types.SimpleNamespace(
+        cudaMemGetInfo=a.mem_get_info), raising=False)
     monkeypatch.setattr(torch.cuda, "_initialized", False)
     monkeypatch.setattr(torch.cuda, "_queued_calls", [])
     # NVML's nvmlDeviceGetCount_v2 through ctypes: the device count without cuInit

@@ -258,3 +258,40 @@ def test_record_extra_is_a_range_that_admits_each_torch_npu_releases_torch(versi
     assert req.specifier.contains(pinned, prereleases=True), (req, npu_torch)
     assert req.specifier.contains(torch.__version__.split("+")[0])
     assert re.search(r"^TORCH := torch==\d+\.\d+\.\d+$", (REPO / "Makefile").read_text(), re.M)
+
+
+# ------------------------------------------------- memory the allocator cannot see (issue 29 #5)
+
+
+def test_cuda_device_memory_sampled_at_each_step_beside_the_reserved_bytes(monkeypatch, tmp_path):
+    """torch's real `mem_get_info` / `memory_reserved` over the stubbed cudart and stats: one
+    sample at the start, one after each optimizer step (torch's global post hook), one at the
+    end; the gap used - reserved is what the device holds outside the allocator."""
+    import torch._dynamo  # noqa: F401  (the optimizer imports it: before the CUDA stubs)
+
+    a = cuda_allocator(monkeypatch)
+    a.context = 600 << 20
+    monkeypatch.setattr(builtins, "_sf_dev", a, raising=False)
+    status, out = _run(tmp_path, """
+        import builtins, torch
+        torch.cuda.init()
+        class Opt(torch.optim.Optimizer):        # torch's step wrapper runs the hooks
+            def step(self, closure=None):
+                pass
+        opt = Opt([torch.nn.Parameter(torch.zeros(4))], {})
+        for i in range(3):
+            x = builtins._sf_dev.alloc(64 << 20)
+            builtins._sf_dev.context += 100 << 20    # NCCL grows a buffer each step
+            opt.step()
+            builtins._sf_dev.free(x, 64 << 20)
+    """, "cuda")
+    assert status["exit_code"] == 0, status
+    dm = load_strict(out / "rank0.pickle")["snapforensics"]["device_memory"]
+    assert dm["error"] is None
+    steps = [s["step"] for s in dm["samples"]]
+    assert steps == ["start", 1, 2, 3, "end"]
+    gaps = [s["used_bytes"] - s["reserved_bytes"] for s in dm["samples"]]
+    assert gaps == [600 << 20, 700 << 20, 800 << 20, 900 << 20, 900 << 20]
+    assert all(s["reserved_bytes"] == 64 << 20 for s in dm["samples"][1:])
+    assert dm["samples"][1]["allocated_bytes"] == 64 << 20  # sampled inside the step
+

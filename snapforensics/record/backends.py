@@ -213,6 +213,62 @@ def _caller() -> str:
     return "?"
 
 
+class DeviceMemory:
+    """What the device itself says is in use, beside what the caching allocator reserved, at
+    the start, after every optimizer step (torch's global post hook) and at the stop: the gap
+    is memory PyTorch's allocator cannot see (the CUDA/CANN context, NCCL/HCCL communicators'
+    buffers, cuBLAS/cuDNN workspaces, other processes on the device). ``mem_get_info`` is
+    ``cudaMemGetInfo`` (torch/csrc/cuda/shared/cudart.cpp: free and total of the whole device,
+    every process), ``memory_reserved`` the allocator's ``reserved_bytes.all.current``. At most
+    MAX samples (a long run keeps its first ones and the last); a failing call is said once."""
+
+    MAX = 4096
+
+    def __init__(self, backend: CudaBackend) -> None:
+        self.backend = backend
+        self.samples: list[dict] = []
+        self.error: str | None = None
+        self.steps = 0
+        self._hook = None
+
+    def start(self) -> None:
+        self.sample("start")
+        try:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            self._hook = register_optimizer_step_post_hook(self._after_step)
+        except Exception as e:  # an old torch: start and end only
+            self.error = self.error or f"no optimizer step hook: {type(e).__name__}: {e}"
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        self.steps += 1
+        self.sample(self.steps)
+
+    def sample(self, step: int | str) -> None:
+        if self.error is not None and not self.samples:
+            return
+        try:
+            dev, mem = self.backend._device(), self.backend._memory()
+            free, total = dev.mem_get_info()
+            row = {"step": step, "used_bytes": int(total) - int(free), "total_bytes": int(total),
+                   "reserved_bytes": int(mem.memory_reserved()),
+                   "allocated_bytes": int(mem.memory_allocated())}
+        except Exception as e:  # never the script's error
+            self.error = self.error or f"{type(e).__name__}: {e}"
+            return
+        if len(self.samples) >= self.MAX:
+            self.samples[-1] = row
+        else:
+            self.samples.append(row)
+
+    def stop(self) -> dict:
+        if self._hook is not None:
+            self.sample("end")
+            self._hook.remove()
+            self._hook = None
+        return {"samples": self.samples, "error": self.error}
+
+
 class CudaBackend:
     """The CUDA caching allocator's history (``torch.cuda.memory``).
 
@@ -233,6 +289,7 @@ class CudaBackend:
         self.started = False  # history is on (the script initialized the device)
         self.start_error: str | None = None
         self._oom_fired = False
+        self.device_memory = DeviceMemory(self)
         if stacks == "all":  # C++ frames: torch's in-process symbolizer, not one addr2line each
             os.environ.setdefault("TORCH_SYMBOLIZE_MODE", "fast")
 
@@ -274,6 +331,7 @@ class CudaBackend:
             with self._guard.passing():
                 mem._record_memory_history(*args, **kwargs)
             self.started = True
+            self.device_memory.start()
         except Exception as e:  # reported with the snapshot; the script goes on
             self.start_error = f"{type(e).__name__}: {e}"
             print(f"snapforensics record: cannot start {self.name} recording: "
@@ -286,6 +344,7 @@ class CudaBackend:
         if not self.started:
             self._taken = {"segments": [], "device_traces": []}
         else:
+            samples = self.device_memory.stop()
             mem = self._memory()
             self._taken = _as_dict(mem._snapshot())
             try:
@@ -294,6 +353,7 @@ class CudaBackend:
                     mem._record_memory_history(None)
             except Exception:
                 pass
+            self._taken.setdefault("snapforensics", {})["device_memory"] = samples
         if self._guard is not None:
             self._taken.setdefault("snapforensics", {})["script_history_calls"] = list(
                 self._guard.calls)

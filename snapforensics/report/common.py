@@ -99,7 +99,8 @@ def provenance_line(d: Diagnosis) -> str:
     if p.get("max_entries"):
         parts.append(f"max_entries={cap(p['max_entries'], NAME)}")
     if p.get("cpu_recorded"):
-        parts.append("CPU-recorded (profiler allocator events, no caching allocator)")
+        parts.append("CPU-recorded (profiler allocator events, no caching allocator; device memory "
+                     "outside the allocator not measured)")
     ranges = f.get("ranges")
     if isinstance(ranges, str) and ranges.startswith(("recording thread only (", "none (")):
         parts.append(f"record_function ranges: {cap(ranges, NAME)}")

@@ -28,6 +28,7 @@ from snapforensics.analysis.rules import (
     leak_iteration_growth,
     oom_report,
     pipeline_schedule,
+    runtime_outside_allocator,
 )
 from snapforensics.analysis.vocab import CATEGORIES
 
@@ -49,6 +50,7 @@ RULES: tuple[Rule, ...] = tuple(m.RULE for m in (
     fsdp_mixed_precision,
     fsdp_grad_sync_off,
     pipeline_schedule,
+    runtime_outside_allocator,
 ))
 BY_ID = {r.id: r for r in RULES}
 
