@@ -55,3 +55,40 @@ def test_classify_fsdp1_names():
     ranged = classify([], ("FullyShardedDataParallel.forward",
                            "FullyShardedDataParallel._pre_forward"))
     assert ranged.phase == Phase.UNKNOWN  # also open around a reentrant recompute
+
+
+def _other_at_peak(name: str):
+    """(share of the peak's bytes in `other`, blocks alive at the peak) of a corpus file's
+    first traced device."""
+    import numpy as np
+
+    from snapforensics.analysis.context import analyse
+    from snapforensics.analysis.vocab import CAT_CODE
+    from snapforensics.snapshot import load
+    from tests.corpus import corpus_file
+
+    snap = load(corpus_file(name))
+    d = analyse(snap, snap.active_traces[0])
+    alive = np.flatnonzero(d.lt.alive_at(d.peak_row))
+    other = alive[d.category[alive] == CAT_CODE[Category.OTHER]]
+    return int(d.lt.size[other].sum()) / int(d.lt.size[alive].sum()), d, alive
+
+
+def test_user_code_outside_modules_is_what_its_phase_makes():
+    # MAGMA27 (CS336 A2, Windows): the loss, `cross_entropy` -> `log_softmax` in the user's
+    # nn_utils.py, runs after `model(x)` returned, so no module-call frame names it; its
+    # 938 MiB at the peak (7.1%) was `other`. Born in a forward row, it is an activation.
+    import numpy as np
+
+    from snapforensics.analysis.vocab import CAT_CODE
+
+    share, d, alive = _other_at_peak("MAGMA27_memory_snapshot.pickle")
+    assert share < 0.05
+    loss = [b for b in alive.tolist()
+            if any(f.name == "log_softmax" for f in d.snapshot.stack_frames(int(d.lt.stack[b])))]
+    assert sum(int(d.lt.size[b]) for b in loss) > 900 * 2**20
+    assert set(d.category[loss].tolist()) == {CAT_CODE[Category.ACTIVATION]}
+    assert set(d.phase[loss].tolist()) == {Phase.FORWARD}
+    # Every block born in a forward / backward / recompute row is named.
+    born_in_step = np.isin(d.phase, (Phase.FORWARD, Phase.BACKWARD, Phase.RECOMPUTE))
+    assert not (born_in_step & (d.category == CAT_CODE[Category.OTHER])).any()

@@ -170,13 +170,16 @@ def analyse(snapshot: Snapshot, trace: Trace) -> DeviceAnalysis:
     rows = np.clip(lt.alloc_row, 0, max(len(trace) - 1, 0))
     phase = np.where(born, tl.phase[rows] if len(trace) else Phase.INIT, Phase.INIT).astype(np.int8)
     iteration = np.where(born, tl.iteration[rows] if len(trace) else -1, -1).astype(np.int32)
-    # A block with no Python frames and no FSDP range (on CUDA: made by a backward op on the
-    # autograd thread) is what its phase makes.
-    frameless = pyless[blk_info] & (cat == CAT_CODE[Category.OTHER]) if len(infos) else \
-        np.zeros(len(lt), bool)
+    # A block whose stack names no category is what the phase of its alloc row makes: one with
+    # no Python frames (on CUDA: a backward op on the autograd thread), and one made by the
+    # user's own code outside any module call (a loss computed after `model(x)`, a function
+    # called on a module's output: MAGMA27's `cross_entropy` -> `log_softmax`, 7% of its peak).
+    # Only the phases whose product is certain: init and optimizer-phase user code makes
+    # inputs, temporaries and leaks as much as parameters or states, so those stay `other`.
+    unnamed = cat == CAT_CODE[Category.OTHER]
     for ph, c in ((Phase.FORWARD, Category.ACTIVATION), (Phase.BACKWARD, Category.GRADIENT),
                   (Phase.RECOMPUTE, Category.RECOMPUTE_ACTIVATION)):
-        cat[frameless & (phase == ph)] = CAT_CODE[c]
+        cat[unnamed & (phase == ph)] = CAT_CODE[c]
     # A free with no alloc only shows where it was freed; what made it is not in the file.
     untraced = (lt.alloc_row < 0) & ((lt.free_row < lt.rows) | pyless[blk_info]) if len(infos) \
         else lt.alloc_row < 0
