@@ -133,6 +133,24 @@ def _predictions(rows: list[dict[str, Any]], worst_first: list[tuple[dict, Diagn
         r["predicted_on"] = hit[0]["label"] if hit else None
 
 
+# A rank whose finding is off the others' median by more than OFF_RATIO and OFF_BYTES: every
+# rank of a job runs the same code, so the same finding differs by the data it got and the
+# process groups it is in; a quarter and 64 MiB (NCCL's 4 MiB buffers times 16 channels: one more
+# communicator) is more than either explains on a balanced job.
+OFF_RATIO, OFF_BYTES = 1.25, 64 << 20
+
+
+def _off_median(ranks: list, sizes: list[int]) -> dict[str, Any]:
+    """The ranks whose bytes are off the median (`off_ranks`, with `bytes_median`), from three
+    ranks on (two have no majority to differ from)."""
+    if len(sizes) < 3:
+        return {"bytes_median": None, "off_ranks": []}
+    med = sorted(sizes)[len(sizes) // 2]
+    off = [rk for rk, b in zip(ranks, sizes) if abs(b - med) > OFF_BYTES
+           and (b > med * OFF_RATIO or b * OFF_RATIO < med)]
+    return {"bytes_median": med, "off_ranks": off}
+
+
 def _by_rule(inputs: list[dict], diags: list[Diagnosis]) -> list[dict[str, Any]]:
     """One row per rule; its ranks are rank numbers when those tell the inputs apart, else
     the inputs' labels (copies of one recording share its rank)."""
@@ -154,7 +172,7 @@ def _by_rule(inputs: list[dict], diags: list[Diagnosis]) -> list[dict[str, Any]]
     for r in rows.values():
         b = r.pop("bytes")
         r |= {"on_all_ranks": len(r["ranks"]) == len(inputs), "rank_count": len(r["ranks"]),
-              "bytes_min": min(b), "bytes_max": max(b)}
+              "bytes_min": min(b), "bytes_max": max(b), **_off_median(r["ranks"], b)}
         out.append(r)
     out.sort(key=lambda r: (_SEVERITY.get(r["verdict"], 3), -r["rank_count"], -r["bytes_max"]))
     return out

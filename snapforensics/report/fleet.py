@@ -54,6 +54,17 @@ def who(r: dict[str, Any]) -> str:
 
 
 def where(row: dict[str, Any], n: int) -> str:
+    off = row.get("off_ranks") or []
+    if off:
+        med = row.get("bytes_median") or 0
+        shown = ", ".join(map(str, off[:12])) + (" ..." if len(off) > 12 else "")
+        off_text = f"; off the median ({human(med)}): {shown}"
+    else:
+        off_text = ""
+    return _where(row, n) + off_text
+
+
+def _where(row: dict[str, Any], n: int) -> str:
     if row["on_all_ranks"]:
         return f"all {n} ranks" if n > 1 else "the only rank"
     shown = ", ".join(map(str, row["ranks"][:12])) + (" ..." if len(row["ranks"]) > 12 else "")

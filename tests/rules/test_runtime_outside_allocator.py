@@ -29,7 +29,7 @@ SCRIPT = """
 """
 
 
-def _record(monkeypatch, tmp_path, context: int, grow: int):
+def _record(monkeypatch, tmp_path, context: int, grow: int, rank: int = 0):
     import torch._dynamo  # noqa: F401  (the optimizer imports it: before the CUDA stubs)
 
     a = cuda_allocator(monkeypatch)
@@ -38,10 +38,12 @@ def _record(monkeypatch, tmp_path, context: int, grow: int):
     monkeypatch.setattr(builtins, "_sf_grow", grow, raising=False)
     script = tmp_path / "s.py"
     script.write_text(textwrap.dedent(SCRIPT))
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", "3")
     status = _bootstrap.run_recorded({"out": str(tmp_path / "out"), "device": "cuda"},
                                      str(script), [])
     assert status["exit_code"] == 0, status
-    return sf.diagnose(tmp_path / "out" / "rank0.pickle")
+    return sf.diagnose(tmp_path / "out" / f"rank{rank}.pickle")
 
 
 def _finding(report):
@@ -71,3 +73,21 @@ def test_cpu_recordings_say_it_is_not_measured(tmp_path):
     rep = sf.diagnose(fixture)
     assert _finding(rep) is None
     assert "outside the allocator not measured" in rep.render("markdown")
+
+
+def test_the_fleet_names_the_rank_whose_gap_differs(monkeypatch, tmp_path):
+    """Three ranks, rank 2 with 1 GiB more outside the allocator (a communicator only it
+    made): the fleet row names it beside the median."""
+    import json
+
+    from recordings import run_cli
+
+    for rank, ctx in enumerate((600 << 20, 610 << 20, 1624 << 20)):
+        _record(monkeypatch, tmp_path, context=ctx, grow=0, rank=rank)
+    proc = run_cli(["diagnose", str(tmp_path / "out"), "--format", "json"])
+    assert proc.returncode == 0, proc.stderr
+    row = next(r for r in json.loads(proc.stdout)["findings"] if r["rule"] == RULE.id)
+    assert row["on_all_ranks"] and row["off_ranks"] == [2]
+    assert row["bytes_median"] == 610 << 20
+    text = run_cli(["diagnose", str(tmp_path / "out"), "--format", "markdown"]).stdout
+    assert "off the median (610.0 MiB): 2" in text
