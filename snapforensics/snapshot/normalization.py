@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable
+from functools import partial
 from itertools import repeat
 from typing import Any, Literal
 
@@ -72,8 +73,8 @@ def load(path: str | os.PathLike, file: Any = None) -> Snapshot:
         got = stream_info(path, f)  # None: declined or not built, the Python path reads it
         raw, warnings, info = got if got is not None else read_raw_info(path, f)
         try:  # on the unpickling thread's stack size: the Python path may hold deep tuples
-            snap = on_stack(lambda: normalize(raw, source=str(path), warnings=warnings,
-                                              file_info=info), info.get("tuple_bound", 0))
+            snap = on_stack(partial(normalize, raw, source=str(path), warnings=warnings,
+                                    file_info=info), info.get("tuple_bound", 0))
         except SnapError as e:
             raise SnapError(f"{path}: {e}", e.exit_code) from None
         del raw
