@@ -46,6 +46,19 @@ def _frame(name: str, line: int = 1) -> bytes:
             + s(name) + SETITEMS)
 
 
+KEYS = ("action", "addr", "size", "stream", "time_us", "frames")
+
+
+def _entry_memo(frames: bytes, first_memo: int | None, at: int, addr: int, t: float,
+                extra: bytes = b"") -> bytes:
+    """An entry whose keys are memoized as the pickler writes them: the first entry (at memo
+    index `first_memo`) writes each key and MEMOIZEs it, the rest BINGET it."""
+    def k(j: int) -> bytes:
+        return s(KEYS[j]) + MEMOIZE if first_memo is not None else get(at + j)
+    return (EMPTY_DICT + MARK + k(0) + s("alloc") + k(1) + i(addr) + k(2) + i(512) + k(3)
+            + i(0) + k(4) + f(t) + extra + k(5) + frames + SETITEMS)
+
+
 def _entry(frames: bytes, size: int = 512, addr: int = 1 << 20, extra: bytes = b"",
            action: str = "alloc", t: float = 1.0) -> bytes:
     return (EMPTY_DICT + MARK + s("action") + s(action) + s("addr") + i(addr) + s("size")
@@ -84,11 +97,11 @@ def shared_frames(d: Path, frames: int = 12_000, rows: int = 12_000) -> Path:
     m = Memo()
     m.put()  # root
     fl = EMPTY_LIST + MEMOIZE + MARK + b"".join(_frame(f"f{k}", k) for k in range(frames)) + APPENDS
-    idx = 1
-    m.n = 2 + 0
+    idx = 1  # memo: 0 root, 1 the shared list, 2-7 the entry keys
     body = (EMPTY_DICT + MEMOIZE + MARK + s("shared") + fl + s("segments") + EMPTY_LIST
             + s("device_traces") + EMPTY_LIST + EMPTY_LIST + MARK
-            + b"".join(_entry(get(idx), addr=(k + 1) << 12, t=float(k)) for k in range(rows))
+            + b"".join(_entry_memo(get(idx), 2 if k == 0 else None, 2, (k + 1) << 12, float(k))
+                       for k in range(rows))
             + APPENDS + APPEND + SETITEMS)
     return _write(d, "shared_frames.pickle", pkl(body))
 
@@ -110,8 +123,8 @@ def frames_grown_after_use(d: Path) -> Path:
 
 def frames_twice(d: Path) -> Path:
     """4: an entry dict with its frames key set twice (pickle keeps the second)."""
-    e = _entry(EMPTY_LIST + _frame("second") + APPEND,
-               extra=s("frames") + EMPTY_LIST + _frame("first") + APPEND)
+    e = (_entry(EMPTY_LIST + _frame("first") + APPEND, size=64 << 20)
+         + s("frames") + EMPTY_LIST + _frame("second") + APPEND + b"s")
     e2 = _entry(EMPTY_LIST + _frame("other") + APPEND, addr=2 << 20, t=2.0)
     return _write(d, "frames_twice.pickle", pkl(_root(Memo(), b"", EMPTY_LIST + EMPTY_LIST
                                                       + MARK + e + e2 + APPENDS + APPEND)))
@@ -180,8 +193,9 @@ def gzip_lists(d: Path, mib: int = 16) -> Path:
 def keys_after_500(d: Path, n: int = 700) -> Path:
     """10: a trace of 700 entries whose rows past the 500th carry a key the first ones lack
     (compile_context: it names the torch era)."""
-    rows = [_entry(EMPTY_LIST, addr=(k + 1) << 12, t=float(k),
-                   extra=(s("compile_context") + s("") if k >= 600 else b""))
+    rows = [_entry_memo(EMPTY_LIST, 1 if k == 0 else None, 1, (k + 1) << 12, float(k),
+                        extra=((s("compile_context") + MEMOIZE if k == 600 else get(7)) + s("")
+                               if k >= 600 else b""))
             for k in range(n)]
     return _write(d, "keys_after_500.pickle", pkl(_root(Memo(), b"", EMPTY_LIST + EMPTY_LIST
                                                         + MARK + b"".join(rows) + APPENDS
