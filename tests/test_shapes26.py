@@ -38,6 +38,7 @@ def test_every_read_path_agrees_in_bounded_memory(built, name, monkeypatch):
     for label, env in PATHS.items():
         for k in ("SNAPFORENSICS_STREAM", "SNAPFORENSICS_PURE_PYTHON", "SNAPFORENSICS_LOAD_MEMORY"):
             monkeypatch.delenv(k, raising=False)
+        monkeypatch.setenv("SNAPFORENSICS_NO_CACHE", "1")  # each path reads the file itself
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         rc, err, out, _seconds, rss = run("diagnose", str(path), "--format", "json")
