@@ -87,12 +87,22 @@ typedef struct {
 } GSlot;
 
 typedef struct {
+    PyObject *o; /* owned: a list or tuple an entry used as its frames */
+    int64_t gid;
+} USlot;
+
+typedef struct {
     /* input */
     PyObject *file;
     char *buf;
     size_t cap, pos, end;
     unsigned long long consumed, max_in;
     int eof;
+    unsigned long long frame_end; /* the current FRAME's end (consumed offset) */
+    int in_frame;
+    /* frames objects already used: their group, by object (a list is frozen at first use) */
+    USlot *u;
+    size_t u_mask, u_used;
     /* stack, marks, memo */
     Val *st;
     size_t sp, st_cap;
@@ -260,19 +270,29 @@ static PyObject *obj_of(R *r, Val *v) {
 
 static size_t top_mark(R *r) { return r->nm ? r->marks[r->nm - 1] : (size_t)-1; }
 
+/* CPython's unpickler: an opcode that pops or reads the top n items finds them above the
+   innermost mark ("unexpected MARK found") */
+static int above_fence(R *r, size_t n) {
+    if (r->sp < n || (r->nm && r->marks[r->nm - 1] > r->sp - n))
+        return decline(r, "unexpected MARK found");
+    return 0;
+}
+
 static int pop_mark(R *r, size_t *m) {
     if (!r->nm)
         return decline(r, "no mark");
     *m = r->marks[--r->nm];
     if (*m > r->sp)
         return decline(r, "mark above the stack");
+    if (r->nm && r->marks[r->nm - 1] >= *m) /* nothing between two marks to build onto */
+        return decline(r, "unexpected MARK found");
     return 0;
 }
 
 /* ---- memo */
 static int memo_put(R *r, size_t idx) {
-    if (!r->sp)
-        return decline(r, "memo put on an empty stack");
+    if (above_fence(r, 1) < 0)
+        return -1;
     if (idx > r->memo_filled + MEMO_SLACK)
         return decline(r, "memo index far beyond the memo");
     if (idx >= r->memo_cap) {
@@ -382,7 +402,7 @@ static int new_row(R *r, Trace *t, int ti) {
     if (++r->rows > r->max_rows)
         return decline(r, "more rows than the expansion budget allows");
     if (t->created == t->cap) {
-        Py_ssize_t nc = t->cap ? t->cap * 2 : 4096;
+        Py_ssize_t nc = t->cap ? t->cap * 2 : 16; /* grows with the rows it holds */
         for (int c = 0; c < 6; c++)
             if (PyByteArray_Resize(t->c[c], nc * (Py_ssize_t)WIDTH[c]) < 0)
                 return decline(r, "out of memory");
@@ -523,6 +543,39 @@ static int local_group(R *r, int ti, Trace *t, Py_ssize_t row, int64_t gid, PyOb
     return 0;
 }
 
+/* the slot of `o` in the used-frames table (its .o NULL when absent) */
+static USlot *used_slot(R *r, PyObject *o) {
+    if (!r->u)
+        return NULL;
+    size_t s = mix((uint64_t)(uintptr_t)o) & r->u_mask;
+    while (r->u[s].o && r->u[s].o != o)
+        s = (s + 1) & r->u_mask;
+    return &r->u[s];
+}
+
+static int used_add(R *r, PyObject *o, int64_t gid) {
+    if ((r->u_used + 1) * 2 > (r->u ? r->u_mask + 1 : 0)) {
+        size_t cap = r->u ? (r->u_mask + 1) * 2 : 1024;
+        USlot *nu = PyMem_Calloc(cap, sizeof(USlot)), *old = r->u;
+        size_t om = r->u_mask;
+        if (!nu)
+            return decline(r, "out of memory");
+        r->u = nu;
+        r->u_mask = cap - 1;
+        if (old) {
+            for (size_t i = 0; i <= om; i++)
+                if (old[i].o)
+                    *used_slot(r, old[i].o) = old[i];
+            PyMem_Free(old);
+        }
+    }
+    USlot *x = used_slot(r, o);
+    x->o = Py_NewRef(o);
+    x->gid = gid;
+    r->u_used++;
+    return 0;
+}
+
 /* ---- an entry's (key, value) */
 static int entry_item(R *r, Val *e, Val *k, Val *v) {
     int ti = e->a;
@@ -537,6 +590,9 @@ static int entry_item(R *r, Val *e, Val *k, Val *v) {
         return -1;
     int f = r->keys[ks].field;
     uint64_t bit = (uint64_t)1 << r->keys[ks].bit;
+    /* pickle keeps the last value of a key set twice; the columns would keep both */
+    if (t->created - i > RING || (t->ring[i % RING] & bit))
+        return decline(r, "an entry key set twice, or an entry filled late");
     if (i < RING)
         t->first_mask |= bit;
     t->ring[i % RING] |= bit;
@@ -627,11 +683,17 @@ static int entry_item(R *r, Val *e, Val *k, Val *v) {
             }
             gid = r->rec[rc];
         } else if (v->tag == T_OBJ && (PyList_CheckExact(v->v.o) || PyTuple_CheckExact(v->v.o))) {
-            Py_ssize_t n;
-            PyObject **it = seq_items(v->v.o, &n);
-            gid = n ? group_of(r, Py_TYPE(v->v.o), it, n, v->v.o) : -1;
-            if (n && gid < 0)
-                return -1;
+            /* grouped once per object (many rows share one list through the memo) */
+            USlot *x = used_slot(r, v->v.o);
+            if (x && x->o) {
+                gid = x->gid;
+            } else {
+                Py_ssize_t n;
+                PyObject **it = seq_items(v->v.o, &n);
+                gid = n ? group_of(r, Py_TYPE(v->v.o), it, n, v->v.o) : -1;
+                if ((n && gid < 0) || used_add(r, v->v.o, gid < 0 ? -1 : gid) < 0)
+                    return -1;
+            }
         } else {
             return decline(r, "frames not a list");
         }
@@ -750,6 +812,9 @@ static int appends(R *r, size_t m) {
             r->fitems[r->nf++] = o;
         }
     } else if (target->tag == T_OBJ && PyList_CheckExact(target->v.o)) {
+        USlot *x = used_slot(r, target->v.o);
+        if (x && x->o) /* the rows that used it would keep its old contents */
+            rc = decline(r, "a frames list changed after an entry used it");
         for (size_t j = m; j < r->sp && rc == 0; j++) {
             PyObject *o = obj_of(r, &r->st[j]);
             if (!o || PyList_Append(target->v.o, o) < 0)
@@ -883,7 +948,20 @@ static int load_long1(R *r) {
     return push_obj(r, o);
 }
 
+static int step_op(R *r, int *stop);
+
+/* one opcode; none may straddle the end of the frame it starts in (CPython's unpickler reads
+   an opcode and its argument from one frame) */
 static int step(R *r, int *stop) {
+    if (r->in_frame && r->consumed >= r->frame_end)
+        r->in_frame = 0;
+    int rc = step_op(r, stop);
+    if (rc == 0 && r->in_frame && r->consumed > r->frame_end)
+        return decline(r, "an opcode across the end of its frame");
+    return rc;
+}
+
+static int step_op(R *r, int *stop) {
     const char *p = take(r, 1);
     if (!p)
         return -1;
@@ -904,9 +982,15 @@ static int step(R *r, int *stop) {
         uint64_t n = le(p, 8);
         if (n > ((uint64_t)1 << 30))
             return decline(r, "frame over 1 GiB");
+        if (r->in_frame)
+            return decline(r, "a FRAME inside a frame");
+        r->in_frame = 1;
+        r->frame_end = r->consumed + n;
         return ensure(r, (size_t)n);
     }
     case '.':
+        if (r->nm)
+            return decline(r, "a mark open at STOP");
         *stop = 1;
         return 0;
     case '(':
@@ -1113,6 +1197,11 @@ static void cleanup(R *r) {
             if (r->g[i].gid >= 0)
                 Py_DECREF(r->g[i].rep);
         PyMem_Free(r->g);
+    }
+    if (r->u) {
+        for (size_t i = 0; i <= r->u_mask; i++)
+            Py_XDECREF(r->u[i].o);
+        PyMem_Free(r->u);
     }
     PyMem_Free(r->local);
     PyMem_Free(r->stamp);

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable
+from functools import partial
 from itertools import repeat
 from typing import Any, Literal
 
@@ -52,7 +53,7 @@ from snapforensics.snapshot.model import (
 from snapforensics.snapshot.native import native
 from snapforensics.snapshot.stream import StreamTrace
 from snapforensics.snapshot.stream import read_info as stream_info
-from snapforensics.snapshot.unpickle import gc_paused, open_file, read_raw_info
+from snapforensics.snapshot.unpickle import gc_paused, on_stack, open_file, read_raw_info
 
 BLOCK_STATES = {"active_allocated", "active_pending_free", "active_awaiting_free", "inactive"}
 _STATE_OK = {"active_allocated", "active_pending_free", "inactive"}
@@ -71,8 +72,9 @@ def load(path: str | os.PathLike, file: Any = None) -> Snapshot:
         f = open_file(path) if file is None else file
         got = stream_info(path, f)  # None: declined or not built, the Python path reads it
         raw, warnings, info = got if got is not None else read_raw_info(path, f)
-        try:
-            snap = normalize(raw, source=str(path), warnings=warnings, file_info=info)
+        try:  # on the unpickling thread's stack size: the Python path may hold deep tuples
+            snap = on_stack(partial(normalize, raw, source=str(path), warnings=warnings,
+                                    file_info=info), info.get("tuple_bound", 0))
         except SnapError as e:
             raise SnapError(f"{path}: {e}", e.exit_code) from None
         del raw
@@ -92,7 +94,7 @@ def _trace(entries: Any, device: int, it: Interner, inline_ann: list[Annotation]
     action, addr, size, stream, time_us, stack = (_native_columns(entries, where_dev, it)
                                                   or _checked_columns(entries, where_dev, it))
     # Which optional fields this file has: first and last entries suffice.
-    for e in entries[:500] if n <= 1000 else entries[:500] + entries[-500:]:
+    for e in entries if n <= 1000 else entries[:500] + entries[-500:]:  # as _stream.c reads
         keys_seen.update(e)
     return _finish_trace(entries, device, (action, addr, size, stream, time_us, stack), it,
                          inline_ann, keys_seen, untimed, where_dev)

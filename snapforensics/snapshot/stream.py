@@ -22,7 +22,7 @@ import numpy as np
 from snapforensics.snapshot.budget import Budget
 from snapforensics.snapshot.columns import MAX_BYTES
 from snapforensics.snapshot.model import A
-from snapforensics.snapshot.unpickle import GZIP_RATIO, _memory_guard, tname
+from snapforensics.snapshot.unpickle import GZIP_RATIO, _memory_guard, load_budget, tname
 
 _stream: ModuleType | None
 try:
@@ -98,7 +98,7 @@ def read_info(path: str | os.PathLike, f: Any) -> tuple[Any, list[str], dict] | 
         src, max_in = f, size
     rows = Budget(max_in).max_units if Budget(max_in).limited else _NO_LIMIT
     try:
-        with _memory_guard(max(4 << 30, 16 * max_in)):
+        with _memory_guard(load_budget(max_in)):
             root, consumed, traces = mod.read(src, A, OTHER, MAX_BYTES, rows, max_in)
     except MemoryError:
         root, consumed, traces = None, "out of memory", 0

@@ -189,6 +189,17 @@ _NOT_TUPLE_OPS = bytes(c for c in range(256) if c not in _TUPLE_OPS)
 _STACK_PER_LEVEL = 128  # bytes of C stack one tuple level costs in hash() (measured: ~64)
 _MAX_STACK = 8 << 30  # a nesting bound above this is refused, not reserved
 GZIP_RATIO = 64  # a snapshot pickle compresses ~9x; more than this much is not one
+# The load-memory guard: address space the read may add, per byte of pickle plus a fixed
+# allowance. pickle.load of the corpus and fixtures peaks at 6-13x the pickle's bytes in RSS
+# (benchmarks/bench_hostile.py prints it); 32x leaves room for address space beyond RSS, and
+# the allowance covers the interpreter's arenas and buffers on tiny files. A 9-byte file that
+# PUTs memo index 2^28 (a 2 GiB memo) is refused in milliseconds instead of filling 4 GiB.
+LOAD_PER_BYTE = 32
+LOAD_ALLOWANCE = 256 << 20
+
+
+def load_budget(pickle_bytes: int) -> int:
+    return LOAD_PER_BYTE * pickle_bytes + LOAD_ALLOWANCE
 
 
 def _count_tuple_ops(data: bytes) -> int:
@@ -228,6 +239,18 @@ def _gunzip(f: Any, size: int, p: Path) -> tuple[bytes, bool, str]:
 def _load(stream: Any, bound: int, budget: int) -> Any:
     """Unpickle with the globals refused, under the memory guard, on a thread whose C stack
     holds any tuple nesting the stream can describe (`bound` levels)."""
+
+    def load() -> Any:
+        with gc_paused(), _memory_guard(budget):
+            return _RefuseGlobals(stream).load()
+
+    return on_stack(load, bound)
+
+
+def on_stack(fn: Any, bound: int) -> Any:
+    """`fn()` on a thread whose C stack holds `bound` levels of tuple nesting: unpickling, and
+    everything that hashes or walks the unpickled objects afterwards (normalization hashes pool
+    ids and keys: a 300,000-deep tuple there overflowed the main thread's stack)."""
     need = (16 << 20) + bound * _STACK_PER_LEVEL
     if need > _MAX_STACK:
         raise SnapError(f"the pickle may nest tuples {bound} deep; a memory snapshot nests them "
@@ -236,8 +259,7 @@ def _load(stream: Any, bound: int, budget: int) -> Any:
 
     def run() -> None:
         try:
-            with gc_paused(), _memory_guard(budget):
-                result.append(_RefuseGlobals(stream).load())
+            result.append(fn())
         except BaseException as e:  # noqa: BLE001 handed to the caller's thread
             result.append(e)
             result.append(None)
@@ -311,7 +333,8 @@ def read_raw_info(path: str | os.PathLike, file: Any = None) -> tuple[Any, list[
         if not info["gzip"]:
             bound = _plain_bytes(f, p)
             info["pickle_bytes"] = size
-        budget = max(4 << 30, 16 * info["pickle_bytes"])
+        budget = load_budget(info["pickle_bytes"])
+        info["tuple_bound"] = bound
         try:
             obj = _load(stream, bound, budget)
         except SnapError as e:
@@ -357,5 +380,5 @@ def read_raw(path: str | os.PathLike) -> tuple[Any, list[str]]:
     return obj, warnings
 
 
-__all__ = ["open_file", "read_raw", "read_raw_info", "gc_paused"]
+__all__ = ["open_file", "read_raw", "read_raw_info", "gc_paused", "on_stack"]
 
