@@ -9,27 +9,25 @@ an impossible size is a one-line SnapError, never a silently wrong number.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterable
 from functools import partial
 from itertools import repeat
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from snapforensics.errors import SnapError
+from snapforensics.snapshot.annotations import place as place_annotations
 from snapforensics.snapshot.budget import Budget
 from snapforensics.snapshot.columns import (
     LISTS,
     MAX_BYTES,
     MAX_DEVICE,
-    MAX_TIME_US,
     MAX_TOTAL,
     absurd_times,
     check_int,
     check_size_total,
-    check_time,
     check_types,
     clean_str,
     column,
@@ -41,22 +39,20 @@ from snapforensics.snapshot.columns import (
 )
 from snapforensics.snapshot.format import detect_format, kind, rank_from_name
 from snapforensics.snapshot.intern import Interner
+from snapforensics.snapshot.metadata import metadata
 from snapforensics.snapshot.model import (
     NO_STACK,
     A,
     Annotation,
-    Block,
-    Segment,
     Snapshot,
     Trace,
 )
 from snapforensics.snapshot.native import native
+from snapforensics.snapshot.segments import read_segments
 from snapforensics.snapshot.stream import StreamTrace
 from snapforensics.snapshot.stream import read_info as stream_info
 from snapforensics.snapshot.unpickle import gc_paused, on_stack, open_file, read_raw_info
 
-BLOCK_STATES = {"active_allocated", "active_pending_free", "active_awaiting_free", "inactive"}
-_STATE_OK = {"active_allocated", "active_pending_free", "inactive"}
 OTHER = A["other"]
 DEVICE_UNITS = 1024  # each device is analysed on its own: a fixed cost of about 1,000 rows
 
@@ -231,218 +227,6 @@ def _inline_annotation(e: dict, where: str) -> tuple[str, str]:
     return clean_str(name or "annotation"), ("END" if stage == "END" else "START")
 
 
-def _legacy_history(b: dict, bw: str) -> tuple[Any, int | None]:
-    """torch 2.0 blocks: `history` newest first, [{addr, real_size, frames}]."""
-    hist = b.get("history")
-    if hist is None:
-        return None, None
-    if type(hist) not in LISTS:
-        raise SnapError(f"{bw}: history must be a list, got {tname(hist)}")
-    if not hist:
-        return None, None
-    h = hist[0]
-    if type(h) is not dict:
-        raise SnapError(f"{bw}.history[0] is {tname(h)}, expected a dict")
-    real = h.get("real_size")
-    if real is not None:
-        real = check_int(real, f"{bw}.history[0]", "real_size", hi=MAX_BYTES)
-    return h.get("frames"), real
-
-
-def _segments(raw: Any, it: Interner, fmt: dict) -> list[Segment]:
-    if type(raw) not in LISTS:
-        raise SnapError(f"segments must be a list, got {tname(raw)}")
-    it.budget.add(len(raw), "segments")
-    it.budget.add(sum(len(b) for b in map(_blocks_of, raw) if type(b) in LISTS), "segment blocks")
-    out = []
-    stack = it.stack
-    legacy = 0
-    for si, s in enumerate(raw):
-        where = f"segments[{si}]"
-        if type(s) is not dict:
-            raise SnapError(f"{where} is {tname(s)}, expected a dict")
-        seg_addr = check_int(s.get("address", 0), where, "address")
-        blocks_raw = s.get("blocks", [])
-        if blocks_raw is None:
-            blocks_raw = []
-        if type(blocks_raw) not in LISTS:
-            raise SnapError(f"{where}: blocks must be a list, got {tname(blocks_raw)}")
-        blocks = []
-        offset = seg_addr
-        bwhere = f"{where}.blocks"
-        for bi, b in enumerate(blocks_raw):
-            if type(b) is not dict:
-                raise SnapError(f"{where}.blocks[{bi}] is {tname(b)}, expected a dict")
-            get = b.get
-            bsize = get("size", 0)
-            frames = get("frames")
-            requested = get("requested_size")
-            state = get("state")
-            address = get("address")
-            if "history" in b:
-                legacy += 1
-                hframes, real = _legacy_history(b, f"{where}.blocks[{bi}]")
-                if frames is None:
-                    frames = hframes
-                if requested is None and state != "inactive":
-                    requested = real
-                if state is None:
-                    state = "active_allocated" if hframes is not None or real is not None \
-                        else "inactive"
-            if type(state) is not str or state not in _STATE_OK:  # None, wrong type, old name
-                if state is None:
-                    state = "inactive"
-                elif type(state) is not str or state not in BLOCK_STATES:
-                    raise SnapError(f"{where}.blocks[{bi}]: unknown block state {short(state)}")
-                elif state == "active_awaiting_free":
-                    state = "active_pending_free"
-            if requested is None:
-                requested = bsize if state != "inactive" else 0
-            if address is None:
-                address = offset
-            if not (type(bsize) is int and 0 <= bsize <= MAX_BYTES and type(requested) is int
-                    and 0 <= requested <= MAX_BYTES and type(address) is int
-                    and 0 <= address < (1 << 64)):
-                bw = f"{where}.blocks[{bi}]"
-                check_int(bsize, bw, "size", hi=MAX_BYTES)
-                check_int(requested, bw, "requested_size", hi=MAX_BYTES)
-                check_int(address, bw, "address")
-            offset = address + bsize
-            blocks.append(Block(address, bsize, requested, state,
-                                NO_STACK if frames is None else stack(frames, bwhere, bi)))
-        block_sum = sum(b.size for b in blocks)
-        allocated = sum(b.size for b in blocks if b.state != "inactive")
-        total = s.get("total_size")
-        total = block_sum if total is None else check_int(total, where, "total_size", hi=MAX_BYTES)
-        if blocks and block_sum != total:
-            fmt["segments_not_tiled"] = fmt.get("segments_not_tiled", 0) + 1
-        seg_type = s.get("segment_type", "")
-        if seg_type is None:
-            seg_type = ""
-        if type(seg_type) is not str:
-            raise SnapError(f"{where}: segment_type must be a string, got {tname(seg_type)}")
-        expandable = s.get("is_expandable", False)
-        if expandable is None:
-            expandable = False
-        if type(expandable) not in (bool, int):
-            raise SnapError(f"{where}: is_expandable must be a bool, got {tname(expandable)}")
-        pool = s.get("segment_pool_id", (0, 0))
-        it.pool(pool, where)  # validates; the default pool maps to -1
-        pool_t = (pool,) if type(pool) is int else ((0, 0) if pool is None else tuple(pool))
-        out.append(Segment(
-            device=check_int(s.get("device", 0), where, "device", hi=MAX_DEVICE),
-            address=seg_addr,
-            total_size=total,
-            allocated_size=check_int(_dflt(s, "allocated_size", allocated), where, "allocated_size",
-                                hi=MAX_BYTES),
-            active_size=check_int(_dflt(s, "active_size", allocated), where, "active_size",
-                             hi=MAX_BYTES),
-            requested_size=check_int(_dflt(s, "requested_size", allocated), where, "requested_size",
-                                hi=MAX_BYTES),
-            stream=it.stream(s.get("stream", 0), where),
-            segment_type=clean_str(seg_type),
-            pool_id=pool_t,
-            is_expandable=bool(expandable),
-            stack=stack(s.get("frames"), where),
-            blocks=blocks,
-        ))
-    if sum(float(s.total_size) for s in out) > MAX_TOTAL:
-        raise SnapError("segments add up to more memory than any device could hold")
-    if legacy:
-        fmt["legacy_block_history"] = True
-    return out
-
-
-def _blocks_of(s: Any) -> Any:
-    return s.get("blocks") if type(s) is dict else None
-
-
-def _dflt(d: dict, key: str, default: Any) -> Any:
-    v = d.get(key)
-    return default if v is None else v
-
-
-def _place_annotations(raw: Any, traces: list[Trace], it: Interner,
-                       untimed: list[str]) -> list[Annotation]:
-    """External annotations carry only a time: place each before the first later trace row."""
-    if raw is None:
-        return []
-    if type(raw) not in LISTS:
-        raise SnapError(f"external_annotations must be a list, got {tname(raw)}")
-    it.budget.add(len(raw), "annotations")
-    by_dev = {t.device: t for t in traces}
-    sorted_ok = {t.device: len(t) > 0 and not np.isnan(t.time_us).any()
-                 and not (np.diff(t.time_us) < 0).any() for t in traces}
-    out = []
-    for i, a in enumerate(raw):
-        where = f"external_annotations[{i}]"
-        if type(a) is not dict:
-            raise SnapError(f"{where} is {tname(a)}, expected a dict")
-        stage = a.get("stage", "START")
-        if type(stage) is not str:
-            raise SnapError(f"{where}: stage must be a string, got {tname(stage)}")
-        stage = stage.upper()
-        name = a.get("name", "")
-        if type(name) is not str:
-            raise SnapError(f"{where}: name must be a string, got {tname(name)}")
-        dev = a.get("device", 0)
-        dev = dev if type(dev) is int else 0
-        t = check_time(a.get("time_us"), where)
-        if abs(t) > MAX_TIME_US:
-            untimed.append(f"external annotation {i}")
-            continue
-        trace = by_dev[dev] if dev in by_dev else (traces[0] if traces else None)
-        if trace is None or math.isnan(t):
-            continue
-        # START sits before rows of the same time, END after them.
-        side: Literal["left", "right"] = "left" if stage == "START" else "right"
-        row = int(np.searchsorted(trace.time_us, t, side=side)) if sorted_ok[trace.device] \
-            else len(trace)
-        out.append(Annotation(trace.device, "END" if stage == "END" else "START",
-                              clean_str(name), t, row))
-    return out
-
-
-_PLAIN = (str, int, float, bool, type(None))
-_METADATA_ITEMS = 100_000  # provenance and allocator settings hold tens of items
-
-
-def _plain(v: Any, left: list[int], depth: int = 0) -> Any:
-    """A bounded copy of JSON-like metadata (at most `left[0]` items in all, however shared);
-    raises ValueError for anything else."""
-    t = type(v)
-    left[0] -= 1
-    if left[0] < 0:
-        raise ValueError("too large")
-    if t in _PLAIN:
-        if t is int and not -(1 << 63) <= v < (1 << 64):
-            raise ValueError("int out of range")
-        return clean_str(v) if t is str else v
-    if depth >= 6:
-        raise ValueError("nested too deeply")
-    if t in LISTS or t is dict:
-        if len(v) > 10_000:
-            raise ValueError("too large")
-        if t is dict:
-            return {clean_str(k): _plain(x, left, depth + 1) for k, x in v.items()
-                    if type(k) is str}
-        return [_plain(x, left, depth + 1) for x in v]
-    raise ValueError(f"{t.__name__} is not plain data")
-
-
-def _metadata(raw: dict, key: str, warnings: list[str]) -> dict:
-    v = raw.get(key)
-    if v is None:
-        return {}
-    if type(v) is not dict:
-        warnings.append(f"'{key}' is {tname(v)}, expected a dict; ignored")
-        return {}
-    try:
-        return _plain(v, [_METADATA_ITEMS])
-    except ValueError as e:
-        warnings.append(f"'{key}' is not plain data ({e}); ignored")
-        return {}
-
 
 def normalize(raw: Any, source: str = "<memory>", warnings: list[str] | None = None,
               file_info: dict | None = None) -> Snapshot:
@@ -462,7 +246,7 @@ def normalize(raw: Any, source: str = "<memory>", warnings: list[str] | None = N
         shown = ", ".join(short(k) for k in list(raw)[:6])
         raise SnapError(f"not a memory snapshot: no 'segments' or 'device_traces' key "
                         f"(keys: {shown or 'none'})")
-    segments = _segments(raw.get("segments") or [], it, fmt)
+    segments = read_segments(raw.get("segments") or [], it, fmt)
     seg_devices = {s.device for s in segments}
     it.budget.add(DEVICE_UNITS * len(seg_devices), "units of per-device analysis")
     dt = raw.get("device_traces")
@@ -485,7 +269,7 @@ def normalize(raw: Any, source: str = "<memory>", warnings: list[str] | None = N
         if (len(t) > 1 and not np.isnan(t.time_us).any() and (np.diff(t.time_us) < 0).any()
                 and not (t.action == A["workspace_snapshot"]).any()):
             warnings.append(f"device {t.device}: trace times go backwards; kept file order")
-    annotations = sorted(_place_annotations(raw.get("external_annotations"), traces, it, untimed)
+    annotations = sorted(place_annotations(raw.get("external_annotations"), traces, it, untimed)
                          + inline, key=lambda a: (a.device, a.row))
     if untimed:
         shown = ", ".join(untimed[:3]) + (f" and {len(untimed) - 3} more" if len(untimed) > 3
@@ -495,8 +279,8 @@ def normalize(raw: Any, source: str = "<memory>", warnings: list[str] | None = N
     it.check_strings(sum(len(a.name) for a in annotations))
     trace_devices = {t.device for t in traces if len(t)} - seg_devices
     it.budget.add(DEVICE_UNITS * len(trace_devices), "units of per-device analysis")
-    provenance = _metadata(raw, "snapforensics", warnings)
-    settings = _metadata(raw, "allocator_settings", warnings)
+    provenance = metadata(raw, "snapforensics", warnings)
+    settings = metadata(raw, "allocator_settings", warnings)
     detect_format(raw, traces, segments, it, provenance, keys, fmt)
     fmt["bare_segment_list"] = bare
     if file_info:
