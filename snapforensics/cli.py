@@ -45,6 +45,7 @@ def _register() -> None:
     from snapforensics.commands.compare import compare_command
     from snapforensics.commands.demo import demo_command
     from snapforensics.commands.diagnose import diagnose_command
+    from snapforensics.commands.explore import explore_command
     from snapforensics.commands.forecast import forecast_command
     from snapforensics.commands.record import record_command
 
@@ -53,6 +54,7 @@ def _register() -> None:
     cli.add_command(demo_command, "demo")
     cli.add_command(compare_command, "compare")
     cli.add_command(forecast_command, "forecast")
+    cli.add_command(explore_command, "explore")
 
 
 _register()
