@@ -79,7 +79,8 @@ def window(rep: Report, device: int, lo: int, hi: int, width: int,
     c0 = ((np.maximum(start[vis], lo) - lo) / per_col).astype(np.int64)
     c1 = np.ceil((np.minimum(end[vis], hi) - lo) / per_col).astype(np.int64)
     kept = np.ones(len(vis), bool) if keep is None else keep[vis]
-    wide = (c1 - c0 >= 1) & kept
+    # at least one column of the window: smaller ones are merged
+    wide = (np.minimum(end[vis], hi) - np.maximum(start[vis], lo) >= per_col) & kept
     order = np.argsort(-lt.size[vis][wide], kind="stable")
     drawn = np.flatnonzero(wide)[order[:BLOCKS_PER_COLUMN * width]]
     merged = np.setdiff1d(np.arange(len(vis)), drawn)
