@@ -176,3 +176,21 @@ def test_explore_a_missing_file_is_one_line():
     r = subprocess.run([sys.executable, "-m", "snapforensics", "explore", "/nonexistent.pickle",
                         "--no-browser"], capture_output=True, text=True)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_the_html_report_says_which_explore_command_opens_each_findings_blocks(tmp_path):
+    out = tmp_path / "r.html"
+    r = subprocess.run([sys.executable, "-m", "snapforensics", "diagnose", str(BUGGY), "-o",
+                        str(out), "--quiet"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    import re
+    html = out.read_text()
+    rep = report()
+    got = {int(n) for n in re.findall(r"snapforensics explore \S+ --finding (\d+)", html)}
+    assert got == {i for i, f in enumerate(rep.diagnosis.findings) if f.blocks}
+    # and each number names that finding in the explorer's API
+    c, h = client(rep)
+    for n in got:
+        sec = html[html.index(f"--finding {n}") - 4000:html.index(f"--finding {n}")]
+        rule = c.get(f"/api/finding/{n}", headers=h).json()["rule"]
+        assert sec[sec.rindex("rule <code>"):].startswith(f"rule <code>{rule}</code>")

@@ -12,7 +12,9 @@ from snapforensics.errors import SnapError
 @click.option("--port", type=int, default=0, show_default=True,
               help="Port on 127.0.0.1 (0: a random free one).")
 @click.option("--no-browser", is_flag=True, help="Print the URL only.")
-def explore_command(snapshot: str, port: int, no_browser: bool) -> int:
+@click.option("--finding", type=int, default=None, metavar="N",
+              help="Open with finding N (the report's numbering) chosen: its blocks highlighted.")
+def explore_command(snapshot: str, port: int, no_browser: bool, finding: int | None) -> int:
     """Every block on the active-memory timeline, its stack, unit and findings, on a local
     server (127.0.0.1 only; every request needs the token of the printed URL). Ctrl-C stops
     it. The page's queries are a JSON API (README: Explore). Needs snapforensics[explore]."""
@@ -34,6 +36,7 @@ def explore_command(snapshot: str, port: int, no_browser: bool) -> int:
     sock = socket.socket()
     sock.bind(("127.0.0.1", port))
     url = f"http://127.0.0.1:{sock.getsockname()[1]}/?token={web.state.token}"
+    url += "" if finding is None else f"&finding={finding}"
     click.echo(f"snapforensics explore: {url}  (Ctrl-C stops it)")
     if not no_browser:
         webbrowser.open(url)
