@@ -5,17 +5,11 @@ from __future__ import annotations
 
 import socket
 import threading
-from pathlib import Path
 
 import pytest
+from test_browser import BUGGY, CHROMIUM, FLAGS
 
 import snapforensics as sf
-
-REPO = Path(__file__).resolve().parents[1]
-CHROMIUM = Path("/usr/bin/chromium")
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-BUGGY = REPO / "fixtures" / "fsdp2_ckpt_buggy_rank0.pickle.gz"
 
 pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="no /usr/bin/chromium")
 
