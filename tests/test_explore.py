@@ -194,3 +194,22 @@ def test_the_html_report_says_which_explore_command_opens_each_findings_blocks(t
         sec = html[html.index(f"--finding {n}") - 4000:html.index(f"--finding {n}")]
         rule = c.get(f"/api/finding/{n}", headers=h).json()["rule"]
         assert sec[sec.rindex("rule <code>"):].startswith(f"rule <code>{rule}</code>")
+
+
+def test_a_cuda_corpus_file_shows_its_segments_with_the_free_gaps():
+    path = REPO.parent / "shared" / "corpus" / "ConstructorSun_memory_snapshot.pickle"
+    if not path.exists():
+        pytest.skip("needs ../shared/corpus")
+    rep = sf.diagnose(path)
+    assert rep.snapshot.kind.caching_allocator
+    c, h = client(rep)
+    dev = rep.analyses[0].device
+    got = c.get(f"/api/segments?device={dev}", headers=h).json()
+    segs = sorted((s for s in sf.load(path).segments if s.device == dev),
+                  key=lambda s: s.address)
+    assert [s["address"] for s in got["segments"]] == [s.address for s in segs]
+    for g, s in zip(got["segments"], segs):
+        assert g["reserved_unused"] == s.total_size - s.allocated_size
+        free = [b["size"] for b in g["blocks"] if b["state"] == "inactive"]
+        assert free == [b.size for b in s.blocks if b.state == "inactive"]
+    assert any(b["state"] == "inactive" for s in got["segments"] for b in s["blocks"])
