@@ -45,7 +45,9 @@ def _register() -> None:
     from snapforensics.commands.compare import compare_command
     from snapforensics.commands.demo import demo_command
     from snapforensics.commands.diagnose import diagnose_command
+    from snapforensics.commands.explore import explore_command
     from snapforensics.commands.forecast import forecast_command
+    from snapforensics.commands.mcp import mcp_command
     from snapforensics.commands.record import record_command
 
     cli.add_command(record_command, "record")
@@ -53,6 +55,8 @@ def _register() -> None:
     cli.add_command(demo_command, "demo")
     cli.add_command(compare_command, "compare")
     cli.add_command(forecast_command, "forecast")
+    cli.add_command(explore_command, "explore")
+    cli.add_command(mcp_command, "mcp")
 
 
 _register()

@@ -69,6 +69,10 @@ class Finding:
     # the fix as a counterfactual trace (moved rows): the forecast applies it before its own
     # scenario, the plots draw the live bytes it replays to; not in the JSON
     replay: Replay | None = field(default=None, repr=False, compare=False, metadata=INTERNAL)
+    # the indexes (into the device's Lifetimes) of the blocks it counts, where the rule names
+    # them: the explorer highlights them; not in the JSON
+    members: np.ndarray | None = field(default=None, repr=False, compare=False,
+                                       metadata=INTERNAL)
 
     def to_dict(self) -> dict[str, Any]:
         return public(self)

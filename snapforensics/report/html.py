@@ -10,6 +10,7 @@ embedded JSON has every `<` written as `\\u003c`, so it can never close its scri
 from __future__ import annotations
 
 import re
+import shlex
 from typing import Any
 
 from snapforensics.analysis.diagnosis import MODULES, STACKS, DeviceSummary, Diagnosis, Finding
@@ -300,6 +301,10 @@ def _finding(i: int, f: Finding, d: Diagnosis) -> str:
                    f'</summary>{_stack_pre(s.get("stack") or [])}</details>')
     if f.fix:
         out.append(f'<h4>Fix</h4><pre class="fix"><code>{e(f.fix, FRAME * FRAMES)}</code></pre>')
+    if f.blocks:  # the explorer highlights its blocks (`explore`, README: Explore)
+        out.append(f'<p class="rule">Its blocks, one by one: <code>snapforensics explore '
+                   f'{e(shlex.quote(d.source), FRAME)} --finding '
+                   f'{next(n for n, x in enumerate(d.findings) if x is f)}</code></p>')
     extra = _extra_evidence(ev)
     if extra:
         out.append(f"<details><summary>More evidence</summary>{extra}</details>")

@@ -172,7 +172,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     return [Finding(
         rule=RULE.id, verdict=Verdict.INFO,
         title="Activations dominate the peak and nothing is checkpointed",
-        cause=cause, bytes=act, blocks=int(act_blocks.size), device=d.device,
+        cause=cause, bytes=act, blocks=int(act_blocks.size), members=act_blocks, device=d.device,
         fix=fix_for(d, evidence),
         predicted_peak_bytes=predicted, saving_bytes=save_peak, evidence=evidence,
     )]

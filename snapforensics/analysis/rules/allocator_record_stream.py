@@ -123,7 +123,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         title="Frees delayed by record_stream hold memory" if anomalous else
         "Frees delayed by record_stream (off the peak)",
         cause=cause if anomalous else cause + " The delays do not coincide with the peak.",
-        bytes=held_max, blocks=int(idx.size), device=d.device,
+        bytes=held_max, blocks=int(idx.size), members=idx, device=d.device,
         fix=fix_for(d, evidence), saving_bytes=max(cost, 0),
         evidence=evidence,
     )]

@@ -218,6 +218,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         rule=RULE.id, verdict=verdict,
         title=f"{n} all-gathers in flight at once (more than {LIMIT}): no rate limit",
         cause=cause, bytes=alive_bytes, blocks=int(len(alive)), device=d.device, fix=FIX,
+        members=alive,
         predicted_peak_bytes=after["overall_bytes"],
         saving_bytes=saving,
         evidence={

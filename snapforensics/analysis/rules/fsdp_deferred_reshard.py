@@ -56,7 +56,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         replay=replay,
         rule=RULE.id, verdict=Verdict.EXPECTED,
         title="Parameters kept unsharded between micro-batches (gradient accumulation)",
-        cause=cause, bytes=kept, blocks=int(len(blocks)), device=d.device, fix=FIX,
+        cause=cause, bytes=kept, blocks=int(len(blocks)), members=blocks, device=d.device, fix=FIX,
         predicted_peak_bytes=after["overall_bytes"], saving_bytes=saving,
         evidence={
             "steps": sorted(steps),

@@ -180,6 +180,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         rule=RULE.id, verdict=Verdict.ANOMALOUS if at_peak else Verdict.INFO,
         title="Units all-gathered twice per backward (recompute reshards, backward re-gathers)",
         cause=cause, bytes=per_iter[worst], blocks=int(len(seconds)), device=d.device, fix=FIX,
+        members=seconds,
         predicted_peak_bytes=after["overall_bytes"],
         saving_bytes=max(d.peak_bytes - after["overall_bytes"], 0),
         evidence={

@@ -142,7 +142,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     return [Finding(
         rule=RULE.id, verdict=Verdict.ANOMALOUS if starts_at_peak else Verdict.INFO,
         title="Full model materialized on the device before sharding",
-        cause=cause, bytes=transient, blocks=int(len(blocks)), device=d.device,
+        cause=cause, bytes=transient, blocks=int(len(blocks)), members=blocks, device=d.device,
         fix=fix_for(d, evidence), predicted_peak_bytes=after["overall_bytes"],
         saving_bytes=max(d.peak_bytes - after["overall_bytes"], 0), evidence=evidence,
     )]

@@ -106,7 +106,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     return [Finding(
         rule=RULE.id, verdict=Verdict.EXPECTED,
         title="Gradient sync off across micro-batches: unsharded gradients held",
-        cause=cause, bytes=nbytes, blocks=int(len(held)), device=d.device, fix=FIX,
+        cause=cause, bytes=nbytes, blocks=int(len(held)), members=held, device=d.device, fix=FIX,
         predicted_peak_bytes=after["overall_bytes"],
         saving_bytes=max(d.peak_bytes - after["overall_bytes"], 0),
         evidence={

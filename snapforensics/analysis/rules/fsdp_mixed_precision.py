@@ -142,7 +142,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     return [Finding(
         rule=RULE.id, verdict=Verdict.EXPECTED,
         title="Mixed precision: higher-precision reduce buffers and low-precision copies",
-        cause=cause, bytes=at_peak, blocks=int(len(blocks)), device=d.device,
+        cause=cause, bytes=at_peak, blocks=int(len(blocks)), members=blocks, device=d.device,
         fix=FIX if (wide or ug.any()) else None,
         predicted_peak_bytes=after["overall_bytes"] if (wide or ug.any()) else None,
         saving_bytes=max(d.peak_bytes - after["overall_bytes"], 0) if (wide or ug.any())

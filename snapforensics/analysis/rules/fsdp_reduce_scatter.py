@@ -27,7 +27,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
                f"{human(per_iter[worst])} in {len(blocks)} blocks over {n_mod} unit(s) grows "
                "layer by layer through backward. This is what sharded gradients cost; it is "
                "not a leak."),
-        bytes=per_iter[worst], blocks=int(len(blocks)), device=d.device,
+        bytes=per_iter[worst], blocks=int(len(blocks)), members=blocks, device=d.device,
         evidence={"iteration": worst, "modules": by_module(d, blocks),
                   "stacks": top_stacks(d, blocks, 1)},
     )]

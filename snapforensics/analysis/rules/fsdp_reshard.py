@@ -85,6 +85,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         rule=RULE.id, verdict=Verdict.ANOMALOUS if at_peak else Verdict.INFO,
         title="Parameters unsharded in backward/recompute are not resharded",
         cause=cause, bytes=per_iter[worst], blocks=int(len(worst_blocks)), device=d.device,
+        members=worst_blocks,
         fix=FIX, predicted_peak_bytes=after["overall_bytes"], saving_bytes=max(saving, 0),
         evidence={
             "iteration": worst,

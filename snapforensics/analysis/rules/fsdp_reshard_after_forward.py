@@ -201,6 +201,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         title="Parameters kept unsharded from forward to backward (reshard_after_forward=False "
               "/ SHARD_GRAD_OP)",
         cause=cause, bytes=kept_bytes, blocks=int(len(blocks)), device=d.device, fix=FIX,
+        members=blocks,
         predicted_peak_bytes=after["overall_bytes"],
         saving_bytes=max(before - after["overall_bytes"], 0),
         evidence={

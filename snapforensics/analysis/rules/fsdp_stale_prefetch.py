@@ -82,6 +82,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         rule=RULE.id, verdict=Verdict.ANOMALOUS if at_peak else Verdict.INFO,
         title="Unused all-gather buffers from prefetch during backward, freed only at the end",
         cause=cause, bytes=per_iter[worst], blocks=int(len(blocks)), device=d.device, fix=FIX,
+        members=blocks,
         predicted_peak_bytes=after["overall_bytes"],
         saving_bytes=max(d.peak_bytes - after["overall_bytes"], 0),
         evidence={

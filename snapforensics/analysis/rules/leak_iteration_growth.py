@@ -110,7 +110,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         replay=replay,
         rule=RULE.id, verdict=Verdict.ANOMALOUS,
         title="Memory grows iteration over iteration (leak in the training loop)",
-        cause=cause, bytes=kept, blocks=int(retained.size), device=d.device,
+        cause=cause, bytes=kept, blocks=int(retained.size), members=retained, device=d.device,
         fix=FIX, predicted_peak_bytes=after["overall_bytes"],
         saving_bytes=peak - after["overall_bytes"],
         evidence={

@@ -115,7 +115,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         rule=RULE.id, verdict=Verdict.ANOMALOUS,
         title=f"Out of memory: {human(want)} requested"
               + (f", {human(free)} free" if free is not None else ""),
-        cause=cause, bytes=allocated, blocks=int(alive.size), device=d.device,
+        cause=cause, bytes=allocated, blocks=int(alive.size), members=alive, device=d.device,
         fix=fix_for(d, evidence), evidence=evidence,
     )]
 

@@ -1,0 +1,58 @@
+"""`snapforensics mcp SNAPSHOT...`: the explorer's queries as an MCP server over stdio (the
+official MCP Python SDK, `mcp` 2.x `MCPServer`). Tools read only the snapshots the command was
+given (by their index, 0 = the first), each diagnosed on first use."""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from typing import Any
+
+import snapforensics as sf
+from snapforensics.explore import queries
+
+
+def server(paths: list[str]) -> Any:
+    from mcp.server.mcpserver import MCPServer
+
+    mcp = MCPServer("snapforensics")
+
+    @cache
+    def report(snapshot: int) -> sf.Report:
+        if not 0 <= snapshot < len(paths):
+            raise ValueError(f"snapshot {snapshot}: this server was given {len(paths)}")
+        return sf.diagnose(paths[snapshot])
+
+    def text(doc: Any) -> str:
+        return json.dumps(doc, default=str)
+
+    @mcp.tool()
+    def diagnose(snapshot: int = 0) -> str:
+        """The diagnosis of a snapshot (the JSON contract snapforensics.diagnosis/1)."""
+        return text(report(snapshot).to_dict())
+
+    @mcp.tool()
+    def findings(snapshot: int = 0) -> str:
+        """The findings: index, rule, verdict, title, bytes, blocks, predicted peak."""
+        return text(queries.findings(report(snapshot)))
+
+    @mcp.tool()
+    def blocks(lo: int = 0, hi: int = 1 << 62, width: int = 200, device: int | None = None,
+               snapshot: int = 0) -> str:
+        """Blocks alive in trace rows [lo, hi) at `width` columns: the largest drawn one by
+        one (id, columns, size, category), the rest merged per category."""
+        rep = report(snapshot)
+        dev = rep.analyses[0].device if device is None else device
+        return text(queries.window(rep, dev, lo, hi, width))
+
+    @mcp.tool()
+    def block_stack(block_id: int, snapshot: int = 0) -> str:
+        """One block: size, address, rows, phase, category, FSDP unit, its full stack."""
+        return text(queries.block(report(snapshot), block_id))
+
+    @mcp.tool()
+    def compare(before: int = 0, after: int = 1) -> str:
+        """Compare two of the given snapshots (before/after a fix, or two ranks)."""
+        return text(sf.compare(report(before), report(after)).to_dict())
+
+    return mcp

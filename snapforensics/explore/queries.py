@@ -1,0 +1,221 @@
+"""The explorer's queries: pure functions over a diagnosed snapshot (`api.Report`), no HTTP.
+
+Every answer is JSON-ready data. Block ids are the rows of `Report.blocks` (devices in order);
+nothing here re-derives the analysis: lifetimes, categories, units, findings and the replay of
+a fix are the ones `diagnose` made. Strings from the snapshot pass `sanitize.cap` (the JSON
+sink's neutralizer: bounded length); the page inserts them as text.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from snapforensics.analysis.context import DeviceAnalysis
+from snapforensics.analysis.stacks import is_native
+from snapforensics.api import Report
+from snapforensics.report.sanitize import FRAME, cap
+
+# a window's answer holds at most this many blocks per pixel column of width: the rest are
+# merged per category into bands (one value per column), so the answer is O(width), never
+# O(trace)
+BLOCKS_PER_COLUMN = 1
+MAX_WIDTH = 4096
+
+
+def _text(s: Any, limit: int = FRAME) -> str:
+    """A snapshot string for the JSON sink: a plain str, bounded."""
+    return cap(str(s), limit)
+
+
+def _device(rep: Report, device: int) -> tuple[DeviceAnalysis, int]:
+    """The analysis of `device` and the id of its first block."""
+    offset = 0
+    for d in rep.analyses:
+        if d.device == device:
+            return d, offset
+        offset += len(d.lt)
+    raise KeyError(f"no trace for device {device}")
+
+
+def _locate(rep: Report, block: int) -> tuple[DeviceAnalysis, int]:
+    offset = 0
+    for d in rep.analyses:
+        if 0 <= block - offset < len(d.lt):
+            return d, block - offset
+        offset += len(d.lt)
+    raise KeyError(f"no block {block}")
+
+
+def overview(rep: Report) -> dict[str, Any]:
+    d = rep.diagnosis
+    return {"source": _text(d.source), "peaks": d.peaks,
+            "caching_allocator": bool(rep.snapshot.kind.caching_allocator),
+            "devices": [{"device": a.device, "rows": a.lt.rows, "blocks": len(a.lt),
+                         "peak_row": a.peak_row, "peak_bytes": a.peak_bytes,
+                         "categories": [_text(c, FRAME) for c in a.category_names]}
+                        for a in rep.analyses],
+            "findings": findings(rep)}
+
+
+def window(rep: Report, device: int, lo: int, hi: int, width: int,
+           keep: np.ndarray | None = None) -> dict[str, Any]:
+    """Rows [lo, hi) drawn `width` pixels wide. A block at least one column wide (its lifetime
+    in the window) is drawn on its own, up to BLOCKS_PER_COLUMN * width of them, largest first;
+    every other block alive in the window is merged with its category into a band: its live
+    bytes per column (the column's max, as the report's timeline keeps peaks). `keep`: a mask
+    of the blocks a filter kept; the others go to the "filtered out" band (grey), so the
+    totals stay honest."""
+    d, off = _device(rep, device)
+    lt = d.lt
+    width = int(min(max(width, 1), MAX_WIDTH))
+    lo, hi = max(int(lo), 0), min(int(hi), lt.rows)
+    hi = max(hi, lo + 1)
+    per_col = (hi - lo) / width
+    start = np.maximum(lt.alloc_row, 0)
+    end = np.minimum(lt.free_row, lt.rows)
+    vis = np.flatnonzero((start < hi) & (end > lo))
+    c0 = ((np.maximum(start[vis], lo) - lo) / per_col).astype(np.int64)
+    c1 = np.ceil((np.minimum(end[vis], hi) - lo) / per_col).astype(np.int64)
+    kept = np.ones(len(vis), bool) if keep is None else keep[vis]
+    # at least one column of the window: smaller ones are merged
+    wide = (np.minimum(end[vis], hi) - np.maximum(start[vis], lo) >= per_col) & kept
+    order = np.argsort(-lt.size[vis][wide], kind="stable")
+    drawn = np.flatnonzero(wide)[order[:BLOCKS_PER_COLUMN * width]]
+    merged = np.setdiff1d(np.arange(len(vis)), drawn)
+    names = list(d.category_names) + ["filtered out"]
+    cat = np.where(kept, d.category[vis].astype(np.int64), len(names) - 1)
+    bands: dict[str, list[int]] = {}
+    for code in np.unique(cat[merged]).tolist():
+        m = merged[cat[merged] == code]
+        delta = np.zeros(width + 1, np.int64)
+        np.add.at(delta, np.clip(c0[m], 0, width), lt.size[vis][m])
+        np.add.at(delta, np.clip(np.maximum(c1[m], c0[m] + 1), 0, width), -lt.size[vis][m])
+        bands[_text(names[code], FRAME)] = np.cumsum(delta[:width]).tolist()
+    blocks = [{"id": int(off + vis[i]), "c0": int(c0[i]), "c1": int(c1[i]),
+               "size": int(lt.size[vis[i]]), "category": _text(names[cat[i]], FRAME)}
+              for i in drawn[np.argsort(start[vis][drawn], kind="stable")].tolist()]
+    return {"device": device, "lo": lo, "hi": hi, "width": width, "rows_per_column": per_col,
+            "live": _columns(lt.live[lo:hi], width), "bands": bands, "blocks": blocks,
+            "merged_blocks": int(len(merged))}
+
+
+def _columns(values: np.ndarray, width: int) -> list[int]:
+    """Each column's max (the peak is never averaged away)."""
+    if not len(values):
+        return [0] * width
+    edges = np.linspace(0, len(values), width + 1).astype(np.int64)
+    edges[1:] = np.maximum(edges[1:], edges[:-1] + 1)
+    edges = np.minimum(edges, len(values))
+    return [int(values[a:max(b, a + 1)].max()) if a < len(values) else int(values[-1])
+            for a, b in zip(edges[:-1], edges[1:])]
+
+
+def block(rep: Report, block_id: int) -> dict[str, Any]:
+    """One block: every column of `Report.blocks` for it, why its category, its full stack
+    (Python frames first, C++ frames after, as `native`), and the findings it belongs to."""
+    d, i = _locate(rep, block_id)
+    row = rep.blocks.iloc[block_id]
+    info = d.infos[d.info[i]] if len(d.info) else None
+    frames = rep.stack(int(row["stack_id"]))
+    py = [f for f in frames if not is_native(f)]
+    native = [f for f in frames if is_native(f)]
+    return {
+        "id": int(block_id), "device": int(row["device"]), "address": int(row["address"]),
+        "size": int(row["size"]), "alloc_row": int(row["alloc_row"]),
+        "free_row": int(row["free_row"]),
+        "alloc_time_us": _num(row["alloc_time_us"]), "free_time_us": _num(row["free_time_us"]),
+        "phase": str(row["phase"]), "iteration": int(row["iteration"]),
+        "category": _text(row["category"], FRAME),
+        "decided_by": _text(row["top_frame"], FRAME) if isinstance(row["top_frame"], str) else None,
+        "fsdp_unit": _text(d.module_of(i), FRAME) if d.module_of(i) else None,
+        "fsdp_path": info.path if info is not None else None,
+        "stack_id": int(row["stack_id"]),
+        "stack": [_frame(f) for f in py], "native_frames": [_frame(f) for f in native],
+        "findings": [n for n, f in enumerate(rep.diagnosis.findings)
+                     if f.device == d.device and f.members is not None
+                     and i in set(np.asarray(f.members).tolist())],
+    }
+
+
+def _frame(f) -> dict[str, Any]:
+    return {"name": _text(f.name, FRAME), "file": _text(f.filename, FRAME), "line": int(f.line)}
+
+
+def _num(v: Any) -> float | None:
+    return None if v != v else float(v)  # NaN: no time recorded
+
+
+def findings(rep: Report) -> list[dict[str, Any]]:
+    return [{"index": n, "rule": f.rule, "verdict": str(f.verdict), "title": _text(f.title, FRAME),
+             "device": f.device, "bytes": f.bytes, "blocks": f.blocks,
+             "predicted_peak_bytes": f.predicted_peak_bytes, "saving_bytes": f.saving_bytes,
+             "itemised": f.members is not None}
+            for n, f in enumerate(rep.diagnosis.findings)]
+
+
+def finding(rep: Report, index: int, width: int = 800) -> dict[str, Any]:
+    """A finding's block ids and, where it has a fix, the live bytes the report's replay gives
+    after it (`Lifetimes.replay` of `Finding.replay`), per column over the whole trace."""
+    f = rep.diagnosis.findings[index]
+    out = findings(rep)[index]
+    try:
+        d, off = _device(rep, f.device)
+    except KeyError:
+        return out | {"block_ids": [], "after_fix": None}
+    ids = [] if f.members is None else (off + np.asarray(f.members, np.int64)).tolist()
+    after = None
+    if f.replay is not None:
+        r = f.replay
+        live = d.lt.replay(free_row=r.free_row, alloc_row=r.alloc_row, extra=r.extra)
+        after = _columns(live, int(min(max(width, 1), MAX_WIDTH)))
+    return out | {"block_ids": ids, "after_fix": after}
+
+
+def segments(rep: Report, device: int) -> dict[str, Any]:
+    """The allocator's segments by address with their blocks and free gaps, as the file holds
+    them (at dump time: a snapshot records segments only then); a plain statement on a
+    recording without a caching allocator."""
+    snap = rep.snapshot
+    if not snap.kind.caching_allocator:
+        return {"device": device, "caching_allocator": False, "segments": [],
+                "statement": "This is a CPU recording: there is no caching allocator, so no "
+                             "segments; every block is its own allocation."}
+    segs = sorted((s for s in snap.segments if s.device == device), key=lambda s: s.address)
+    return {"device": device, "caching_allocator": True, "at": "dump", "statement": None,
+            "segments": [{"address": s.address, "total_size": s.total_size,
+                          "allocated_size": s.allocated_size, "stream": s.stream,
+                          "reserved_unused": s.total_size - s.allocated_size,
+                          "blocks": [{"address": int(b.address), "size": int(b.size),
+                                      "state": _text(b.state)} for b in s.blocks]} for s in segs]}
+
+
+def keep_mask(rep: Report, device: int, category: str | None = None,
+              finding_index: int | None = None, unit: str | None = None, min_size: int = 0,
+              text: str | None = None) -> np.ndarray | None:
+    """The blocks a filter keeps (None: no filter). `text` is matched (a substring, case
+    folded) on each distinct stack's frames, once per stack."""
+    d, _ = _device(rep, device)
+    if not (category or finding_index is not None or unit or min_size or text):
+        return None
+    m = d.lt.size >= int(min_size)
+    if category:
+        names = list(d.category_names)
+        m &= d.category == (names.index(category) if category in names else -1)
+    if finding_index is not None:
+        f = rep.diagnosis.findings[finding_index]
+        sel = np.zeros(len(m), bool)
+        if f.device == device and f.members is not None:
+            sel[np.asarray(f.members, np.int64)] = True
+        m &= sel
+    if unit:
+        m &= np.array([(d.module_of(i) or "") == unit or (d.module_of(i) or "").startswith(
+            unit + ".") for i in range(len(m))], bool)
+    if text:
+        t = text.casefold()
+        uniq, inv = np.unique(d.lt.stack, return_inverse=True)
+        hit = np.array([any(t in str(f).casefold() for f in rep.snapshot.stack_frames(s))
+                        for s in uniq.tolist()], bool)
+        m &= hit[inv] if len(uniq) else np.zeros(len(m), bool)
+    return m

@@ -1,0 +1,111 @@
+"""The explorer's HTTP JSON API (Starlette) over the queries of queries.py, and the page.
+
+Bound to 127.0.0.1 by the command; every request must carry the random token the command
+prints (`?token=`, or the `X-Token` header the page sends), else 403. No endpoint takes a
+path: the server reads only the snapshot the command was given, diagnosed once at start.
+
+    GET /                      the page (static/index.html)
+    GET /api/overview          source, peaks, devices (rows, blocks, categories), findings
+    GET /api/window?device=&lo=&hi=&width=[&category=&finding=&unit=&min_size=&text=]
+    GET /api/block/{id}        one block: size, address, rows, times, phase, iteration,
+                               category and the frame that decided it, unit, stack, findings
+    GET /api/finding/{index}?width=   its block ids and the predicted-after-fix curve
+    GET /api/segments?device=  the allocator's segments (a statement on CPU recordings)
+"""
+
+from __future__ import annotations
+
+import secrets
+from importlib import resources
+from typing import Any
+
+from snapforensics.api import Report
+from snapforensics.explore import queries
+
+
+def app(rep: Report, token: str | None = None) -> Any:
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+    from starlette.requests import Request
+    from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+    from starlette.routing import Route
+
+    token = token or secrets.token_urlsafe(24)
+    page = resources.files("snapforensics.explore").joinpath("static/index.html").read_text(
+        "utf-8")
+
+    class Guard:
+        """403 unless the request carries the token (compared in constant time)."""
+
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        async def __call__(self, scope, receive, send) -> None:
+            if scope["type"] == "http":
+                req = Request(scope)
+                got = req.query_params.get("token") or req.headers.get("x-token") or ""
+                if not secrets.compare_digest(got.encode(), token.encode()):
+                    await PlainTextResponse("token required", 403)(scope, receive, send)
+                    return
+            await self.inner(scope, receive, send)
+
+    def ints(req: Request, *names: str, **defaults: int) -> dict[str, int]:
+        out = {}
+        for n in names + tuple(defaults):
+            v = req.query_params.get(n)
+            out[n] = int(v) if v not in (None, "") else defaults[n]
+        return out
+
+    def first_device() -> int:
+        return rep.analyses[0].device if rep.analyses else 0
+
+    async def index(req: Request) -> Response:
+        return HTMLResponse(page, headers=_HEADERS)
+
+    async def overview(req: Request) -> Response:
+        return JSONResponse(queries.overview(rep), headers=_HEADERS)
+
+    async def window(req: Request) -> Response:
+        dev = ints(req, device=first_device())["device"]
+        d, _ = queries._device(rep, dev)
+        a = ints(req, lo=0, hi=d.lt.rows, width=800, min_size=0)
+        q = req.query_params
+        fi = q.get("finding")
+        keep = queries.keep_mask(rep, dev, category=q.get("category") or None,
+                                 finding_index=int(fi) if fi not in (None, "") else None,
+                                 unit=q.get("unit") or None, min_size=a["min_size"],
+                                 text=q.get("text") or None)
+        return JSONResponse(queries.window(rep, dev, a["lo"], a["hi"], a["width"], keep),
+                            headers=_HEADERS)
+
+    async def block(req: Request) -> Response:
+        return JSONResponse(queries.block(rep, int(req.path_params["id"])), headers=_HEADERS)
+
+    async def finding(req: Request) -> Response:
+        i = int(req.path_params["index"])
+        if not 0 <= i < len(rep.diagnosis.findings):
+            raise KeyError(i)
+        return JSONResponse(queries.finding(rep, i, ints(req, width=800)["width"]),
+                            headers=_HEADERS)
+
+    async def segments(req: Request) -> Response:
+        return JSONResponse(queries.segments(rep, ints(req, device=first_device())["device"]),
+                            headers=_HEADERS)
+
+    async def bad(req: Request, exc: Exception) -> Response:
+        return JSONResponse({"error": str(exc)[:200]}, 404 if isinstance(exc, KeyError)
+                            else 400)
+
+    routes = [Route("/", index), Route("/api/overview", overview), Route("/api/window", window),
+              Route("/api/block/{id:int}", block), Route("/api/finding/{index:int}", finding),
+              Route("/api/segments", segments)]
+    web = Starlette(routes=routes, middleware=[Middleware(Guard)],
+                    exception_handlers={KeyError: bad, ValueError: bad, IndexError: bad})
+    web.state.token = token
+    return web
+
+
+# the page runs no script but its own and loads nothing from elsewhere
+_HEADERS = {"Content-Security-Policy": "default-src 'self'; script-src 'unsafe-inline'; "
+            "style-src 'unsafe-inline'; connect-src 'self'", "X-Content-Type-Options": "nosniff",
+            "Cache-Control": "no-store"}
