@@ -23,21 +23,23 @@ REPO = Path(__file__).resolve().parents[1]
 
 SCRIPT = """
 import sys, torch
-from transformers import LlamaConfig, LlamaForCausalLM
-layers, steps, hidden = (int(a) for a in sys.argv[1:4])
-torch.manual_seed(0)
-cfg = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
-                  num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=8,
-                  max_position_embeddings=256)
-model = LlamaForCausalLM(cfg)
-opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-for _ in range(steps):
-    ids = torch.randint(0, cfg.vocab_size, (2, 128))
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-print("params", sum(p.numel() for p in model.parameters()))
+def main():
+    from transformers import LlamaConfig, LlamaForCausalLM  # inside main(), as many scripts do
+    layers, steps, hidden = (int(a) for a in sys.argv[1:4])
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                      num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=8,
+                      max_position_embeddings=256)
+    model = LlamaForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for _ in range(steps):
+        ids = torch.randint(0, cfg.vocab_size, (2, 128))
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    print("params", sum(p.numel() for p in model.parameters()))
+main()
 """
 
 
@@ -71,13 +73,20 @@ def main() -> None:
         args = [str(a.layers), str(a.steps), str(a.hidden)]
         plain, t_plain, _ = peak_rss([sys.executable, str(script), *args], env)
         out = Path(d) / "out"
-        rec, t_rec, err = peak_rss([sys.executable, "-m", "snapforensics", "record", "--device",
-                                    "cpu", "--out", str(out), str(script), *args], env)
-        size = sum(p.stat().st_size for p in out.glob("rank*.pickle")) / 1e6
-    print(f"tiny Llama, {a.layers} layers, hidden {a.hidden}, {a.steps} steps, recorded whole")
+        rows = []
+        for label, trace in (("imports traced (before)", "1"), ("imports untraced", "0")):
+            out = Path(d) / f"out{trace}"
+            rec, t_rec, err = peak_rss([sys.executable, "-m", "snapforensics", "record",
+                                        "--device", "cpu", "--out", str(out), str(script),
+                                        *args], {**env, "SNAPFORENSICS_TRACE_IMPORTS": trace})
+            size = sum(p.stat().st_size for p in out.glob("rank*.pickle")) / 1e6
+            rows.append((label, rec, t_rec, size))
+    print(f"tiny Llama, {a.layers} layers, hidden {a.hidden}, {a.steps} steps, recorded whole, "
+          "transformers imported inside main()")
     print(f"unrecorded: peak RSS {plain:.2f} GB in {t_plain:.1f} s")
-    print(f"recorded:   peak RSS {rec:.2f} GB in {t_rec:.1f} s, snapshot {size:.1f} MB")
-    print(f"ratio: {rec / plain:.2f}x")
+    for label, rec, t_rec, size in rows:
+        print(f"recorded, {label}: peak RSS {rec:.2f} GB ({rec / plain:.2f}x) in {t_rec:.1f} s "
+              f"(+{t_rec - t_plain:.1f} s), snapshot {size:.1f} MB")
     for line in err.splitlines():
         if "rank 0:" in line:
             print(line.strip())

@@ -1018,3 +1018,33 @@ def test_cpu_recording_imports_the_scripts_leading_imports_before_profiling(tmp_
     assert status["exit_code"] == 0, status
     prov = load_strict(tmp_path / "out" / "rank0.pickle")["snapforensics"]
     assert prov["imported_before_recording"] == ["json", "early_mod", "torch"]
+
+
+def test_cpu_recording_runs_imports_inside_the_script_untraced(tmp_path, monkeypatch):
+    """An import inside a function (issue 29, item 0) is not traced by the profiler's Python
+    tracer: the imported module's own calls are in no stack, the script's frames after the
+    import still are, and the import is counted in the backend's timings."""
+    pytest.importorskip("torch")
+    from snapforensics.record import _bootstrap
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    (tmp_path / "heavy_mod.py").write_text(
+        "import torch\ndef busy_import_time_work():\n    return torch.ones(333)\n"
+        "KEPT = busy_import_time_work()\n")
+    script = tmp_path / "s.py"
+    script.write_text("import torch\ndef main():\n    import heavy_mod\n"
+                      "    return torch.ones(777) + heavy_mod.KEPT.sum()\nkeep = main()\n")
+    monkeypatch.delitem(sys.modules, "heavy_mod", raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    status = _bootstrap.run_recorded({"out": str(tmp_path / "out"), "device": "cpu"},
+                                     str(script), [])
+    assert status["exit_code"] == 0, status
+    assert status["timings"]["imports_untraced"] >= 1
+    snap = load_strict(tmp_path / "out" / "rank0.pickle")
+    allocs = [e for e in snap["device_traces"][0] if e["action"] == "alloc"]
+    names = [{f["name"] for f in e["frames"]} for e in allocs]
+    assert not any("busy_import_time_work" in n for n in names)
+    sizes = {e["size"]: {f["name"] for f in e["frames"]} for e in allocs}
+    assert 333 * 4 in sizes  # the import's allocation is kept, without its Python frames
+    assert "main" in sizes[777 * 4]

@@ -120,3 +120,33 @@ def test_a_keyboard_interrupt_the_script_raises_itself_keeps_its_traceback(tmp_p
     assert proc.returncode == 130, proc.stderr
     assert "Traceback" in proc.stderr and "the script said so" in proc.stderr
     assert "interrupted: writing" not in proc.stderr
+
+
+def test_record_killed_its_ranks_stop_and_leave_no_lock_nor_status(tmp_path):
+    """SIGKILL of the ``record`` process alone (a caller's timeout; issue 29): its ranks, in a
+    process group of their own, get SIGTERM from the kernel (PR_SET_PDEATHSIG), write their
+    snapshots and end within seconds, and remove the status and lock files nobody else will."""
+    out = tmp_path / "out"
+    proc, err = _start(tmp_path, out)
+    _wait_for(lambda: all((tmp_path / f"training{r}").exists() for r in (0, 1)), proc,
+              "training on both ranks")
+    proc.kill()
+    proc.wait()
+    t0 = time.time()
+    names = lambda: sorted(p.name for p in out.iterdir())  # noqa: E731
+    while names() != ["rank0.pickle", "rank1.pickle"] and time.time() - t0 < 120:
+        time.sleep(0.1)
+    assert names() == ["rank0.pickle", "rank1.pickle"], names()
+    for r in (0, 1):
+        prov = load_strict(out / f"rank{r}.pickle")["snapforensics"]
+        assert prov["script_exit_code"] == 128 + signal.SIGTERM
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                os.kill(prov["pid"], 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(prov["pid"], signal.SIGKILL)
+            raise AssertionError(f"rank {r} still running 30 s after its snapshot")

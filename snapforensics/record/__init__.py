@@ -435,7 +435,8 @@ def _result(statuses: list[dict], out_dir: Path, *, expected: list[int], codes: 
         problems.extend((s or {}).get("warnings") or [])
         if s and s.get("snapshot"):
             t = s.get("timings") or {}
-            detail = "".join(f", {k[:-2].replace('_', ' ')} {v} s" for k, v in t.items())
+            detail = "".join(f", {k[:-2].replace('_', ' ')} {v} s" if k.endswith("_s") else
+                             f", {v} {k.replace('_', ' ')}" for k, v in t.items())
             _say(quiet, f"rank {r}: {s['snapshot']} ({s.get('entries')} trace entries, "
                         f"{(s.get('bytes') or 0) / 1e6:.1f} MB, written in {s.get('seconds')} s"
                         f"{detail})")

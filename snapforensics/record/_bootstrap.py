@@ -699,20 +699,35 @@ def _empty_recording(backend: Any, entries: int | None, rank: int) -> list[str]:
     return []
 
 
-def _stop_with_launcher() -> None:
+def _stop_with_launcher() -> int | None:
     """Linux: SIGTERM this rank when the launching ``record`` dies (even by SIGKILL). The rank
-    runs in its own process group, so nothing else would stop it; SIGTERM still dumps."""
+    runs in its own process group, so nothing else would stop it; SIGTERM still dumps.
+    Returns the launcher's pid (None where this is not done)."""
     if not sys.platform.startswith("linux"):
-        return
+        return None
     launcher = os.getppid()
     try:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
-        return
+        return None
     if os.getppid() != launcher:  # it died before prctl took effect
         os.kill(os.getpid(), signal.SIGTERM)
+    return launcher
+
+
+def _orphaned_cleanup(out: Path, rank: int) -> None:
+    """The launching ``record`` died (killed by its caller): nobody will read this rank's
+    status file nor remove the lock file it left, so the rank removes both (the snapshot
+    stays)."""
+    from snapforensics.record import LOCK_NAME
+
+    for p in (status_path(out, rank), out / LOCK_NAME):
+        try:
+            p.unlink()
+        except OSError:
+            pass
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -722,8 +737,10 @@ def main(argv: list[str] | None = None) -> None:
               file=sys.stderr)
         sys.exit(EXIT_RECORD_FAILED)
     opts = json.loads(argv[0])
-    _stop_with_launcher()
+    launcher = _stop_with_launcher()
     status = run_recorded(opts, argv[1], list(argv[2:]))
+    if launcher is not None and os.getppid() != launcher and not opts.get("in_place"):
+        _orphaned_cleanup(Path(opts["out"]), status["rank"])
     sys.stdout.flush()
     sys.stderr.flush()
     sys.exit(status["exit_code"])

@@ -448,6 +448,7 @@ class CpuBackend:
         self.stacks = stacks  # no C++ frames on this path: recorded in provenance only
         self.max_entries = max_entries
         self._prof = None
+        self._untraced: Any = None  # imports run untraced while recording (_untraced.py)
         self._stopped = None  # the profiler after stop(), converted by snapshot()
         self.timings: dict[str, float] = {}
         # The profiler records allocator events only on threads it traces: a tensor freed on a
@@ -461,12 +462,16 @@ class CpuBackend:
         from torch.profiler import ProfilerActivity, profile
 
         from snapforensics.record import cpu  # noqa: F401  (import now, sys.path may change)
+        from snapforensics.record._untraced import UntracedImports
 
         _warm_imports()
+        self._untraced = UntracedImports()
+        self._untraced.prepare()
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True,
                              with_stack=True, record_shapes=False)
         with _profiler_log_filtered():
             self._prof.__enter__()
+        self._untraced.install()
 
     def stop(self) -> None:
         """Stop recording now (the conversion waits for ``snapshot()``)."""
@@ -475,6 +480,9 @@ class CpuBackend:
         prof, self._prof = self._prof, None
         if prof is None:
             return
+        if self._untraced is not None:
+            self._untraced.remove()
+            self.timings["imports_untraced"] = self._untraced.imports
         t0 = time.perf_counter()
         with _profiler_log_filtered():
             prof.__exit__(None, None, None)
