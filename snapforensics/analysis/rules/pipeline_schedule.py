@@ -124,7 +124,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         return [Finding(rule=RULE.id, verdict=Verdict.INFO, title=title, bytes=held_bytes,
                         cause=cause + " The stage index and count are not in this file "
                         "(record with `snapforensics record` for the saving).",
-                        blocks=int(held_mask.sum()), device=d.device, evidence=evidence)]
+                        blocks=int(held_mask.sum()), device=d.device, evidence=evidence,
+                        members=np.flatnonzero(held_mask))]
     w = min(m, stages - stage)
     replay = _replay(d, steps, m, w)
     predicted = int(lt.replay(free_row=replay.free_row, alloc_row=replay.alloc_row).max())
@@ -140,7 +141,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         fix=FIX.format(m=m) if anomalous else None,
         predicted_peak_bytes=predicted if anomalous else None,
         saving_bytes=saving if anomalous else None, evidence=evidence,
-        replay=replay if anomalous else None)]
+        replay=replay if anomalous else None, members=np.flatnonzero(held_mask))]
 
 
 RULE = Rule(
