@@ -113,7 +113,7 @@ def main() -> None:
     p.add_argument("--from", dest="src", type=Path, nargs="+", help="matrices recorded earlier")
     p.add_argument("--keep", type=Path, help="record into this folder (one subfolder a run)")
     a = p.parse_args()
-    from snapforensics.examples.scenario_layouts import LAYOUTS
+    from snapforensics.examples.scenarios.layouts import LAYOUTS
 
     only = [n for n in a.only.split(",") if n]
     unknown = [n for n in only if n not in LAYOUTS]

@@ -29,7 +29,7 @@ import numpy as np
 from snapforensics.analysis.compare import Comparison as _Comparison
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Diagnosis
-from snapforensics.analysis.forecast_documents import Forecast as _Forecast
+from snapforensics.analysis.forecast.documents import Forecast as _Forecast
 from snapforensics.analysis.stacks import is_noise
 from snapforensics.snapshot.model import Frame, Snapshot
 
@@ -84,8 +84,8 @@ def forecast(source: str | Path | Snapshot, world_sizes=(), strategies=(), check
     sizes, strategies (full_shard, shard_grad_op, no_shard, hsdp:R), checkpointing (none,
     full), micro-batch scales; `capacity` in bytes or a size with its unit ("80GiB").
     `.to_frame()` is one row per scenario."""
-    from snapforensics.analysis.forecast import forecast as _forecast
-    from snapforensics.analysis.forecast_capacity import parse_size
+    from snapforensics.analysis.forecast.capacity import parse_size
+    from snapforensics.analysis.forecast.core import forecast as _forecast
 
     snap = source if isinstance(source, Snapshot) else load(source)
     cap = parse_size(capacity) if isinstance(capacity, str) else capacity

@@ -78,7 +78,7 @@ def matrix(tmp_path_factory) -> Path:
     pytest.importorskip("torch")
     from recordings import matrix_folders
 
-    from snapforensics.examples.scenario_layouts import LAYOUTS
+    from snapforensics.examples.scenarios.layouts import LAYOUTS
 
     reuse = os.environ.get("SNAPFORENSICS_MATRIX")
     if reuse:

@@ -19,10 +19,10 @@ import pytest
 from corpus import corpus_file
 
 from snapforensics.analysis.context import analyse
-from snapforensics.analysis.forecast import forecast, forecast_frame
-from snapforensics.analysis.forecast_capacity import parse_size
-from snapforensics.analysis.forecast_documents import Scenario
-from snapforensics.analysis.forecast_replay import Forecaster
+from snapforensics.analysis.forecast.capacity import parse_size
+from snapforensics.analysis.forecast.core import forecast, forecast_frame
+from snapforensics.analysis.forecast.documents import Scenario
+from snapforensics.analysis.forecast.replay import Forecaster
 from snapforensics.analysis.rules import fsdp_reshard
 from snapforensics.snapshot import load
 
@@ -387,7 +387,7 @@ def test_buggy_run_with_its_fix_forecasts_like_the_fixed_run(recording):
 
 
 def test_every_scenario_carries_its_error_band_and_says_what_was_never_validated(recording):
-    from snapforensics.analysis import forecast_band
+    from snapforensics.analysis.forecast import band as forecast_band
     from snapforensics.report.registry import render
 
     f = forecast(load(recording("fixed")), world_sizes=[2, 4, 64],

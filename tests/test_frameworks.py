@@ -1,4 +1,4 @@
-"""Fixes in the user's own framework (analysis/frameworks.py, analysis/framework_fixes.py).
+"""Fixes in the user's own framework (analysis/frameworks/detect.py, analysis/frameworks/fixes.py).
 
 Tiers: the fixture tests run everywhere (`make test-fast`); the rest need the `frameworks`
 extra (transformers, accelerate; `pip install -e .[frameworks]`; not in the Makefile venv: it
@@ -21,8 +21,8 @@ from findings import near
 from recordings import REPO, _env, _slot
 
 from snapforensics.analysis.diagnosis import Finding
-from snapforensics.analysis.framework_fixes import localize
-from snapforensics.analysis.frameworks import Framework, Layer
+from snapforensics.analysis.frameworks.detect import Framework, Layer
+from snapforensics.analysis.frameworks.fixes import localize
 from snapforensics.analysis.vocab import Verdict
 
 needs_hf = pytest.mark.skipif(
@@ -91,7 +91,7 @@ def test_fabric_fsdp1_units_named_through_its_fsdp_subclass(fixtures_dir):
 
 def test_frameworks_from_frames():
     """Each framework recognized from its package's frames; the owner is the outermost."""
-    from snapforensics.analysis.frameworks import detect
+    from snapforensics.analysis.frameworks.detect import detect
     from snapforensics.snapshot.model import Frame
 
     class Snap:
@@ -342,7 +342,7 @@ def test_what_accelerate_fsdp2_activation_checkpointing_wraps(one_rank_group):
 def test_every_framework_form_compiles_and_names_the_layer():
     """Each rule's fix, localized for each framework and FSDP generation, compiles as Python,
     opens with the run's framework and layer and keeps the raw-torch form below."""
-    from snapforensics.analysis.framework_fixes import _FORMS
+    from snapforensics.analysis.frameworks.fixes import _FORMS
 
     layer = Layer("LlamaDecoderLayer", "model.layers", (0, 1, 2, 3))
     for rule, forms in _FORMS.items():
@@ -363,7 +363,7 @@ def test_fsdp2_fixes_name_the_framework_keys_that_do_nothing():
     """The HF Trainer's and accelerate's FSDP2 reshard fix names what FSDP2 ignores or refuses
     (transformers 5.23 / accelerate 1.15 sources, framework_fixes `_FSDP2_*_NOOPS`) and still
     compiles; the FSDP1 forms, where those keys work, do not carry the line."""
-    from snapforensics.analysis.framework_fixes import _FORMS
+    from snapforensics.analysis.frameworks.fixes import _FORMS
 
     layer = Layer("LlamaDecoderLayer", "model.layers", (0, 1, 2, 3))
     keys = {"hf_trainer": ("sharding_strategy", "backward_prefetch", "forward_prefetch",
@@ -412,7 +412,7 @@ def test_fsdp2_noop_plugin_fields_are_what_installed_accelerate_does():
     from accelerate import FullyShardedDataParallelPlugin
     from accelerate.utils import fsdp_utils
 
-    from snapforensics.analysis.framework_fixes import _FSDP2_PLUGIN_NOOPS
+    from snapforensics.analysis.frameworks.fixes import _FSDP2_PLUGIN_NOOPS
 
     dropped, refused = _FSDP2_PLUGIN_NOOPS.removeprefix("# FSDP2 drops ").split("; refuses ")
     values = {"backward_prefetch": "BACKWARD_PRE", "use_orig_params": True,

@@ -56,7 +56,7 @@ PREDICTION_TOLERANCE = 0.05
 
 def _layouts() -> dict:
     pytest.importorskip("torch")
-    from snapforensics.examples.scenario_layouts import LAYOUTS
+    from snapforensics.examples.scenarios.layouts import LAYOUTS
 
     return LAYOUTS
 
@@ -132,7 +132,7 @@ def expectation(matrix: Path, name: str) -> tuple[set[str], set[str], float | No
 
 def _names() -> list[str]:
     try:
-        from snapforensics.examples.scenario_layouts import LAYOUTS
+        from snapforensics.examples.scenarios.layouts import LAYOUTS
     except Exception:  # no torch: the fixture skips
         return ["(no torch)"]
     return list(LAYOUTS)

@@ -26,7 +26,7 @@ from mdtext import rendered_text, tokens
 from snapforensics.analysis import Finding, diagnose
 from snapforensics.analysis.compare import compare
 from snapforensics.analysis.fleet import fleet
-from snapforensics.analysis.forecast import forecast
+from snapforensics.analysis.forecast.core import forecast
 from snapforensics.analysis.gate import compare_runs
 from snapforensics.analysis.rules import fsdp_reshard
 from snapforensics.report import plot, render

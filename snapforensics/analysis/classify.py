@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from snapforensics.analysis.fsdp_ranges import parse as parse_range
+from snapforensics.analysis.fsdp.ranges import parse as parse_range
 from snapforensics.analysis.stacks import is_native
 from snapforensics.analysis.vocab import Category, Phase
 from snapforensics.snapshot.model import Frame

@@ -14,7 +14,7 @@ import numpy as np
 from snapforensics.analysis import lifetimes, phases
 from snapforensics.analysis.allocator import Allocator
 from snapforensics.analysis.classify import PATHS, StackInfo, classify
-from snapforensics.analysis.fsdp_units import FsdpUnits, name_fsdp1_backward, name_fsdp1_units
+from snapforensics.analysis.fsdp.units import FsdpUnits, name_fsdp1_backward, name_fsdp1_units
 from snapforensics.analysis.stacks import is_native, is_noise
 from snapforensics.analysis.vocab import BACKWARD_PHASES, CAT_CODE, CATEGORIES, Category, Phase
 from snapforensics.snapshot.model import ALLOC, NO_STACK, Snapshot, Trace

@@ -128,7 +128,8 @@ class Diagnosis:
     devices: list[DeviceSummary]
     findings: list[Finding]
     tool: str = ""
-    # the training framework and the user's layer as the run shows them (analysis/frameworks.py)
+    # the training framework and the user's layer as the run shows them
+    # (analysis/frameworks/detect.py)
     framework: dict[str, Any] = field(default_factory=dict)
 
     @property

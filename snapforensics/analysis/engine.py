@@ -7,11 +7,13 @@ import re
 import numpy as np
 
 from snapforensics import __version__
-from snapforensics.analysis import framework_fixes, frameworks, timeline
+from snapforensics.analysis import timeline
 from snapforensics.analysis.context import DeviceAnalysis, analyse
 from snapforensics.analysis.diagnosis import DeviceSummary, Diagnosis, Finding, top_anomaly
 from snapforensics.analysis.evidence import human, top_stacks
 from snapforensics.analysis.evidence import peaks as phase_peaks
+from snapforensics.analysis.frameworks import detect as frameworks
+from snapforensics.analysis.frameworks import fixes as framework_fixes
 from snapforensics.analysis.rules import run_rules
 from snapforensics.analysis.vocab import Phase
 from snapforensics.snapshot.model import Snapshot, Trace

@@ -108,8 +108,8 @@ def forecast_command(snapshot: Path, world_size, strategy, checkpointing, micro_
     it and the trace replayed; with --capacity, which scenarios fit. A run with an anomaly is
     forecast as recorded and with the fix applied. Each scenario carries the error band
     measured on recorded pairs; model, band and limits below."""
-    from snapforensics.analysis.forecast import forecast
-    from snapforensics.analysis.forecast_capacity import parse_size
+    from snapforensics.analysis.forecast.capacity import parse_size
+    from snapforensics.analysis.forecast.core import forecast
     from snapforensics.report.output import choose_format, emit
     from snapforensics.snapshot import load
 

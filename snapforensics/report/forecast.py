@@ -4,10 +4,10 @@ path and notes (which quote rule ids) pass through the sink's function of report
 
 from __future__ import annotations
 
-from snapforensics.analysis import forecast_band
 from snapforensics.analysis.evidence import human
-from snapforensics.analysis.forecast_documents import Forecast, Prediction
-from snapforensics.analysis.forecast_scaling import SCALING_TEXT
+from snapforensics.analysis.forecast import band as forecast_band
+from snapforensics.analysis.forecast.documents import Forecast, Prediction
+from snapforensics.analysis.forecast.scaling import SCALING_TEXT
 from snapforensics.report.registry import PLAIN, Screen
 from snapforensics.report.sanitize import FRAME, ROWS, TEXT
 from snapforensics.report.sanitize import html as h

@@ -40,11 +40,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from snapforensics.analysis import fsdp_ranges
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding
 from snapforensics.analysis.evidence import counterfactual, human, lowers_peak, seen_in
-from snapforensics.analysis.fsdp_units import ROOT
+from snapforensics.analysis.fsdp import ranges as fsdp_ranges
+from snapforensics.analysis.fsdp.units import ROOT
 from snapforensics.analysis.rule import Family, Rule
 from snapforensics.analysis.vocab import Category, Phase, Verdict
 

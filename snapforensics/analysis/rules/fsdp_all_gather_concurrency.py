@@ -29,7 +29,7 @@ import numpy as np
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding
 from snapforensics.analysis.evidence import by_module, counterfactual, human, top_stacks
-from snapforensics.analysis.fsdp_units import forward_end, unit_of_event
+from snapforensics.analysis.fsdp.units import forward_end, unit_of_event
 from snapforensics.analysis.rule import Family, Rule
 from snapforensics.analysis.vocab import BACKWARD_PHASES, CAT_CODE, Category, Phase, Verdict
 

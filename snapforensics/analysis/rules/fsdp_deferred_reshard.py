@@ -18,7 +18,7 @@ import numpy as np
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding
 from snapforensics.analysis.evidence import by_module, counterfactual, human, max_alive, top_stacks
-from snapforensics.analysis.fsdp_units import reshard_rows
+from snapforensics.analysis.fsdp.units import reshard_rows
 from snapforensics.analysis.rule import Family, Rule
 from snapforensics.analysis.vocab import Verdict
 

@@ -32,7 +32,7 @@ from snapforensics.analysis.evidence import (
     seen_in,
     top_stacks,
 )
-from snapforensics.analysis.fsdp_units import FsdpUnits, forward_end, unit_of_event
+from snapforensics.analysis.fsdp.units import FsdpUnits, forward_end, unit_of_event
 from snapforensics.analysis.rule import Family, Rule
 from snapforensics.analysis.vocab import BACKWARD_PHASES, Verdict
 

@@ -24,7 +24,7 @@ import numpy as np
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding
 from snapforensics.analysis.evidence import human, peaks, top_stacks
-from snapforensics.analysis.fsdp_units import FsdpUnits
+from snapforensics.analysis.fsdp.units import FsdpUnits
 from snapforensics.analysis.rule import Family, Rule
 from snapforensics.analysis.vocab import CAT_CODE, Category, Verdict
 

@@ -27,7 +27,7 @@ from snapforensics.analysis.evidence import (
     seen_in,
     top_stacks,
 )
-from snapforensics.analysis.fsdp_units import reshard_rows
+from snapforensics.analysis.fsdp.units import reshard_rows
 from snapforensics.analysis.rule import Family, Rule
 from snapforensics.analysis.vocab import Verdict
 

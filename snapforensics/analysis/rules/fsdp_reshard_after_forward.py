@@ -30,7 +30,7 @@ import numpy as np
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding
 from snapforensics.analysis.evidence import human, peaks, seen_in, top_stacks
-from snapforensics.analysis.fsdp_units import ROOT, forward_end
+from snapforensics.analysis.fsdp.units import ROOT, forward_end
 from snapforensics.analysis.phases import Iteration
 from snapforensics.analysis.rule import Family, Rule
 from snapforensics.analysis.vocab import Category, Phase, Verdict

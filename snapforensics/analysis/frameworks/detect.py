@@ -3,7 +3,7 @@
 Most FSDP users do not call `fully_shard` themselves: they train with Hugging Face
 `transformers` (Trainer), `accelerate`'s FSDP plugin, Lightning (Trainer or Fabric) or
 torchtitan. A fix is only useful in the terms the user configures, so the report states the
-framework and the fix text (`analysis/framework_fixes.py`) speaks it.
+framework and the fix text (`analysis/frameworks/fixes.py`) speaks it.
 
 Recognized from what the file shows, never guessed from one name alone:
 - the package of the frames on the stacks (`transformers/`, `transformers/trainer.py`,

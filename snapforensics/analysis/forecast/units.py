@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from snapforensics.analysis import fsdp_ranges
 from snapforensics.analysis.context import DeviceAnalysis
-from snapforensics.analysis.forecast_documents import FULL_SHARD, SHARD_GRAD_OP
-from snapforensics.analysis.fsdp_units import ROOT, forward_end
+from snapforensics.analysis.forecast.documents import FULL_SHARD, SHARD_GRAD_OP
+from snapforensics.analysis.fsdp import ranges as fsdp_ranges
+from snapforensics.analysis.fsdp.units import ROOT, forward_end
 from snapforensics.analysis.vocab import BACKWARD_PHASES, Category, Phase
 
 

@@ -47,8 +47,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from snapforensics.examples.fsdp_ckpt import Transformer
-from snapforensics.examples.scenario_layouts import LAYOUTS, Layout
-from snapforensics.examples.scenario_models import (
+from snapforensics.examples.scenarios.layouts import LAYOUTS, Layout
+from snapforensics.examples.scenarios.models import (
     BATCH,
     HEADS,
     SEQ,
@@ -58,8 +58,8 @@ from snapforensics.examples.scenario_models import (
     ResMLP,
     TiedEncoder,
 )
-from snapforensics.examples.scenario_probe import Probe, tensor_bytes
-from snapforensics.examples.scenario_wrapping import Ctx
+from snapforensics.examples.scenarios.probe import Probe, tensor_bytes
+from snapforensics.examples.scenarios.wrapping import Ctx
 
 
 def _build(lay: Layout, device: torch.device) -> nn.Module:

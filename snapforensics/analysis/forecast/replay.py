@@ -9,9 +9,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from snapforensics.analysis import forecast_band as band_data
 from snapforensics.analysis.context import DeviceAnalysis
-from snapforensics.analysis.forecast_documents import (
+from snapforensics.analysis.forecast import band as band_data
+from snapforensics.analysis.forecast.documents import (
     FULL,
     FULL_SHARD,
     NO_SHARD,
@@ -21,7 +21,7 @@ from snapforensics.analysis.forecast_documents import (
     Refused,
     Scenario,
 )
-from snapforensics.analysis.forecast_plans import (
+from snapforensics.analysis.forecast.plans import (
     Plan,
     base_plan,
     to_checkpointed,
@@ -30,8 +30,8 @@ from snapforensics.analysis.forecast_plans import (
     to_not_checkpointed,
     to_shard_grad_op,
 )
-from snapforensics.analysis.forecast_scaling import CONST, SCALING, scaled_sizes, scaling
-from snapforensics.analysis.forecast_units import detect_strategy, units
+from snapforensics.analysis.forecast.scaling import CONST, SCALING, scaled_sizes, scaling
+from snapforensics.analysis.forecast.units import detect_strategy, units
 from snapforensics.analysis.rules import run_rules
 from snapforensics.analysis.vocab import CAT_CODE, CATEGORIES, Category, Phase, Verdict
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from snapforensics.analysis import fsdp_ranges
 from snapforensics.analysis.context import DeviceAnalysis
-from snapforensics.analysis.forecast_documents import Scenario
+from snapforensics.analysis.forecast.documents import Scenario
+from snapforensics.analysis.fsdp import ranges as fsdp_ranges
 from snapforensics.analysis.vocab import BACKWARD_PHASES, CAT_CODE, Category, Phase
 
 # Scaling classes.

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from snapforensics.examples.scenario_models import DIM, LAYERS
-from snapforensics.examples.scenario_wrapping import (
+from snapforensics.examples.scenarios.models import DIM, LAYERS
+from snapforensics.examples.scenarios.wrapping import (
     w_aac,
     w_block,
     w_ddp,

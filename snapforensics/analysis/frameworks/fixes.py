@@ -1,8 +1,8 @@
 """A fix in the user's own framework, with the raw-torch form beside it.
 
 Rules state their fix in raw torch (`fully_shard`, `set_reshard_after_backward`). Most users
-configure FSDP through a framework (`analysis/frameworks.py` recognizes which); this layer puts,
-above the rule's fix, the same change in that framework's terms (accelerate's
+configure FSDP through a framework (`analysis/frameworks/detect.py` recognizes which); this layer
+puts, above the rule's fix, the same change in that framework's terms (accelerate's
 `FullyShardedDataParallelPlugin` / `GradientAccumulationPlugin` fields, the HF Trainer's
 `fsdp` / `fsdp_config`, Lightning's strategy arguments, torchtitan's config fields) and names the
 user's layer class and module path as the run shows them. Where the framework has no switch for
@@ -18,7 +18,7 @@ import re
 from collections.abc import Callable
 
 from snapforensics.analysis.diagnosis import Finding
-from snapforensics.analysis.frameworks import Framework
+from snapforensics.analysis.frameworks.detect import Framework
 
 _RAB = "fsdp.unsharded_params_not_resharded"
 _RAF = "fsdp.reshard_after_forward_disabled"

@@ -27,9 +27,9 @@ with the reason, never guessed.
 from dataclasses import replace
 
 from snapforensics.analysis.context import analyse
-from snapforensics.analysis.forecast_capacity import capacity_fit
-from snapforensics.analysis.forecast_documents import Forecast, Prediction, Scenario
-from snapforensics.analysis.forecast_replay import Forecaster
+from snapforensics.analysis.forecast.capacity import capacity_fit
+from snapforensics.analysis.forecast.documents import Forecast, Prediction, Scenario
+from snapforensics.analysis.forecast.replay import Forecaster
 from snapforensics.snapshot.model import Snapshot
 
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from snapforensics.analysis.context import DeviceAnalysis
-from snapforensics.analysis.forecast_units import Unit
-from snapforensics.analysis.fsdp_units import forward_end
+from snapforensics.analysis.forecast.units import Unit
+from snapforensics.analysis.fsdp.units import forward_end
 from snapforensics.analysis.vocab import Category, Phase
 
 

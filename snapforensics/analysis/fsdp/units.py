@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from snapforensics.analysis import fsdp_ranges
 from snapforensics.analysis.classify import PATHS
+from snapforensics.analysis.fsdp import ranges as fsdp_ranges
 from snapforensics.analysis.phases import Iteration
 from snapforensics.analysis.stacks import python_frames
 from snapforensics.analysis.vocab import BACKWARD_PHASES, CAT_CODE, Category

@@ -7,8 +7,8 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
-from snapforensics.analysis.forecast_documents import FULL, FULL_SHARD, Scenario
-from snapforensics.analysis.forecast_replay import Forecaster
+from snapforensics.analysis.forecast.documents import FULL, FULL_SHARD, Scenario
+from snapforensics.analysis.forecast.replay import Forecaster
 
 # World sizes tried for --capacity: powers of two (FSDP meshes are), up to 2**16 ranks.
 _FIT_WORLDS = [2 ** i for i in range(17)]

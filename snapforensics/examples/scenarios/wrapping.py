@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from snapforensics.examples.fsdp_ckpt import Block
-from snapforensics.examples.scenario_models import ResBlock
+from snapforensics.examples.scenarios.models import ResBlock
 
 
 @dataclass
