@@ -10,7 +10,8 @@ so a failure names everything needed to reproduce it:
 
 Mutations (one to three per mutant), each at an opcode boundary found by pickletools.genops:
 a bit flipped in an opcode or its argument, an opcode deleted, duplicated or swapped with the
-next one, a memo index (GET/PUT) changed, the stream cut short, a FRAME's length changed.
+next one, a stack or mark opcode inserted, a memo index (GET/PUT) changed, the stream cut short,
+a FRAME's length changed.
 
 Read paths: the streaming C reader (the default), the C unpickler + C columns
 (SNAPFORENSICS_STREAM=0), pure Python (SNAPFORENSICS_PURE_PYTHON=1). Both switches are read from
@@ -50,7 +51,13 @@ PATHS: dict[str, dict[str, str]] = {
     "pure": {"SNAPFORENSICS_PURE_PYTHON": "1"},
 }
 _SWITCHES = ("SNAPFORENSICS_STREAM", "SNAPFORENSICS_PURE_PYTHON")
-MUTATIONS = ("flip", "delete", "duplicate", "swap", "memo", "truncate", "frame")
+MUTATIONS = ("flip", "delete", "duplicate", "swap", "memo", "truncate", "frame", "insert")
+# opcodes `insert` puts at an opcode boundary: the ones that push, pop or read the stack top and
+# the mark fence (issue 26: MEMOIZE after MARK, MARK before STOP, two MARKs then APPENDS)
+INSERTS = {"MARK": b"(", "MEMOIZE": b"\x94", "POP": b"0", "POP_MARK": b"1", "DUP": b"2",
+           "STOP": b".", "NONE": b"N", "EMPTY_LIST": b"]", "EMPTY_DICT": b"}", "APPEND": b"a",
+           "APPENDS": b"e", "SETITEM": b"s", "SETITEMS": b"u", "TUPLE1": b"\x85",
+           "BINGET 0": b"h\x00", "BININT1 7": b"K\x07"}
 _GETS = {"BINGET": "<B", "LONG_BINGET": "<I", "BINPUT": "<B", "LONG_BINPUT": "<I"}
 
 
@@ -102,6 +109,10 @@ def _mutate(src: Source, data: bytearray, rng: random.Random) -> str:
     if kind == "duplicate":
         data[b:b] = data[a:b]
         return f"duplicate {name} at {a}"
+    if kind == "insert":
+        op = rng.choice(sorted(INSERTS))
+        data[a:a] = INSERTS[op]
+        return f"insert {op} before {name} at {a}"
     if kind == "swap" and k + 1 < len(ops):
         n2, _, c = ops[k + 1]
         c = min(c, len(data))

@@ -45,3 +45,25 @@ def test_ci_population_agrees():
 @pytest.mark.parametrize("seed", [1, 2, 3, 4])
 def test_full_population_agrees(seed):
     _check(1000 + seed, 10 * COUNT)
+
+
+def test_the_comparison_sees_a_difference(tmp_path):
+    """The check can fail: one row's size changed in one path's Snapshot is a disagreement."""
+    import gzip
+
+    from differential import FIXTURES, compare, disagreement, read
+
+    data = gzip.decompress(FIXTURES[0].read_bytes())
+    results = compare(data, FIXTURES[0].name)
+    assert disagreement(results) == "", results.keys()
+    p = tmp_path / "x.pickle"
+    p.write_bytes(data)
+    from snapforensics.snapshot import load
+    snap = load(p)
+    t = snap.active_traces[0]
+    t.size[0] += 1
+    snap.source = "<file>"
+    from differential import canonical
+    results["pure"] = ("ok", canonical(snap))
+    assert read(p, "stream")[0] == "ok"
+    assert disagreement(results) == "the paths give different Snapshots"
