@@ -5,6 +5,14 @@ API): exit, time, peak RSS, stderr lines.
     python benchmarks/bench_hostile.py                       # this tree only
     python benchmarks/bench_hostile.py --before /tmp/old     # side by side with another checkout
     python benchmarks/bench_hostile.py fifo_cached glob_fifo # some cases only
+    python benchmarks/bench_hostile.py --shapes26            # issue 26: per shape, per read path
+
+--shapes26 builds each shape of tests/shapes26.py and times it in the three read paths
+(default = the stream reader; SNAPFORENSICS_STREAM=0; SNAPFORENSICS_PURE_PYTHON=1, each with
+SNAPFORENSICS_NO_CACHE=1) and in the baseline (`gc.disable(); pickle.load(f)` of the same bytes,
+in a subprocess under the same caps): wall seconds, and the time and peak RSS above the floor (the
+same command on a 2-entry snapshot: interpreter start, imports) per pickle byte, as s/MB and
+bytes/byte (a linear, bounded read has both flat across sizes).
 
 Each run is one subprocess (its own session, killed as a group at the limit) under an
 address-space cap (--memory, default 4 GiB) and a time limit (--seconds, default 120); the peak
@@ -35,6 +43,13 @@ from hostile import CASES  # noqa: E402
 
 def run(tree: Path, argv: list[str], memory: int, seconds: int,
         extra_env: dict[str, str] | None = None) -> str:
+    code_s, wall, rss, lines = measure(tree, argv, memory, seconds, extra_env)
+    return f"exit {code_s}, {wall:.1f} s, {rss / 1e6:.0f} MB, {lines} stderr lines"
+
+
+def measure(tree: Path, argv: list[str], memory: int, seconds: int,
+            extra_env: dict[str, str] | None = None) -> tuple[str, float, int, int]:
+    """(exit code or "killed", wall seconds, peak RSS bytes, stderr lines) of one subprocess."""
     def cap() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
 
@@ -64,7 +79,67 @@ def run(tree: Path, argv: list[str], memory: int, seconds: int,
         err.seek(0)
         lines = len(err.read().decode(errors="replace").strip().splitlines())
     code_s = "killed" if killed else (f"{128 - code}" if code < 0 else str(code))
-    return f"exit {code_s}, {wall:.1f} s, {ru.ru_maxrss / 1024:.0f} MB, {lines} stderr lines"
+    return code_s, wall, ru.ru_maxrss * 1024, lines
+
+
+PATHS = {"stream": {}, "no_stream": {"SNAPFORENSICS_STREAM": "0"},
+         "pure": {"SNAPFORENSICS_PURE_PYTHON": "1"}}
+_BASELINE = ("import gc, gzip, pickle, sys\n"
+             "data = open(sys.argv[1], 'rb').read()\n"
+             "data = gzip.decompress(data) if data[:2] == b'\\x1f\\x8b' else data\n"
+             "gc.disable()\n"
+             "import io; pickle.load(io.BytesIO(data))\n")
+
+
+def shapes26(names: list[str], memory: int, seconds: int) -> None:
+    """Issue 26's table: per shape, the baseline and each read path (module docstring)."""
+    import gzip
+
+    from hostile import EMPTY_LIST, entry, pkl, snapshot_dict, trace_of
+    from shapes26 import SHAPES
+
+    env = {"SNAPFORENSICS_NO_CACHE": "1"}
+    for k in ("SNAPFORENSICS_STREAM", "SNAPFORENSICS_PURE_PYTHON", "SNAPFORENSICS_LOAD_MEMORY"):
+        os.environ.pop(k, None)
+    cells = " | ".join(f"{p} wall, s/MB | {p} RSS/byte" for p in PATHS)
+    print(f"| shape | pickle bytes | base wall, s/MB | base RSS/byte | {cells} |")
+    print("|---|---:|---:|---:|" + "---:|---:|" * len(PATHS))
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny = Path(tmp) / "tiny.pickle"
+        tiny.write_bytes(pkl(snapshot_dict(EMPTY_LIST, trace_of([entry(),
+                                                                 entry("free_completed")]))))
+
+        def least(argv: list[str], extra: dict[str, str]) -> tuple[str, float, int, int]:
+            return min((measure(ROOT, argv, memory, seconds, extra) for _ in range(3)),
+                       key=lambda m: m[1])  # the floor: the fastest of 3 (start-up noise)
+        floor = {p: least(["-m", "snapforensics", "diagnose", str(tiny), "--format", "json"],
+                          {**env, **e}) for p, e in PATHS.items()}
+        base_floor = least(["-c", _BASELINE, str(tiny)], {})
+
+        def cell(m: tuple[str, float, int, int], fl: tuple[str, float, int, int],
+                 size: int) -> list[str]:
+            code, wall, rss, _ = m
+            mb = size / 1e6
+            return [f"{wall:.2f} s, {max(0.0, wall - fl[1]) / mb:.2f} s/MB, exit {code}",
+                    f"{max(0, rss - fl[2]) / size:.1f}"]
+
+        for name, build in SHAPES:
+            if names and name not in names:
+                continue
+            path = build(Path(tmp))
+            data = path.read_bytes()
+            size = len(gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data)
+            row = [name, f"{size:,}",
+                   *cell(measure(ROOT, ["-c", _BASELINE, str(path)], memory, seconds),
+                         base_floor, size)]
+            for p, e in PATHS.items():
+                row += cell(measure(ROOT, ["-m", "snapforensics", "diagnose", str(path),
+                                           "--format", "json"], memory, seconds, {**env, **e}),
+                            floor[p], size)
+            print("| " + " | ".join(row) + " |", flush=True)
+        print(f"\nfloors (the same command on a {tiny.stat().st_size}-byte snapshot): base "
+              f"{base_floor[2] / 1e6:.0f} MB {base_floor[1]:.2f} s, "
+              + ", ".join(f"{p} {v[2] / 1e6:.0f} MB {v[1]:.2f} s" for p, v in floor.items()))
 
 
 def main() -> None:
@@ -72,8 +147,13 @@ def main() -> None:
     ap.add_argument("--before", type=Path, help="checkout of the code before the change")
     ap.add_argument("--memory", type=int, default=4 << 30)
     ap.add_argument("--seconds", type=int, default=120)
+    ap.add_argument("--shapes26", action="store_true",
+                    help="issue 26's shapes (tests/shapes26.py) per read path, vs pickle.load")
     ap.add_argument("cases", nargs="*", help="case names (default: all)")
     args = ap.parse_args()
+    if args.shapes26:
+        shapes26(args.cases, args.memory, args.seconds)
+        return
     names = args.cases or [*CASES, *ATTACKS]
     print("| attack | file | before | after |\n|---|---:|---|---|")
     for name in names:
