@@ -92,6 +92,8 @@ def sources(fixtures: bool = True) -> tuple[Source, ...]:
 
 def _mutate(src: Source, data: bytearray, rng: random.Random) -> str:
     """One mutation of `data` (at `src`'s opcode boundaries while they still hold); its name."""
+    if not data:  # an earlier edit truncated it all: nothing left to mutate
+        return "empty"
     kind = rng.choice(MUTATIONS)
     ops = src.ops
     k = rng.randrange(len(ops))
