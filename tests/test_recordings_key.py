@@ -41,7 +41,7 @@ def test_every_module_a_recording_is_made_of_is_in_its_key():
     # what runs to make a recording: the job runners, the example's modules (the matrix runner
     # included), what `snapforensics record` runs; and everything they import, transitively
     todo = [REPO / "tests" / "record_example.py", REPO / "snapforensics" / "commands" / "record.py",
-            *sorted((REPO / "snapforensics" / "examples").glob("*.py"))]
+            *sorted((REPO / "snapforensics" / "examples").rglob("*.py"))]
     seen: set[Path] = set()
     while todo:
         path = todo.pop()
@@ -53,6 +53,6 @@ def test_every_module_a_recording_is_made_of_is_in_its_key():
     # report/sanitize.py), never what a recording holds
     made_of = {p for p in seen if not p.is_relative_to(REPO / "snapforensics" / "report")}
     assert len(made_of) > 10, sorted(made_of)  # the walk found the examples and the recorder
-    assert {"scenarios.py", "scenario_layouts.py", "fsdp_ckpt.py"} <= {p.name for p in made_of}
+    assert {"run.py", "layouts.py", "fsdp_ckpt.py"} <= {p.name for p in made_of}
     missing = sorted(str(p.relative_to(REPO)) for p in made_of if not _covered(p))
     assert not missing, f"recordings.SOURCES lacks {missing}"
