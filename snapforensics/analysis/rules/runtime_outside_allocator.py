@@ -34,8 +34,9 @@ def samples(d: DeviceAnalysis) -> list[dict]:
             continue
         used, reserved = s.get("used_bytes"), s.get("reserved_bytes")
         if type(used) is int and type(reserved) is int and used >= 0 and reserved >= 0:
-            step = s.get("step")
-            out.append({"step": step if type(step) in (int, str) else None, "used_bytes": used,
+            step = s.get("step")  # the recorder writes an int, "start" or "end": nothing else
+            step = step if type(step) is int or step in ("start", "end") else None
+            out.append({"step": step, "used_bytes": used,
                         "reserved_bytes": reserved, "gap_bytes": used - reserved})
     return out
 
