@@ -72,6 +72,13 @@ def _all_forward_first(step: dict[tuple[str, int], Span]) -> int:
     return m if max(step[("Forward", i)][0] for i in fwd) < first_b else 0
 
 
+def _made_in_forward(step: dict[tuple[str, int], Span], k: int, m: int) -> Span:
+    """Rows of micro-batch k's forward: its `Forward k` to the next one's (the loss a last stage
+    computes after the range belongs to it), the last one's to the first `Backward`."""
+    end = step[("Forward", k + 1)][0] if k + 1 < m else step[("Backward", 0)][0]
+    return step[("Forward", k)][0], end
+
+
 def _replay(d: DeviceAnalysis, steps: list[dict[tuple[str, int], Span]], m: int, w: int
             ) -> Replay:
     lt = d.lt
@@ -79,8 +86,7 @@ def _replay(d: DeviceAnalysis, steps: list[dict[tuple[str, int], Span]], m: int,
     freed_phase = d.tl.phase[np.clip(lt.free_row, 0, max(lt.rows - 1, 0))]
     for step in steps:
         for k in range(w, m):
-            f0 = step[("Forward", k)][0]
-            f1 = step[("Forward", k + 1)][0] if k + 1 < m else step[("Backward", 0)][0]
+            f0, f1 = _made_in_forward(step, k, m)
             off = step[("Backward", k - w)][1] - f0
             made = (lt.alloc_row >= f0) & (lt.alloc_row < f1)
             ar[made] += off
@@ -96,18 +102,17 @@ def _replay(d: DeviceAnalysis, steps: list[dict[tuple[str, int], Span]], m: int,
 
 
 def check(d: DeviceAnalysis) -> list[Finding]:
-    steps = [s for s in _steps(d) if _all_forward_first(s)]
-    if not steps or d.peak_row < 0:
+    counted = [(_all_forward_first(s), s) for s in _steps(d)]
+    m = max((n for n, _ in counted), default=0)
+    if not m or d.peak_row < 0:
         return []
-    m = max(_all_forward_first(s) for s in steps)
-    steps = [s for s in steps if _all_forward_first(s) == m]
+    steps = [s for n, s in counted if n == m]
     lt, p = d.lt, d.peak_row
     # the micro-batch of each block: the `Forward k` span it was made in
     mb = np.full(len(lt), -1, np.int64)
     for step in steps:
         for k in range(m):
-            f0 = step[("Forward", k)][0]
-            f1 = step[("Forward", k + 1)][0] if k + 1 < m else step[("Backward", 0)][0]
+            f0, f1 = _made_in_forward(step, k, m)
             mb[(lt.alloc_row >= f0) & (lt.alloc_row < f1)] = k
     held_mask = lt.alive_at(p) & (mb >= 0)
     held = sorted(set(mb[held_mask].tolist()))
