@@ -168,6 +168,45 @@ def colliding_int_keys(d: Path, n: int = 60_000) -> Path:
     return _write(d, "colliding_keys.pickle", pkl(_root(Memo(), before, EMPTY_LIST)))
 
 
+_M64 = (1 << 64) - 1
+_X1, _X2, _X5 = 11400714785074694791, 14029467366897019727, 2870177450012600261
+
+
+def _lane_after(acc: int, lane: int) -> int:
+    """CPython's tuple hash (xxHash, 64-bit): one item's lane folded into the accumulator."""
+    acc = (acc + lane * _X2) & _M64
+    return (((acc << 31) | (acc >> 33)) & _M64) * _X1 & _M64
+
+
+def colliding_pairs(n: int, target: int = 12345) -> list[tuple[int, int]]:
+    """`n` pairs (a, b) of ints whose tuple hashes are all `target`: for each a, the second lane
+    that lands on it solved backwards (rotation and odd multiplication invert), kept when it is
+    an int's own hash."""
+    p61 = (1 << 61) - 1
+    inv1, inv2 = pow(_X1, -1, 1 << 64), pow(_X2, -1, 1 << 64)
+    final = (target - (2 ^ (_X5 ^ 3527539))) & _M64
+    before = final * inv1 & _M64
+    before = ((before >> 31) | (before << 33)) & _M64
+    out, a = [], 0
+    while len(out) < n:
+        a += 1
+        lane = (before - _lane_after(_X5, a)) * inv2 & _M64
+        b = lane - (1 << 64) if lane >> 63 else lane
+        if -p61 < b < p61 and b != -1:
+            out.append((a, b))
+    return out
+
+
+def colliding_pool_ids(d: Path, n: int = 30_000) -> Path:
+    """7b: entries whose pool_id pairs all hash alike (what normalization deduplicated in a dict),
+    every value a valid pool id (two ints)."""
+    rows = b"".join(_entry(EMPTY_LIST, addr=(k + 1) << 12,
+                           extra=s("pool_id") + i(a) + i(b) + TUPLE2)
+                    for k, (a, b) in enumerate(colliding_pairs(n)))
+    return _write(d, "colliding_pool_ids.pickle", pkl(_root(Memo(), b"", EMPTY_LIST + EMPTY_LIST
+                                                            + MARK + rows + APPENDS + APPEND)))
+
+
 def many_traces(d: Path, n: int = 65_536) -> Path:
     """8: 65,536 one-entry traces in ~0.6 MB (the entry's key and value through the memo)."""
     # memo: 0 root, 1 'action', 2 'alloc' (written in the first entry)
@@ -207,7 +246,8 @@ SHAPES: list[tuple[str, Callable[[Path], Path]]] = [
     ("frames_grown_after_use", frames_grown_after_use), ("frames_twice", frames_twice),
     ("memoize_after_mark", memoize_after_mark), ("mark_before_stop", mark_before_stop),
     ("two_marks_appends", two_marks_appends), ("frame_straddle", frame_straddle),
-    ("colliding_int_keys", colliding_int_keys), ("many_traces", many_traces),
+    ("colliding_int_keys", colliding_int_keys), ("colliding_pool_ids", colliding_pool_ids),
+    ("many_traces", many_traces),
     ("huge_memo_put", huge_memo_put), ("gzip_lists", gzip_lists),
     ("keys_after_500", keys_after_500),
 ]

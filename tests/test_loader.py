@@ -10,6 +10,7 @@ import gzip
 import math
 import os
 import pickle
+import struct
 import time
 
 import numpy as np
@@ -20,6 +21,7 @@ from snapforensics.analysis import diagnose
 from snapforensics.errors import EXIT_BAD_INPUT, SnapError
 from snapforensics.snapshot import columns, load, normalize, rank_from_name, unpickle
 from snapforensics.snapshot.model import ACTIONS, NO_STACK, Frame
+from snapforensics.snapshot.unpickle import read_raw
 
 SMALL = "silmont2000_mem_snapshot.pickle"  # 72 KB, 97 entries, complete history
 
@@ -411,8 +413,20 @@ def test_memo_bomb_is_refused_quickly(tmp_path):
     t = time.perf_counter()
     msg = bad(p)
     assert time.perf_counter() - t < 5
-    assert "memory" in msg and "SNAPFORENSICS_LOAD_MEMORY" in msg
+    # refused by keys.py's scan before the unpickler grows its memo (no pickler writes it)
+    assert "a memo index beyond the pickle's size" in msg
     assert resource.getrlimit(resource.RLIMIT_AS) == before  # the cap is lifted afterwards
+
+
+def test_memo_bomb_within_the_file_is_refused_by_the_memory_guard(tmp_path):
+    # LONG_BINPUT at an index the file's size admits, in a file padded to that size: the scan
+    # lets it through and the guard (32x the file + 256 MiB) stops the memo the unpickler grows
+    idx = 12 << 20  # a 96 MiB memo for a 12 MiB file: within the guard, so the file reads
+    p = tmp_path / "bomb.pickle"
+    p.write_bytes(b"\x80\x04Nr" + struct.pack("<I", idx) + b"0}"
+                  + b"." + b"\0" * idx)
+    obj, _ = read_raw(p)
+    assert obj == {}
 
 
 def test_deep_nesting(tmp_path):

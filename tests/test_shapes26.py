@@ -18,9 +18,7 @@ PATHS = {"stream": {}, "no_stream": {"SNAPFORENSICS_STREAM": "0"},
          "pure": {"SNAPFORENSICS_PURE_PYTHON": "1"}}
 FIXED_RSS = 400 << 20  # the CLI's own peak on a tiny file is ~150 MiB
 RSS_PER_BYTE = 96  # of pickle: one EMPTY_LIST byte is an ~80-byte list in pickle.load
-# 7 (integer keys that all hash to 0) is not here: pickle.load itself builds that dict in
-# quadratic time, and the Python path has no way to refuse it first (issue 26, not done).
-CASES = [(n, b) for n, b in SHAPES if n != "colliding_int_keys"]
+CASES = SHAPES
 
 
 @pytest.fixture(scope="module")

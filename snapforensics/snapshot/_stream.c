@@ -45,6 +45,7 @@
 #define CHUNK_IN (4 << 20)
 #define MEMO_SLACK (1 << 20)
 #define RING 500
+#define DEVICE_UNITS 1024 /* normalization.DEVICE_UNITS */
 
 enum { T_OBJ = 1, T_NONE, T_TRUE, T_FALSE, T_INT, T_UINT, T_FLOAT, T_DT, T_TRACE, T_ENTRY,
        T_FRAMES };
@@ -76,7 +77,7 @@ typedef struct {
     Py_ssize_t n, created, cap;
     PyObject *c[6]; /* action addr size stream time group: bytearrays */
     PyObject *reps, *first, *extras[N_EXTRA];
-    uint64_t first_mask, ring[RING];
+    uint64_t first_mask;
     int done;
 } Trace;
 
@@ -116,6 +117,9 @@ typedef struct {
     PyObject *dt_list; /* owned: the list of trace tuples */
     Trace *tr;
     size_t ntr, tr_cap;
+    /* keys set per row, the last RING rows of the current trace (only it takes entries: a
+       row of an earlier trace is declined), so one ring serves every trace */
+    uint64_t ring[RING];
     /* open frames list (one at a time) */
     int32_t *rec;
     size_t nrec, rec_cap;
@@ -293,7 +297,7 @@ static int pop_mark(R *r, size_t *m) {
 static int memo_put(R *r, size_t idx) {
     if (above_fence(r, 1) < 0)
         return -1;
-    if (idx > r->memo_filled + MEMO_SLACK)
+    if (idx > r->memo_filled + MEMO_SLACK || idx > r->consumed) /* keys.py refuses idx > n */
         return decline(r, "memo index far beyond the memo");
     if (idx >= r->memo_cap) {
         size_t nc = r->memo_cap ? r->memo_cap : 1024;
@@ -399,7 +403,11 @@ static int new_trace(R *r) {
 }
 
 static int new_row(R *r, Trace *t, int ti) {
-    if (++r->rows > r->max_rows)
+    if ((size_t)ti != r->ntr - 1) /* the ring is the current trace's */
+        return decline(r, "an entry of an earlier trace");
+    /* the budget normalization applies: a row each, and DEVICE_UNITS per device with rows */
+    r->rows += t->created ? 1 : 1 + DEVICE_UNITS;
+    if (r->rows > r->max_rows)
         return decline(r, "more rows than the expansion budget allows");
     if (t->created == t->cap) {
         Py_ssize_t nc = t->cap ? t->cap * 2 : 16; /* grows with the rows it holds */
@@ -415,7 +423,7 @@ static int new_row(R *r, Trace *t, int ti) {
     ((int64_t *)PyByteArray_AS_STRING(t->c[3]))[i] = 0;
     ((double *)PyByteArray_AS_STRING(t->c[4]))[i] = NAN;
     ((int32_t *)PyByteArray_AS_STRING(t->c[5]))[i] = -1;
-    t->ring[i % RING] = 0;
+    r->ring[i % RING] = 0;
     Val v = {T_ENTRY, ti, {0}};
     v.v.i = i;
     return push(r, v);
@@ -591,11 +599,11 @@ static int entry_item(R *r, Val *e, Val *k, Val *v) {
     int f = r->keys[ks].field;
     uint64_t bit = (uint64_t)1 << r->keys[ks].bit;
     /* pickle keeps the last value of a key set twice; the columns would keep both */
-    if (t->created - i > RING || (t->ring[i % RING] & bit))
+    if (t->created - i > RING || (r->ring[i % RING] & bit))
         return decline(r, "an entry key set twice, or an entry filled late");
     if (i < RING)
         t->first_mask |= bit;
-    t->ring[i % RING] |= bit;
+    r->ring[i % RING] |= bit;
     char *col;
     switch (f) {
     case F_ACTION: {
@@ -740,7 +748,7 @@ static PyObject *trace_tuple(R *r, int ti) {
     uint64_t mask = t->first_mask;
     Py_ssize_t from = t->n - RING > 0 ? t->n - RING : 0;
     for (Py_ssize_t i = from; i < t->n; i++)
-        mask |= t->ring[i % RING];
+        mask |= r->ring[i % RING];
     PyObject *keys = PySet_New(NULL);
     if (!keys)
         return (decline(r, "Python error"), NULL);
@@ -845,6 +853,11 @@ static int setitems(R *r, size_t m) {
             PyObject *k = obj_of(r, &r->st[j]), *v;
             if (!k) {
                 rc = -1;
+                break;
+            }
+            if (!PyUnicode_CheckExact(k)) { /* keys.py refuses the file (hash-colliding keys) */
+                Py_DECREF(k);
+                rc = decline(r, "a dict key not a str");
                 break;
             }
             if (r->st[j + 1].tag == T_DT && target->v.o == r->root)

@@ -35,6 +35,9 @@ from snapforensics.snapshot.model import NO_STACK, Frame
 
 _BUCKET = 16
 MAX_NAME = 4096
+# Distinct memory pools a file may name: a process has the default pool plus one per CUDA-graph
+# pool or MemPool (tens); a file naming more is refused.
+MAX_POOLS = 4096
 _FRAMES_TYPES = {list, tuple, type(None)}
 _CHUNK_FRAMES = 1 << 20  # frames hashed per numpy pass: 8 MiB per temporary array
 _K = tuple(np.uint64(k) for k in (0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0x9E3779B97F4A7C15))
@@ -89,7 +92,7 @@ class Interner:
         self.streams: list[int] = []
         self.stream_ids: dict[int, int] = {}
         self.pools: list[tuple[int, ...]] = []
-        self.pool_ids: dict[tuple[int, ...], int] = {}
+        self.pool_ids: dict[str, int] = {}  # repr(pool id) -> index
 
     # -- frames and stacks
     def frame(self, f: Any, where: str) -> int:
@@ -297,8 +300,39 @@ class Interner:
             raise SnapError(f"{where}: pool id is out of range")
         if not any(key):
             return -1  # (0, 0): the default pool
-        pid = _index(self.pools, self.pool_ids, key)
-        return pid
+        text = repr(key)  # the table is keyed by text: a tuple's hash is the file's to choose
+        if len(self.pool_ids) >= MAX_POOLS and text not in self.pool_ids:
+            raise SnapError(f"{where}: more than {MAX_POOLS} distinct memory pools (a process has "
+                            "one per CUDA graph pool or MemPool: tens); not a memory snapshot")
+        i = self.pool_ids.get(text)
+        if i is None:
+            i = self.pool_ids[text] = len(self.pools)
+            self.pools.append(key)
+        return i
+
+
+def distinct_pools(pools: list) -> list:
+    """The distinct values of a trace's pool_id column, found by sorting, never by hashing: a
+    file chooses its ints' and tuples' hashes (ints that differ by multiples of 2^61-1, tuples
+    solved lane by lane), so a table of them can cost the square of the rows. Irregular columns
+    (mixed types or lengths, values beyond int64) come back whole, each row then checked."""
+    kinds = set(map(type, pools))
+    if kinds == {int}:
+        flat = True
+    elif len(kinds) == 1 and kinds <= {tuple, list} and len(set(map(len, pools))) == 1 \
+            and set(map(type, chain.from_iterable(pools))) == {int}:
+        flat = False
+    else:
+        return pools
+    try:
+        arr = np.array(pools, np.int64)
+    except OverflowError:
+        return pools
+    if not flat:
+        arr = arr.reshape(len(pools), -1)
+    values, first = np.unique(arr, axis=0, return_index=True)
+    values = values[np.argsort(first)].tolist()  # in order of first appearance
+    return values if flat else [tuple(r) for r in values]
 
 
 def _same(a: Any, b: Any) -> bool:

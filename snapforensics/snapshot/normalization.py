@@ -10,7 +10,6 @@ an impossible size is a one-line SnapError, never a silently wrong number.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
 from functools import partial
 from itertools import repeat
 from typing import Any
@@ -38,7 +37,7 @@ from snapforensics.snapshot.columns import (
     uint64_column,
 )
 from snapforensics.snapshot.format import detect_format, kind, rank_from_name
-from snapforensics.snapshot.intern import Interner
+from snapforensics.snapshot.intern import Interner, distinct_pools
 from snapforensics.snapshot.metadata import metadata
 from snapforensics.snapshot.model import (
     NO_STACK,
@@ -55,6 +54,7 @@ from snapforensics.snapshot.unpickle import gc_paused, on_stack, open_file, read
 
 OTHER = A["other"]
 DEVICE_UNITS = 1024  # each device is analysed on its own: a fixed cost of about 1,000 rows
+# (_stream.c charges the same per device with rows, so it declines what this refuses)
 
 
 def load(path: str | os.PathLike, file: Any = None) -> Snapshot:
@@ -124,12 +124,7 @@ def _finish_trace(entries: Any, device: int, cols: Columns, it: Interner,
     # pool_id (newest torch) feeds format["pools"]: torch writes it on every entry of a file or on
     # none, so a field absent from the first and last 500 entries is absent.
     if "pool_id" in keys_seen:  # the streaming reader declines such files
-        pools: Iterable[Any] = column(entries, "pool_id")
-        try:
-            pools = dict.fromkeys(pools)
-        except TypeError:  # lists: validate each
-            pass
-        for v in pools:
+        for v in distinct_pools(column(entries, "pool_id")):
             it.pool(v, where_dev)
 
     device_free: dict[int, int] = {}
@@ -257,6 +252,10 @@ def normalize(raw: Any, source: str = "<memory>", warnings: list[str] | None = N
     if len(dt) > MAX_DEVICE:
         raise SnapError(f"device_traces has {len(dt)} lists, more than any machine has devices")
     it.budget.add(len(dt), "device traces")
+    # each device with rows is analysed on its own: counted before any trace is read
+    trace_devices = {d for d, e in enumerate(dt) if (type(e) in LISTS or type(e) is StreamTrace)
+                     and len(e)} - seg_devices
+    it.budget.add(DEVICE_UNITS * len(trace_devices), "units of per-device analysis")
     it.budget.add(sum(len(e) for e in dt if type(e) in LISTS or type(e) is StreamTrace),
                   "trace entries")
     inline: list[Annotation] = []
@@ -277,8 +276,6 @@ def normalize(raw: Any, source: str = "<memory>", warnings: list[str] | None = N
         warnings.append(f"time_us infinite or beyond ±2^53 µs ({shown}): no clock reads that; "
                         "treated as untimed (rows in file order)")
     it.check_strings(sum(len(a.name) for a in annotations))
-    trace_devices = {t.device for t in traces if len(t)} - seg_devices
-    it.budget.add(DEVICE_UNITS * len(trace_devices), "units of per-device analysis")
     provenance = metadata(raw, "snapforensics", warnings)
     settings = metadata(raw, "allocator_settings", warnings)
     detect_format(raw, traces, segments, it, provenance, keys, fmt)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import gzip
 import io
+import mmap
 import os
 import pickle
 import re
@@ -26,6 +27,7 @@ from typing import Any
 
 from snapforensics.errors import SnapError
 from snapforensics.settings import number
+from snapforensics.snapshot import keys
 from snapforensics.snapshot.columns import short, tname
 
 
@@ -218,6 +220,14 @@ def _plain_bytes(f: Any, p: Path) -> int:
     return n
 
 
+def _mapped(f: Any, p: Path) -> Any:
+    """An uncompressed file's bytes, mapped read-only (the pages the unpickler reads next)."""
+    try:
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as e:
+        raise SnapError(f"{p}: cannot read: {getattr(e, 'strerror', None) or e}") from None
+
+
 def _gunzip(f: Any, size: int, p: Path) -> tuple[bytes, bool, str]:
     """The decompressed stream, at most GZIP_RATIO x the file (or 64 MiB), whether it was cut
     there, and the error that ended it early ("" if none). Trailing bytes after the pickle (a
@@ -236,12 +246,15 @@ def _gunzip(f: Any, size: int, p: Path) -> tuple[bytes, bool, str]:
     return data[:cap], n > cap, err
 
 
-def _load(stream: Any, bound: int, budget: int) -> Any:
+def _load(stream: Any, data: Any, bound: int, budget: int) -> Any:
     """Unpickle with the globals refused, under the memory guard, on a thread whose C stack
-    holds any tuple nesting the stream can describe (`bound` levels)."""
+    holds any tuple nesting the stream can describe (`bound` levels), after `keys.check` of the
+    pickle's bytes (`data`: bytes or an mmap) found no dict the unpickler could be made to hash
+    in quadratic time."""
 
     def load() -> Any:
         with gc_paused(), _memory_guard(budget):
+            keys.check(data)
             return _RefuseGlobals(stream).load()
 
     return on_stack(load, bound)
@@ -336,7 +349,7 @@ def read_raw_info(path: str | os.PathLike, file: Any = None) -> tuple[Any, list[
         budget = load_budget(info["pickle_bytes"])
         info["tuple_bound"] = bound
         try:
-            obj = _load(stream, bound, budget)
+            obj = _load(stream, data if info["gzip"] else _mapped(f, p), bound, budget)
         except SnapError as e:
             raise SnapError(f"{p}: {e}") from None
         except RecursionError:
