@@ -280,13 +280,18 @@ def test_a_fleet_folder_is_a_strip_of_every_ranks_peak(tmp_path):
 
     for r, f in enumerate(FLEET):
         shutil.copy(f, tmp_path / f"rank{r}.pickle.gz")
+    (tmp_path / "rank3.pickle").write_bytes(b"not a pickle")
     srcs, strip = queries.open_inputs([str(tmp_path)])
     c, h = client(srcs, strip)
     got = c.get("/api/fleet", headers=h).json()
     assert [r["snapshot"] for r in got["ranks"]] == [0, 1, 2]
     peaks = [report(f).peaks["overall_bytes"] for f in FLEET]
     assert [r["peak_bytes"] for r in got["ranks"]] == peaks
-    assert got["worst"] == 0 and got["errors"] == []  # the buggy rank: an anomaly, the top peak
+    assert got["worst"] == 0  # the buggy rank: an anomaly, the top peak
+    # the unreadable rank is listed, and opening it is one line, not a crash
+    assert [e["snapshot"] for e in got["errors"]] == [3]
+    bad = c.get("/api/overview?snapshot=3", headers=h)
+    assert bad.status_code == 400 and "\n" not in bad.json()["error"]
     for i, p in enumerate(peaks):  # each opens its own timeline
         assert c.get(f"/api/overview?snapshot={i}", headers=h).json()["peaks"]["overall_bytes"] \
             == p

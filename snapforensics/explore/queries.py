@@ -144,26 +144,29 @@ def window(rep: Report, device: int, lo: int, hi: int, width: int,
     start = np.maximum(lt.alloc_row, 0)
     end = np.minimum(lt.free_row, lt.rows)
     vis = np.flatnonzero((start < hi) & (end > lo))
-    c0 = ((np.maximum(start[vis], lo) - lo) / per_col).astype(np.int64)
-    c1 = np.ceil((np.minimum(end[vis], hi) - lo) / per_col).astype(np.int64)
+    a, b, size = np.maximum(start[vis], lo), np.minimum(end[vis], hi), lt.size[vis]
+    c0 = ((a - lo) / per_col).astype(np.int64)
+    c1 = np.ceil((b - lo) / per_col).astype(np.int64)
     kept = np.ones(len(vis), bool) if keep is None else keep[vis]
     # at least one column of the window: smaller ones are merged
-    wide = (np.minimum(end[vis], hi) - np.maximum(start[vis], lo) >= per_col) & kept
-    order = np.argsort(-lt.size[vis][wide], kind="stable")
-    drawn = np.flatnonzero(wide)[order[:BLOCKS_PER_COLUMN * width]]
-    merged = np.setdiff1d(np.arange(len(vis)), drawn)
+    wide = np.flatnonzero((b - a >= per_col) & kept)
+    drawn = wide[np.argsort(-size[wide], kind="stable")[:BLOCKS_PER_COLUMN * width]]
+    rest = np.ones(len(vis), bool)
+    rest[drawn] = False
+    merged = np.flatnonzero(rest)
     names = list(d.category_names) + ["filtered out"]
     cat = np.where(kept, d.category[vis].astype(np.int64), len(names) - 1)
-    bands: dict[str, list[int]] = {}
-    for code in np.unique(cat[merged]).tolist():
-        m = merged[cat[merged] == code]
-        delta = np.zeros(width + 1, np.int64)
-        np.add.at(delta, np.clip(c0[m], 0, width), lt.size[vis][m])
-        np.add.at(delta, np.clip(np.maximum(c1[m], c0[m] + 1), 0, width), -lt.size[vis][m])
-        bands[_text(names[code], FRAME)] = np.cumsum(delta[:width]).tolist()
+    # every category's band at once: +size at its first column, -size past its last
+    cm, sm, w1 = cat[merged], size[merged], width + 1
+    delta = np.zeros(len(names) * w1, np.int64)
+    np.add.at(delta, cm * w1 + np.clip(c0[merged], 0, width), sm)
+    np.add.at(delta, cm * w1 + np.clip(np.maximum(c1[merged], c0[merged] + 1), 0, width), -sm)
+    live = np.cumsum(delta.reshape(len(names), w1)[:, :width], axis=1)
+    bands = {_text(names[code], FRAME): live[code].tolist()
+             for code in np.flatnonzero(np.bincount(cm, minlength=len(names))).tolist()}
     blocks = [{"id": int(off + vis[i]), "c0": int(c0[i]), "c1": int(c1[i]),
-               "size": int(lt.size[vis[i]]), "category": _text(names[cat[i]], FRAME)}
-              for i in drawn[np.argsort(start[vis][drawn], kind="stable")].tolist()]
+               "size": int(size[i]), "category": _text(names[cat[i]], FRAME)}
+              for i in drawn[np.argsort(a[drawn], kind="stable")].tolist()]
     return {"device": device, "lo": lo, "hi": hi, "width": width, "rows_per_column": per_col,
             "live": _columns(lt.live[lo:hi], width), "bands": bands, "blocks": blocks,
             "merged_blocks": int(len(merged))}

@@ -25,6 +25,7 @@ from importlib import resources
 from typing import Any
 
 from snapforensics.api import Report
+from snapforensics.errors import SnapError
 from snapforensics.explore import queries
 
 
@@ -136,7 +137,8 @@ def app(sources: Report | queries.Sources, fleet: dict[str, Any] | None = None,
               Route("/api/segments", segments), Route("/api/compare", compare),
               Route("/api/fleet", fleet_strip)]
     web = Starlette(routes=routes, middleware=[Middleware(Guard)],
-                    exception_handlers={KeyError: bad, ValueError: bad, IndexError: bad})
+                    exception_handlers={KeyError: bad, ValueError: bad, IndexError: bad,
+                                        SnapError: bad})
     web.state.token = token
     return web
 
