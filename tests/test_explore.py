@@ -4,6 +4,7 @@ Starlette's TestClient on the committed recordings, its answers held against `sn
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -21,10 +22,13 @@ pytest.importorskip("starlette")
 pytest.importorskip("httpx")
 from starlette.testclient import TestClient  # noqa: E402
 
+from snapforensics.explore import queries  # noqa: E402
 from snapforensics.explore.server import app  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BUGGY = REPO / "fixtures" / "fsdp2_ckpt_buggy_rank0.pickle.gz"
+FIXED = REPO / "fixtures" / "fsdp2_ckpt_fixed_rank0.pickle.gz"
+FLEET = [BUGGY, FIXED, REPO / "fixtures" / "hf_fabric_fsdp1_full_rank0.pickle.gz"]
 
 
 @cache
@@ -32,8 +36,8 @@ def report(path: Path = BUGGY) -> sf.Report:
     return sf.diagnose(path)
 
 
-def client(rep: sf.Report) -> tuple[TestClient, dict[str, str]]:
-    web = app(rep)
+def client(rep, fleet=None) -> tuple[TestClient, dict[str, str]]:
+    web = app(rep, fleet)
     return TestClient(web), {"X-Token": web.state.token}
 
 
@@ -115,7 +119,8 @@ def test_filters_and_cpu_segments():
 
 def test_every_request_needs_the_token():
     c, h = client(report())
-    for path in ("/", "/api/overview", "/api/window", "/api/block/0", "/api/finding/0"):
+    for path in ("/", "/api/overview", "/api/window", "/api/block/0", "/api/finding/0",
+                 "/api/compare", "/api/segments"):
         assert c.get(path).status_code == 403
         assert c.get(path, headers={"X-Token": "wrong"}).status_code == 403
         assert c.get(path, headers=h).status_code == 200, path
@@ -213,3 +218,114 @@ def test_a_cuda_corpus_file_shows_its_segments_with_the_free_gaps():
         free = [b["size"] for b in g["blocks"] if b["state"] == "inactive"]
         assert free == [b.size for b in s.blocks if b.state == "inactive"]
     assert any(b["state"] == "inactive" for s in got["segments"] for b in s["blocks"])
+
+
+def _expected(rep: sf.Report, axis: str, x0: float, x1: float, width: int) -> list:
+    """The overlay's series of one run, from `rep.timeline` alone: row i in column
+    floor((x_i - x0) / (x1 - x0) * width); a column's max, else the last row before it, else
+    None (before the first row, or past the run's end)."""
+    t = rep.timeline
+    t = t[t.device == rep.diagnosis.primary.device]
+    n = len(t)
+    x = (t.row / n if axis == "fraction" else t.time_s.cummax()).to_numpy()
+    end = 1.0 if axis == "fraction" else x[-1]
+    col = np.floor((x - x0) / (x1 - x0) * width).astype(np.int64)
+    live = t.live_bytes.to_numpy()
+    out = []
+    for k in range(width):
+        here = live[col == k]
+        before = np.flatnonzero(col < k)
+        start = x0 + (x1 - x0) * k / width
+        out.append(int(here.max()) if len(here) else None
+                   if not len(before) or (start >= end if axis == "fraction" else start > end)
+                   else int(live[before[-1]]))
+    return out
+
+
+@pytest.mark.parametrize("axis,x0,x1,width", [
+    ("fraction", None, None, 500), ("fraction", 0.5, 0.52, 800), ("time", None, None, 700),
+    ("time", 1.0, 1.01, 300)])
+def test_two_runs_overlaid_on_one_axis_are_their_own_timelines(axis, x0, x1, width):
+    a, b = report(BUGGY), report(FIXED)
+    c, h = client(queries.Sources([a, b]))
+    q = f"axis={axis}&width={width}" + (f"&x0={x0}&x1={x1}" if x0 is not None else "")
+    got = c.get(f"/api/compare?{q}", headers=h).json()
+    o = got["overlay"]
+    ends = [float(r.timeline.time_s.iloc[-1]) for r in (a, b)]
+    lo, hi = (x0, x1) if x0 is not None else (0.0, 1.0 if axis == "fraction" else max(ends))
+    assert o["x0"] == lo and abs(o["x1"] - hi) < 1e-9
+    ea, eb = _expected(a, axis, lo, o["x1"], width), _expected(b, axis, lo, o["x1"], width)
+    assert o["live_a"] == ea and o["live_b"] == eb
+    assert o["diff"] == [None if u is None or v is None else v - u for u, v in zip(ea, eb)]
+    if x0 is None:  # the whole runs: each line keeps its run's peak
+        assert max(v for v in o["live_a"] if v is not None) == a.peaks["overall_bytes"]
+        assert max(v for v in o["live_b"] if v is not None) == b.peaks["overall_bytes"]
+        if axis == "time":  # the shorter run ends before the axis does
+            assert o["live_a"][-1] is None and o["live_b"][-1] is not None
+    else:  # zoomed past one row per column: the empty columns carry the last row's bytes
+        assert None not in o["live_a"] and len(set(o["live_a"])) < width
+    assert o["a"]["peak_bytes"] == a.peaks["overall_bytes"] and o["axes"] == ["fraction", "time"]
+    # B against A as `compare` says it
+    assert got["comparison"] == json.loads(json.dumps(sf.compare(a, b).to_dict(), default=str))
+    assert c.get("/api/compare?axis=rows", headers=h).status_code == 400
+    assert c.get("/api/compare?x0=0.5&x1=0.5", headers=h).status_code == 400
+    # and the main view opens either run
+    ov = c.get("/api/overview?snapshot=1", headers=h).json()
+    assert ov["mode"] == "compare" and ov["peaks"] == b.peaks
+    assert c.get("/api/overview?snapshot=2", headers=h).status_code == 404
+
+
+def test_a_fleet_folder_is_a_strip_of_every_ranks_peak(tmp_path):
+    import shutil
+
+    for r, f in enumerate(FLEET):
+        shutil.copy(f, tmp_path / f"rank{r}.pickle.gz")
+    (tmp_path / "rank3.pickle").write_bytes(b"not a pickle")
+    srcs, strip = queries.open_inputs([str(tmp_path)])
+    c, h = client(srcs, strip)
+    got = c.get("/api/fleet", headers=h).json()
+    assert [r["snapshot"] for r in got["ranks"]] == [0, 1, 2]
+    peaks = [report(f).peaks["overall_bytes"] for f in FLEET]
+    assert [r["peak_bytes"] for r in got["ranks"]] == peaks
+    assert got["worst"] == 0  # the buggy rank: an anomaly, the top peak
+    # the unreadable rank is listed, and opening it is one line, not a crash
+    assert [e["snapshot"] for e in got["errors"]] == [3]
+    bad = c.get("/api/overview?snapshot=3", headers=h)
+    assert bad.status_code == 400 and "\n" not in bad.json()["error"]
+    for i, p in enumerate(peaks):  # each opens its own timeline
+        assert c.get(f"/api/overview?snapshot={i}", headers=h).json()["peaks"]["overall_bytes"] \
+            == p
+        w = c.get(f"/api/window?snapshot={i}&width=300", headers=h).json()
+        assert max(w["live"]) == p
+    assert c.get("/api/overview", headers=h).json()["mode"] == "fleet"
+    assert client(report())[0].get("/api/fleet", headers=h).status_code == 403
+    c1, h1 = client(report())
+    assert c1.get("/api/fleet", headers=h1).status_code == 404
+
+
+def test_explore_a_b_serves_the_overlay_and_three_files_are_one_line():
+    p = subprocess.Popen([sys.executable, "-m", "snapforensics", "explore", str(BUGGY),
+                          str(FIXED), "--no-browser"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True,
+                         env=os.environ | {"SNAPFORENSICS_CACHE": "off"})
+    try:
+        base, token = p.stdout.readline().split()[2].split("/?token=")
+        got = _get(f"{base}/api/compare?token={token}&width=50")
+        assert got["overlay"]["a"]["peak_bytes"] == report(BUGGY).peaks["overall_bytes"]
+        assert got["overlay"]["b"]["peak_bytes"] == report(FIXED).peaks["overall_bytes"]
+    finally:
+        p.send_signal(signal.SIGINT)
+        p.wait(20)
+    r = subprocess.run([sys.executable, "-m", "snapforensics", "explore", *map(str, FLEET),
+                        "--no-browser"], capture_output=True, text=True)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def _get(url: str):
+    import time
+    for _ in range(100):
+        try:
+            return json.loads(urllib.request.urlopen(url, timeout=5).read())
+        except OSError:
+            time.sleep(0.1)
+    raise AssertionError(url)

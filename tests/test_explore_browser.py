@@ -3,33 +3,50 @@ as tests/test_browser.py) on the server of a committed recording. Skipped withou
 
 from __future__ import annotations
 
+import json
+import shutil
 import socket
 import threading
+import urllib.request
+from contextlib import contextmanager
 
 import pytest
-from test_browser import BUGGY, CHROMIUM, FLAGS
+from test_browser import BUGGY, CHROMIUM, FLAGS, REPO
 
 import snapforensics as sf
 
 pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="no /usr/bin/chromium")
 
 
-@pytest.fixture(scope="module")
-def served():
+@contextmanager
+def _serve(sources, fleet=None):
+    """The explorer's app on a free port of 127.0.0.1: (base URL, token)."""
     uvicorn = pytest.importorskip("uvicorn")
     from snapforensics.explore.server import app
 
-    rep = sf.diagnose(BUGGY)
-    web = app(rep)
+    web = app(sources, fleet)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(web, log_level="warning"))
     t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     t.start()
-    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    yield rep, base, web.state.token
-    server.should_exit = True
-    t.join(10)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", web.state.token
+    finally:
+        server.should_exit = True
+        t.join(10)
+
+
+@pytest.fixture(scope="module")
+def served():
+    rep = sf.diagnose(BUGGY)
+    with _serve(rep) as (base, token):
+        yield rep, base, token
+
+
+def _api(base: str, token: str, path: str):
+    sep = "&" if "?" in path else "?"
+    return json.loads(urllib.request.urlopen(f"{base}{path}{sep}token={token}", timeout=30).read())
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +117,76 @@ def test_choosing_the_anomalous_finding_highlights_exactly_its_blocks(served, pa
     drawn = set(page.evaluate("win.blocks.map((b) => b.id)"))
     assert drawn and drawn <= got
     assert "filtered out" in page.evaluate("Object.keys(win.bands)")
+
+
+FIXED = REPO / "fixtures" / "fsdp2_ckpt_fixed_rank0.pickle.gz"
+
+
+def _colour_pixels(page, canvas: str, rgb: str) -> int:
+    """How many pixels of the canvas are (about) the colour #rrggbb."""
+    return page.evaluate("""([id, hex]) => { const cv = document.getElementById(id);
+        const d = cv.getContext('2d').getImageData(0, 0, cv.width, cv.height).data;
+        const c = [1, 3, 5].map((i) => parseInt(hex.slice(i, i + 2), 16)); let n = 0;
+        for (let i = 0; i < d.length; i += 4) if (d[i + 3] > 200 && Math.abs(d[i] - c[0]) < 40
+            && Math.abs(d[i + 1] - c[1]) < 40 && Math.abs(d[i + 2] - c[2]) < 40) n++;
+        return n; }""", [canvas, rgb])
+
+
+def test_two_runs_show_both_lines_and_their_difference(page):
+    from snapforensics.explore.queries import Sources
+
+    a, b = sf.diagnose(BUGGY), sf.diagnose(FIXED)
+    with _serve(Sources([a, b])) as (base, token):
+        requests: list[str] = []
+        page.on("request", lambda r: requests.append(r.url))
+        page.goto(f"{base}/?token={token}")
+        page.wait_for_function("cmp !== null && win !== null")
+        page.wait_for_load_state("networkidle")
+        width = page.evaluate("cmp.overlay.width")
+        want = _api(base, token, f"/api/compare?width={width}")["overlay"]
+        assert page.evaluate("cmp.overlay") == want
+        # both lines drawn, in their colours, and each legend names its run and peak
+        series = page.evaluate("SERIES")
+        assert _colour_pixels(page, "overlay", series["a"]) > 50
+        assert _colour_pixels(page, "overlay", series["b"]) > 50
+        for k, rep in (("a", a), ("b", b)):
+            text = page.locator(f"#legend [data-series={k}]").inner_text()
+            assert text.startswith(f"{k.upper()}: {rep.diagnosis.source}")
+            assert page.evaluate("(n) => human(n)", rep.peaks["overall_bytes"]) in text
+        # the difference at the moment under the mouse: B - A of the API's columns
+        box = page.locator("#overlay").bounding_box()
+        i = max(range(width), key=lambda k: abs(want["diff"][k] or 0))
+        page.mouse.move(box["x"] + (i + 0.5) * box["width"] / width, box["y"] + 20)
+        hover = page.locator("#cmphover").inner_text()
+        assert page.evaluate("(n) => human(n)", want["diff"][i]) in hover
+        # the time axis: the same on the API's time answer
+        page.select_option("#axis", "time")
+        page.wait_for_function("cmp.overlay.axis === 'time'")
+        assert page.evaluate("cmp.overlay") == \
+            _api(base, token, f"/api/compare?axis=time&width={width}")["overlay"]
+        assert all(u.startswith(base + "/") for u in requests), requests
+
+
+def test_a_fleet_strip_click_opens_that_ranks_timeline(page, tmp_path):
+    from snapforensics.explore.queries import open_inputs
+
+    ranks = [BUGGY, FIXED, REPO / "fixtures" / "hf_fabric_fsdp1_full_rank0.pickle.gz"]
+    for r, f in enumerate(ranks):
+        shutil.copy(f, tmp_path / f"rank{r}.pickle.gz")
+    with _serve(*open_inputs([str(tmp_path)])) as (base, token):
+        page.goto(f"{base}/?token={token}")
+        page.wait_for_function("strip !== null && win !== null")
+        strip = _api(base, token, "/api/fleet")
+        assert page.locator(".rank").count() == len(strip["ranks"]) == 3
+        assert page.evaluate("snap") == strip["worst"]
+        for r in strip["ranks"]:
+            if r["snapshot"] == strip["worst"]:
+                continue
+            page.locator(f".rank[data-snapshot='{r['snapshot']}']").click()
+            page.wait_for_function("(i) => snap === i && win !== null", arg=r["snapshot"])
+            page.wait_for_load_state("networkidle")
+            peak = _api(base, token, f"/api/overview?snapshot={r['snapshot']}")["devices"][0][
+                "peak_bytes"]
+            assert page.evaluate("Math.max(...win.live)") == peak == r["peak_bytes"]
+            assert page.locator(f".rank[data-snapshot='{r['snapshot']}']").get_attribute(
+                "class").split().count("sel") == 1

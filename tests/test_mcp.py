@@ -47,5 +47,16 @@ def test_the_sdk_client_lists_tools_and_reads_findings_and_a_stack():
     assert blk["size"] == int(b["size"][big]) and blk["fsdp_unit"] == str(b["fsdp_unit"][big])
     frames = rep.stack(int(b.stack_id[big]))
     assert len(blk["stack"]) + len(blk["native_frames"]) == len(frames)
-    assert json.loads(cmp.content[0].text) == json.loads(json.dumps(
+    got = json.loads(cmp.content[0].text)
+    assert got["comparison"] == json.loads(json.dumps(
         sf.compare(str(BUGGY), str(FIXED)).to_dict(), default=str))
+    # the overlay is the HTTP API's (the same query), at the tool's default width
+    from starlette.testclient import TestClient
+
+    from snapforensics.explore.queries import Sources
+    from snapforensics.explore.server import app
+
+    web = app(Sources([rep, sf.diagnose(FIXED)]))
+    api = TestClient(web).get("/api/compare?width=200", headers={"X-Token": web.state.token})
+    assert got["overlay"] == api.json()["overlay"]
+    assert max(got["overlay"]["live_a"]) == rep.peaks["overall_bytes"]

@@ -8,16 +8,19 @@ from snapforensics.errors import SnapError
 
 
 @click.command("explore", short_help="Open a snapshot in a local, offline explorer.")
-@click.argument("snapshot")
+@click.argument("snapshots", nargs=-1, required=True, metavar="SNAPSHOT|RUN_DIR [B]")
 @click.option("--port", type=int, default=0, show_default=True,
               help="Port on 127.0.0.1 (0: a random free one).")
 @click.option("--no-browser", is_flag=True, help="Print the URL only.")
 @click.option("--finding", type=int, default=None, metavar="N",
               help="Open with finding N (the report's numbering) chosen: its blocks highlighted.")
-def explore_command(snapshot: str, port: int, no_browser: bool, finding: int | None) -> int:
+def explore_command(snapshots: tuple[str, ...], port: int, no_browser: bool,
+                    finding: int | None) -> int:
     """Every block on the active-memory timeline, its stack, unit and findings, on a local
     server (127.0.0.1 only; every request needs the token of the printed URL). Ctrl-C stops
-    it. The page's queries are a JSON API (README: Explore). Needs snapforensics[explore]."""
+    it. Two snapshots A B: both timelines on one axis and B - A; a run folder: every rank's
+    peak, a click opens its timeline. The page's queries are a JSON API (README: Explore).
+    Needs snapforensics[explore]."""
     try:
         import uvicorn
     except ImportError:
@@ -25,14 +28,10 @@ def explore_command(snapshot: str, port: int, no_browser: bool, finding: int | N
     import socket
     import webbrowser
 
-    import snapforensics as sf
+    from snapforensics.explore.queries import open_inputs
     from snapforensics.explore.server import app
-    from snapforensics.parallel import expand
 
-    srcs = expand((snapshot,))
-    if len(srcs) != 1:
-        raise SnapError(f"explore opens one snapshot; {snapshot} names {len(srcs)}")
-    web = app(sf.diagnose(srcs[0]))
+    web = app(*open_inputs(snapshots))
     sock = socket.socket()
     sock.bind(("127.0.0.1", port))
     url = f"http://127.0.0.1:{sock.getsockname()[1]}/?token={web.state.token}"

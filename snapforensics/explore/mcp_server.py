@@ -5,10 +5,8 @@ given (by their index, 0 = the first), each diagnosed on first use."""
 from __future__ import annotations
 
 import json
-from functools import cache
 from typing import Any
 
-import snapforensics as sf
 from snapforensics.explore import queries
 
 
@@ -16,12 +14,7 @@ def server(paths: list[str]) -> Any:
     from mcp.server.mcpserver import MCPServer
 
     mcp = MCPServer("snapforensics")
-
-    @cache
-    def report(snapshot: int) -> sf.Report:
-        if not 0 <= snapshot < len(paths):
-            raise ValueError(f"snapshot {snapshot}: this server was given {len(paths)}")
-        return sf.diagnose(paths[snapshot])
+    report = queries.Sources(paths).__getitem__
 
     def text(doc: Any) -> str:
         return json.dumps(doc, default=str)
@@ -51,8 +44,12 @@ def server(paths: list[str]) -> Any:
         return text(queries.block(report(snapshot), block_id))
 
     @mcp.tool()
-    def compare(before: int = 0, after: int = 1) -> str:
-        """Compare two of the given snapshots (before/after a fix, or two ranks)."""
-        return text(sf.compare(report(before), report(after)).to_dict())
+    def compare(before: int = 0, after: int = 1, axis: str = "fraction",
+                x0: float | None = None, x1: float | None = None, width: int = 200) -> str:
+        """Compare two of the given snapshots (before/after a fix, or two ranks): peaks,
+        categories and findings of `after` against `before`, and both timelines overlaid on
+        one axis (`fraction` of the trace or `time` in seconds) over [x0, x1) at `width`
+        columns with the difference after - before (as /api/compare)."""
+        return text(queries.compare(report(before), report(after), axis, x0, x1, width))
 
     return mcp

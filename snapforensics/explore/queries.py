@@ -8,13 +8,17 @@ sink's neutralizer: bounded length); the page inserts them as text.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from snapforensics.analysis.context import DeviceAnalysis
+from snapforensics.analysis.fleet import Fleet
 from snapforensics.analysis.stacks import is_native
-from snapforensics.api import Report
+from snapforensics.api import Report, _seconds
 from snapforensics.report.sanitize import FRAME, cap
 
 # a window's answer holds at most this many blocks per pixel column of width: the rest are
@@ -22,6 +26,65 @@ from snapforensics.report.sanitize import FRAME, cap
 # O(trace)
 BLOCKS_PER_COLUMN = 1
 MAX_WIDTH = 4096
+
+
+# diagnosed snapshots a server keeps at once (a fleet's ranks are opened one by one)
+KEEP = 4
+
+
+class Sources:
+    """The snapshots a server was given, by index (0 = the first): paths, or Reports already
+    made. `sources[i]` is snapshot i's Report, diagnosed on first use (the loaded model read
+    from and written to the snapshot cache, as `diagnose` does); the KEEP most recently used
+    stay in memory. No other path is ever read (the cache's own folder aside)."""
+
+    def __init__(self, items: Sequence[str | Path | Report]) -> None:
+        self.items = list(items)
+        self._get = lru_cache(maxsize=KEEP)(self._diagnose)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> Report:
+        if not 0 <= i < len(self.items):
+            raise KeyError(f"snapshot {i}: this server was given {len(self.items)}")
+        return self._get(i)
+
+    def _diagnose(self, i: int) -> Report:
+        from snapforensics.api import diagnose
+        from snapforensics.snapshot import cache
+
+        it = self.items[i]  # a path: its model from the cache when it is there (as diagnose's)
+        return it if isinstance(it, Report) else diagnose(cache.load(it))
+
+    def source(self, i: int) -> str:
+        it = self.items[i]
+        return it.diagnosis.source if isinstance(it, Report) else str(it)
+
+
+def open_inputs(args: Sequence[str]) -> tuple[Sources, dict[str, Any] | None]:
+    """What `explore` was given: one snapshot, two (A then B: before/after, or two ranks), or
+    one run folder (or glob) of several rank files: a fleet, its strip made at once (every
+    rank diagnosed in parallel through the cache, `runner.fleet_paths`). The snapshot opened
+    first is diagnosed here, so an unreadable input fails before the server starts."""
+    from snapforensics.errors import SnapError
+    from snapforensics.parallel import expand
+    from snapforensics.runner import fleet_paths
+
+    files = expand(args)
+    if len(args) == 1 and len(files) > 1:
+        srcs = Sources(files)
+        strip = fleet(fleet_paths(files), files)
+        if strip["worst"] is not None:
+            srcs[strip["worst"]]
+        return srcs, strip
+    if len(files) > 2 or len(files) != len(args):
+        raise SnapError("explore opens one snapshot, one run folder, or two snapshots to "
+                        f"overlay; {' '.join(args)} names {len(files)}")
+    srcs = Sources(files)
+    for i in range(len(files)):
+        srcs[i]
+    return srcs, None
 
 
 def _text(s: Any, limit: int = FRAME) -> str:
@@ -46,6 +109,13 @@ def _locate(rep: Report, block: int) -> tuple[DeviceAnalysis, int]:
             return d, block - offset
         offset += len(d.lt)
     raise KeyError(f"no block {block}")
+
+
+def _primary(rep: Report) -> DeviceAnalysis:
+    """The device with the highest peak (the one `compare` and the fleet speak of)."""
+    if not rep.analyses:
+        raise KeyError(f"{rep.diagnosis.source}: no allocation history")
+    return max(rep.analyses, key=lambda d: d.peak_bytes)
 
 
 def overview(rep: Report) -> dict[str, Any]:
@@ -76,26 +146,29 @@ def window(rep: Report, device: int, lo: int, hi: int, width: int,
     start = np.maximum(lt.alloc_row, 0)
     end = np.minimum(lt.free_row, lt.rows)
     vis = np.flatnonzero((start < hi) & (end > lo))
-    c0 = ((np.maximum(start[vis], lo) - lo) / per_col).astype(np.int64)
-    c1 = np.ceil((np.minimum(end[vis], hi) - lo) / per_col).astype(np.int64)
+    a, b, size = np.maximum(start[vis], lo), np.minimum(end[vis], hi), lt.size[vis]
+    c0 = ((a - lo) / per_col).astype(np.int64)
+    c1 = np.ceil((b - lo) / per_col).astype(np.int64)
     kept = np.ones(len(vis), bool) if keep is None else keep[vis]
     # at least one column of the window: smaller ones are merged
-    wide = (np.minimum(end[vis], hi) - np.maximum(start[vis], lo) >= per_col) & kept
-    order = np.argsort(-lt.size[vis][wide], kind="stable")
-    drawn = np.flatnonzero(wide)[order[:BLOCKS_PER_COLUMN * width]]
-    merged = np.setdiff1d(np.arange(len(vis)), drawn)
+    wide = np.flatnonzero((b - a >= per_col) & kept)
+    drawn = wide[np.argsort(-size[wide], kind="stable")[:BLOCKS_PER_COLUMN * width]]
+    rest = np.ones(len(vis), bool)
+    rest[drawn] = False
+    merged = np.flatnonzero(rest)
     names = list(d.category_names) + ["filtered out"]
     cat = np.where(kept, d.category[vis].astype(np.int64), len(names) - 1)
-    bands: dict[str, list[int]] = {}
-    for code in np.unique(cat[merged]).tolist():
-        m = merged[cat[merged] == code]
-        delta = np.zeros(width + 1, np.int64)
-        np.add.at(delta, np.clip(c0[m], 0, width), lt.size[vis][m])
-        np.add.at(delta, np.clip(np.maximum(c1[m], c0[m] + 1), 0, width), -lt.size[vis][m])
-        bands[_text(names[code], FRAME)] = np.cumsum(delta[:width]).tolist()
+    # every category's band at once: +size at its first column, -size past its last
+    cm, sm, w1 = cat[merged], size[merged], width + 1
+    delta = np.zeros(len(names) * w1, np.int64)
+    np.add.at(delta, cm * w1 + np.clip(c0[merged], 0, width), sm)
+    np.add.at(delta, cm * w1 + np.clip(np.maximum(c1[merged], c0[merged] + 1), 0, width), -sm)
+    live = np.cumsum(delta.reshape(len(names), w1)[:, :width], axis=1)
+    bands = {_text(names[code], FRAME): live[code].tolist()
+             for code in np.flatnonzero(np.bincount(cm, minlength=len(names))).tolist()}
     blocks = [{"id": int(off + vis[i]), "c0": int(c0[i]), "c1": int(c1[i]),
-               "size": int(lt.size[vis[i]]), "category": _text(names[cat[i]], FRAME)}
-              for i in drawn[np.argsort(start[vis][drawn], kind="stable")].tolist()]
+               "size": int(size[i]), "category": _text(names[cat[i]], FRAME)}
+              for i in drawn[np.argsort(a[drawn], kind="stable")].tolist()]
     return {"device": device, "lo": lo, "hi": hi, "width": width, "rows_per_column": per_col,
             "live": _columns(lt.live[lo:hi], width), "bands": bands, "blocks": blocks,
             "merged_blocks": int(len(merged))}
@@ -110,6 +183,101 @@ def _columns(values: np.ndarray, width: int) -> list[int]:
     edges = np.minimum(edges, len(values))
     return [int(values[a:max(b, a + 1)].max()) if a < len(values) else int(values[-1])
             for a, b in zip(edges[:-1], edges[1:])]
+
+
+AXES = ("fraction", "time")
+
+
+def _axis(rep: Report, axis: str) -> tuple[DeviceAnalysis, np.ndarray, float]:
+    """The primary device, each of its rows' x on `axis` and where its trace ends: `fraction`,
+    row r at r / rows (the trace ends at 1); `time`, seconds since its first row (as the
+    report's plot; it ends at its last row)."""
+    d = _primary(rep)
+    n = d.lt.rows
+    if axis == "fraction":
+        return d, np.arange(n, dtype=np.float64) / max(n, 1), 1.0
+    if axis != "time":
+        raise ValueError(f"axis {axis!r}: one of {', '.join(AXES)}")
+    x = _seconds(d.trace.time_us, n)
+    if not n or not np.isfinite(x).all():
+        raise ValueError(f"{_text(rep.diagnosis.source)}: no times recorded; use axis=fraction")
+    return d, np.maximum.accumulate(x), float(np.nextafter(x[-1], np.inf))
+
+
+def _binned(x: np.ndarray, live: np.ndarray, end: float, x0: float, x1: float,
+            width: int) -> list[int | None]:
+    """Live bytes on [x0, x1) in `width` columns: row i is in column floor((x[i] - x0) /
+    (x1 - x0) * width); a column's value is the max of its rows, or, with none, the live bytes
+    of the last row before it (nothing changed since); None before the first row and from
+    `end` on (that run had ended)."""
+    col = np.floor((x - x0) / (x1 - x0) * width).astype(np.int64)
+    idx = np.searchsorted(col, np.arange(width + 1), side="left")
+    full = idx[1:] > idx[:-1]
+    top = np.maximum.reduceat(live, np.minimum(idx[:-1], len(live) - 1)) if len(live) else \
+        np.zeros(width, np.int64)
+    starts = x0 + (x1 - x0) * np.arange(width) / width
+    out: list[int | None] = []
+    for k in range(width):
+        if full[k]:
+            out.append(int(top[k]))
+        elif idx[k] == 0 or starts[k] >= end:
+            out.append(None)
+        else:
+            out.append(int(live[idx[k] - 1]))
+    return out
+
+
+def overlay(a: Report, b: Report, axis: str = "fraction", x0: float | None = None,
+            x1: float | None = None, width: int = 800) -> dict[str, Any]:
+    """Two runs' live bytes on one axis (`_axis`: `fraction` of the trace, or `time` in seconds
+    since each run's first row), each its primary device, over [x0, x1) (default: all of the
+    longer) at `width` columns (`_binned`), and `diff` = b - a where both have a value."""
+    width = int(min(max(width, 1), MAX_WIDTH))
+    (da, xa, ea), (db, xb, eb) = _axis(a, axis), _axis(b, axis)
+    x0 = 0.0 if x0 is None else float(x0)
+    x1 = max(ea, eb) if x1 is None else float(x1)
+    if not x1 > x0:
+        raise ValueError(f"x1 ({x1}) must be above x0 ({x0})")
+    sa, sb = _binned(xa, da.lt.live, ea, x0, x1, width), _binned(xb, db.lt.live, eb, x0, x1,
+                                                                 width)
+    diff = [None if u is None or v is None else v - u for u, v in zip(sa, sb)]
+
+    def side(rep: Report, d: DeviceAnalysis, x: np.ndarray, end: float) -> dict[str, Any]:
+        return {"source": _text(rep.diagnosis.source), "device": d.device, "rows": d.lt.rows,
+                "end": end, "peak_bytes": d.peak_bytes,
+                "peak_x": float(x[d.peak_row]) if d.lt.rows else None}
+
+    return {"axis": axis, "x0": x0, "x1": x1, "width": width,
+            "axes": [ax for ax in AXES if ax == "fraction" or all(
+                np.isfinite(_seconds(d.trace.time_us, d.lt.rows)).all() and d.lt.rows
+                for d in (da, db))],
+            "a": side(a, da, xa, ea), "b": side(b, db, xb, eb), "live_a": sa, "live_b": sb,
+            "diff": diff}
+
+
+def compare(a: Report, b: Report, axis: str = "fraction", x0: float | None = None,
+            x1: float | None = None, width: int = 800) -> dict[str, Any]:
+    """`sf.compare(a, b)` (peaks, categories and findings, B against A) and the `overlay`."""
+    from snapforensics.api import compare as _compare
+
+    return {"comparison": _compare(a, b).to_dict(),
+            "overlay": overlay(a, b, axis, x0, x1, width)}
+
+
+def fleet(fl: Fleet, files: Sequence[str]) -> dict[str, Any]:
+    """A fleet's strip: every rank's peak in the order of `files` (the folder's rank order),
+    with the snapshot index that opens its timeline; `worst`: the snapshot of the fleet's
+    worst rank (most anomalous rules, then highest peak); the unreadable ones as errors."""
+    at = {str(f): i for i, f in enumerate(files)}
+    ranks = sorted(({"snapshot": at[r["source"]], "label": _text(r["label"]), "rank": r["rank"],
+                     "peak_bytes": r["peaks"]["overall_bytes"],
+                     "deviation_pct": r["deviation_pct"], "anomalies": r["anomalies"],
+                     "findings": r["findings"]} for r in fl.ranks), key=lambda r: r["snapshot"])
+    return {"mode": fl.mode, "ranks": ranks,
+            "worst": at[fl.ranks[0]["source"]] if fl.ranks else None,
+            "spread": {k: v for k, v in (fl.spread or {}).items() if k != "ranks"},
+            "errors": [{"snapshot": at.get(e["source"]), "error": _text(e["error"])}
+                       for e in fl.errors]}
 
 
 def block(rep: Report, block_id: int) -> dict[str, Any]:
