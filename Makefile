@@ -1,5 +1,6 @@
 # One venv for everything. It sees the system's packages, so a machine that already has torch
 # keeps it; otherwise torch is installed pinned (an unpinned torch pulls a multi-GB CUDA build).
+SHELL := /bin/bash
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -7,7 +8,7 @@ TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
 CSRC := $(wildcard snapforensics/snapshot/*.c snapforensics/snapshot/*.h)
 
-.PHONY: setup demo lint test test-full test-fast test-pythons bench clean
+.PHONY: setup demo lint test test-full test-fast test-pythons bench clean fuzz
 
 $(STAMP): pyproject.toml setup.py $(CSRC)
 	$(PY) -m venv --system-site-packages $(VENV)
@@ -15,13 +16,14 @@ $(STAMP): pyproject.toml setup.py $(CSRC)
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 
-# The browser test drives the Debian package's Chromium: installed when missing, if we can
-# (root and apt); otherwise tests/test_browser.py skips.
+# The browser tests drive the Debian package's Chromium, the fuzz target needs clang: each
+# installed when missing, if we can (root and apt); otherwise the browser tests skip and
+# `fuzz` says it did not run.
 setup: $(STAMP)
-	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get \
-		>/dev/null 2>&1 && apt-get update -q >/dev/null && \
-		apt-get install -y -q chromium >/dev/null; } || \
-		echo "chromium not installed: tests/test_browser.py will be skipped"
+	@command -v chromium >/dev/null 2>&1 && command -v clang-14 >/dev/null 2>&1 || \
+		{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+		apt-get update -q >/dev/null && apt-get install -y -q chromium clang-14 >/dev/null; } \
+		|| echo "chromium or clang-14 not installed: browser tests skip, fuzz does not run"
 
 demo: setup
 	$(BIN)/snapforensics demo
@@ -35,9 +37,19 @@ lint: setup
 # recordings stay at two at once over all workers (tests/recordings.py `SLOTS`).
 XDIST := -n auto --maxprocesses 4 -p no:benchmark
 
-# what CI runs: every test but the longer proofs marked `full` (README: Tests)
-test: lint test-pythons
+# what CI runs: every test but the longer proofs marked `full` (README: Tests), and the
+# differential sanitizer fuzz target for FUZZ_SECONDS (cfuzz/: a disagreement between the read
+# paths or a memory error fails it)
+test: lint test-pythons fuzz
 	$(BIN)/python -m pytest -q $(XDIST) -m "not full"
+
+FUZZ_SECONDS ?= 60
+fuzz: setup
+	@if command -v clang-14 >/dev/null 2>&1 || command -v clang >/dev/null 2>&1; then \
+		$(MAKE) -s -C cfuzz run SECONDS=$(FUZZ_SECONDS) PY=$(abspath $(BIN))/python \
+		> cfuzz/fuzz.log 2>&1 && grep -E "DONE|^stat::(number|average)" cfuzz/fuzz.log || \
+		{ tail -60 cfuzz/fuzz.log; exit 1; }; \
+	else echo "fuzz: no clang, not run"; fi
 
 # everything: `make test` plus the `full` tests (the forecast's pairs recorded for it alone,
 # the framework runs: HF Trainer, accelerate, Fabric, torchtitan's wrapping), with the pinned

@@ -1,14 +1,18 @@
-"""Small seed inputs for the fuzz harness: real snapshots (fixtures, corpus when present) cut
-to a few entries, segments and frames, pickled with protocols 2, 4 and 5."""
+"""The fuzz target's seed corpus: real snapshots (fixtures, corpus when present) cut to a few
+entries, segments and frames, pickled with protocols 2, 4 and 5; and every hostile file the
+tests build (tests/hostile.py's CASES, tests/shapes26.py's SHAPES), their first max_len bytes."""
 
 import gzip
 import pickle
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from corpus import corpus_files  # noqa: E402
+from hostile import CASES  # noqa: E402
+from shapes26 import SHAPES  # noqa: E402
 
 
 def cut(raw):
@@ -20,7 +24,7 @@ def cut(raw):
     return raw
 
 
-def main(out: str) -> None:
+def main(out: str, max_len: int) -> None:
     d = Path(out)
     d.mkdir(exist_ok=True)
     files = sorted((ROOT / "fixtures").glob("*.pickle*")) + corpus_files()
@@ -30,7 +34,12 @@ def main(out: str) -> None:
         small = cut(raw)
         for proto in (2, 4, 5):
             (d / f"{p.stem}.p{proto}").write_bytes(pickle.dumps(small, protocol=proto))
+    with tempfile.TemporaryDirectory() as t:
+        for name, build in [*CASES.items(), *SHAPES]:
+            b = build(Path(t)).read_bytes()
+            b = gzip.decompress(b) if b[:2] == b"\x1f\x8b" else b
+            (d / f"hostile-{name}").write_bytes(b[:max_len])
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], int(sys.argv[2]))

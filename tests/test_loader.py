@@ -418,9 +418,9 @@ def test_memo_bomb_is_refused_quickly(tmp_path):
     assert resource.getrlimit(resource.RLIMIT_AS) == before  # the cap is lifted afterwards
 
 
-def test_memo_bomb_within_the_file_is_refused_by_the_memory_guard(tmp_path):
+def test_a_sparse_memo_the_file_size_admits_reads_under_the_memory_guard(tmp_path):
     # LONG_BINPUT at an index the file's size admits, in a file padded to that size: the scan
-    # lets it through and the guard (32x the file + 256 MiB) stops the memo the unpickler grows
+    # lets it through, and the memo the unpickler grows fits the guard (32x the file + 256 MiB)
     idx = 12 << 20  # a 96 MiB memo for a 12 MiB file: within the guard, so the file reads
     p = tmp_path / "bomb.pickle"
     p.write_bytes(b"\x80\x04Nr" + struct.pack("<I", idx) + b"0}"

@@ -246,7 +246,8 @@ def test_a_tuple_and_a_list_of_the_same_frames_cost_the_budget_the_same_through_
     frames = [{"filename": f"f{i}.py", "line": i, "name": "g"} for i in range(1000)]
     rows = [{"action": "alloc", "addr": 0, "size": 1, "frames": frames},
             {"action": "alloc", "addr": 512, "size": 1, "frames": tuple(frames)}]
-    monkeypatch.setenv("SNAPFORENSICS_EXPANSION", str((1027 + 1500) / 2 ** 20))
+    # 1,027: the device (DEVICE_UNITS, charged before any trace is read), 2 rows and 1 trace
+    monkeypatch.setenv("SNAPFORENSICS_EXPANSION", str((2027 + 1500) / 2 ** 20))
     a, b = _both(lambda: normalize({"segments": [], "device_traces": [rows]},
                                    file_info={"pickle_bytes": 0}), monkeypatch)
     # the tuple is compared with the list (same sampled frames) before it is interned: that

@@ -50,7 +50,17 @@ from snapforensics.snapshot.native import native
 from snapforensics.snapshot.segments import read_segments
 from snapforensics.snapshot.stream import StreamTrace
 from snapforensics.snapshot.stream import read_info as stream_info
-from snapforensics.snapshot.unpickle import gc_paused, on_stack, open_file, read_raw_info
+from snapforensics.snapshot.unpickle import (
+    file_kind,
+    gc_paused,
+    load_budget,
+    memory_guard,
+    memory_message,
+    on_stack,
+    open_file,
+    pickle_bound,
+    read_raw_info,
+)
 
 OTHER = A["other"]
 DEVICE_UNITS = 1024  # each device is analysed on its own: a fixed cost of about 1,000 rows
@@ -64,15 +74,21 @@ def load(path: str | os.PathLike, file: Any = None) -> Snapshot:
     # raw graph is alive would make the next allocation walk millions of containers (a young
     # collection: every object made while the GC was off counts as young). So the raw graph is
     # freed before the GC comes back.
-    with gc_paused():
-        f = open_file(path) if file is None else file
-        got = stream_info(path, f)  # None: declined or not built, the Python path reads it
-        raw, warnings, info = got if got is not None else read_raw_info(path, f)
-        try:  # on the unpickling thread's stack size: the Python path may hold deep tuples
-            snap = on_stack(partial(normalize, raw, source=str(path), warnings=warnings,
-                                    file_info=info), info.get("tuple_bound", 0))
-        except SnapError as e:
-            raise SnapError(f"{path}: {e}", e.exit_code) from None
+    # One memory guard over the whole read (the stream reader, its fallback, normalization),
+    # proportional to the most pickle bytes the file can hold.
+    f = open_file(path) if file is None else file
+    size, gzipped = file_kind(f, path)
+    with gc_paused(), memory_guard(load_budget(pickle_bound(size, gzipped))):
+        try:
+            got = stream_info(path, f)  # None: declined or not built, the Python path reads it
+            raw, warnings, info = got if got is not None else read_raw_info(path, f)
+            try:  # on the unpickling thread's stack size: the Python path may hold deep tuples
+                snap = on_stack(partial(normalize, raw, source=str(path), warnings=warnings,
+                                        file_info=info), info.get("tuple_bound", 0))
+            except SnapError as e:
+                raise SnapError(f"{path}: {e}", e.exit_code) from None
+        except MemoryError:
+            raise SnapError(memory_message(path, size)) from None
         del raw
     return snap
 

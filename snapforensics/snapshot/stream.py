@@ -22,7 +22,7 @@ import numpy as np
 from snapforensics.snapshot.budget import Budget
 from snapforensics.snapshot.columns import MAX_BYTES
 from snapforensics.snapshot.model import A
-from snapforensics.snapshot.unpickle import GZIP_RATIO, _memory_guard, load_budget, tname
+from snapforensics.snapshot.unpickle import file_kind, pickle_bound, tname
 
 _stream: ModuleType | None
 try:
@@ -81,25 +81,13 @@ def read_info(path: str | os.PathLike, f: Any) -> tuple[Any, list[str], dict] | 
     mod = reader()
     if mod is None:
         return None
-    try:
-        size = os.fstat(f.fileno()).st_size
-        f.seek(0)
-        head = f.read(2)
-        f.seek(0)
-    except (OSError, ValueError):
-        return None
-    info: dict[str, Any] = {"file_bytes": size, "gzip": head[:2] == b"\x1f\x8b",
-                            "stale_bytes": 0}
-    if info["gzip"]:
-        cap = max(64 << 20, GZIP_RATIO * size)
-        src: Any = gzip.GzipFile(fileobj=f, mode="rb")
-        max_in = cap
-    else:
-        src, max_in = f, size
+    size, gzipped = file_kind(f, path)
+    info: dict[str, Any] = {"file_bytes": size, "gzip": gzipped, "stale_bytes": 0}
+    cap = max_in = pickle_bound(size, info["gzip"])
+    src: Any = gzip.GzipFile(fileobj=f, mode="rb") if info["gzip"] else f
     rows = Budget(max_in).max_units if Budget(max_in).limited else _NO_LIMIT
-    try:
-        with _memory_guard(load_budget(max_in)):
-            root, consumed, traces = mod.read(src, A, OTHER, MAX_BYTES, rows, max_in)
+    try:  # under the caller's memory guard (normalization.load)
+        root, consumed, traces = mod.read(src, A, OTHER, MAX_BYTES, rows, max_in)
     except MemoryError:
         root, consumed, traces = None, "out of memory", 0
     if root is None:

@@ -63,7 +63,7 @@ def _vm_size() -> int | None:
 
 
 @contextmanager
-def _memory_guard(budget: int) -> Iterator[int | None]:
+def memory_guard(budget: int) -> Iterator[int | None]:
     """Cap how much address space the process may add while the C unpickler runs (Linux).
 
     Yields the cap in bytes (None when no cap applies). `SNAPFORENSICS_LOAD_MEMORY` overrides the
@@ -164,6 +164,20 @@ def open_file(path: str | os.PathLike) -> Any:
     return os.fdopen(fd, "rb")
 
 
+def file_kind(f: Any, path: str | os.PathLike) -> tuple[int, bool]:
+    """(size in bytes, gzipped) of `f` (opened by `open_file`), left at its start; closed on
+    failure."""
+    try:
+        size = os.fstat(f.fileno()).st_size
+        f.seek(0)
+        head = f.read(2)
+        f.seek(0)
+    except (OSError, ValueError) as e:
+        f.close()
+        raise SnapError(f"{path}: cannot read: {getattr(e, 'strerror', None) or e}") from None
+    return size, head == b"\x1f\x8b"
+
+
 def _regular(p: Path, mode: int) -> None:
     if stat.S_ISDIR(mode):
         raise SnapError(f"{p}: is a directory, expected a snapshot file (e.g. {p}/rank0.pickle)")
@@ -204,6 +218,18 @@ def load_budget(pickle_bytes: int) -> int:
     return LOAD_PER_BYTE * pickle_bytes + LOAD_ALLOWANCE
 
 
+def pickle_bound(size: int, gzipped: bool) -> int:
+    """The most pickle bytes a file of `size` bytes is read for (a gzip inflates to at most
+    GZIP_RATIO x its size, or 64 MiB)."""
+    return max(64 << 20, GZIP_RATIO * size) if gzipped else size
+
+
+def memory_message(p: Any, size: int) -> str:
+    return (f"{p}: the pickle asks for more memory than a snapshot of {size} bytes can need "
+            "(corrupt or hostile file); if it is genuine, raise the cap with "
+            "SNAPFORENSICS_LOAD_MEMORY=<bytes> (0 = no cap)")
+
+
 def _count_tuple_ops(data: bytes) -> int:
     return len(data.translate(None, _NOT_TUPLE_OPS))
 
@@ -232,7 +258,7 @@ def _gunzip(f: Any, size: int, p: Path) -> tuple[bytes, bool, str]:
     """The decompressed stream, at most GZIP_RATIO x the file (or 64 MiB), whether it was cut
     there, and the error that ended it early ("" if none). Trailing bytes after the pickle (a
     gzip padded with GBs of zeros) are never all inflated."""
-    cap = max(64 << 20, GZIP_RATIO * size)
+    cap = pickle_bound(size, True)
     stream = gzip.GzipFile(fileobj=f, mode="rb")
     parts: list[bytes] = []
     n, err = 0, ""
@@ -253,7 +279,7 @@ def _load(stream: Any, data: Any, bound: int, budget: int) -> Any:
     in quadratic time."""
 
     def load() -> Any:
-        with gc_paused(), _memory_guard(budget):
+        with gc_paused(), memory_guard(budget):
             keys.check(data)
             return _RefuseGlobals(stream).load()
 
@@ -355,10 +381,7 @@ def read_raw_info(path: str | os.PathLike, file: Any = None) -> tuple[Any, list[
         except RecursionError:
             raise SnapError(f"{p}: pickle nested too deeply, not a memory snapshot") from None
         except MemoryError:
-            raise SnapError(
-                f"{p}: the pickle asks for more memory than a snapshot of {size} bytes can need "
-                "(corrupt or hostile file); if it is genuine, raise the cap with "
-                "SNAPFORENSICS_LOAD_MEMORY=<bytes> (0 = no cap)") from None
+            raise SnapError(memory_message(p, size)) from None
         except EOFError as e:
             if damaged and not damaged.startswith("EOFError"):
                 raise SnapError(f"{p}: corrupt gzip file ({damaged})") from None
@@ -393,5 +416,5 @@ def read_raw(path: str | os.PathLike) -> tuple[Any, list[str]]:
     return obj, warnings
 
 
-__all__ = ["open_file", "read_raw", "read_raw_info", "gc_paused", "on_stack"]
+__all__ = ["open_file", "read_raw", "read_raw_info", "gc_paused", "on_stack", "memory_guard"]
 
