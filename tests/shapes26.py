@@ -92,7 +92,7 @@ def deep_pool(d: Path) -> Path:
                                                    + e + APPENDS + APPEND)))
 
 
-def shared_frames(d: Path, frames: int = 12_000, rows: int = 12_000) -> Path:
+def shared_frames(d: Path, frames: int = 40_000, rows: int = 40_000) -> Path:
     """2: one long frames list, made outside any entry, shared through the memo by every row."""
     m = Memo()
     m.put()  # root
@@ -122,8 +122,10 @@ def frames_grown_after_use(d: Path) -> Path:
 
 
 def frames_twice(d: Path) -> Path:
-    """4: an entry dict with its frames key set twice (pickle keeps the second)."""
-    e = (_entry(EMPTY_LIST + _frame("first") + APPEND, size=64 << 20)
+    """4: an entry dict with its frames key set twice (pickle keeps the second); the first,
+    discarded, names a torch_npu frame (a reader that kept it would call the file an NPU's)."""
+    e = (_entry(EMPTY_LIST + _frame("c10_npu::NPUCachingAllocator::malloc") + APPEND,
+                size=64 << 20)
          + s("frames") + EMPTY_LIST + _frame("second") + APPEND + b"s")
     e2 = _entry(EMPTY_LIST + _frame("other") + APPEND, addr=2 << 20, t=2.0)
     return _write(d, "frames_twice.pickle", pkl(_root(Memo(), b"", EMPTY_LIST + EMPTY_LIST
@@ -135,9 +137,10 @@ def _small_doc(m: Memo) -> bytes:
 
 
 def memoize_after_mark(d: Path) -> Path:
-    """5a: MEMOIZE right after MARK (pickle: unexpected MARK found)."""
-    doc = _small_doc(Memo())
-    return _write(d, "memoize_after_mark.pickle", PROTO + doc + MARK + MEMOIZE + b"0" + STOP)
+    """5a: MEMOIZE right after a trace list's MARK (pickle: unexpected MARK found)."""
+    body = _root(Memo(), b"", EMPTY_LIST + EMPTY_LIST + MARK + MEMOIZE + _entry(EMPTY_LIST)
+                 + APPENDS + APPEND)
+    return _write(d, "memoize_after_mark.pickle", PROTO + body + STOP)
 
 
 def mark_before_stop(d: Path) -> Path:
@@ -146,10 +149,10 @@ def mark_before_stop(d: Path) -> Path:
 
 
 def two_marks_appends(d: Path) -> Path:
-    """5c: two MARKs then APPENDS on a trace list."""
+    """5c: two MARKs then APPENDS on a trace list (pickle: unexpected MARK found)."""
     body = _root(Memo(), b"", EMPTY_LIST + EMPTY_LIST + MARK + MARK + _entry(EMPTY_LIST)
-                 + APPENDS + APPEND)
-    return _write(d, "two_marks_appends.pickle", PROTO + body[:-1] + b"u" + STOP)
+                 + APPENDS + APPENDS + APPEND)
+    return _write(d, "two_marks_appends.pickle", PROTO + body + STOP)
 
 
 def frame_straddle(d: Path) -> Path:
@@ -160,7 +163,7 @@ def frame_straddle(d: Path) -> Path:
                   PROTO + FRAME + struct.pack("<Q", cut) + body)
 
 
-def colliding_int_keys(d: Path, n: int = 60_000) -> Path:
+def colliding_int_keys(d: Path, n: int = 150_000) -> Path:
     """7: a dict whose integer keys all hash to 0 (multiples of 2^61-1)."""
     p61 = (1 << 61) - 1
     keys = b"".join(i(k * p61) + b"N" for k in range(1, n + 1))
@@ -197,7 +200,7 @@ def colliding_pairs(n: int, target: int = 12345) -> list[tuple[int, int]]:
     return out
 
 
-def colliding_pool_ids(d: Path, n: int = 30_000) -> Path:
+def colliding_pool_ids(d: Path, n: int = 130_000) -> Path:
     """7b: entries whose pool_id pairs all hash alike (what normalization deduplicated in a dict),
     every value a valid pool id (two ints)."""
     rows = b"".join(_entry(EMPTY_LIST, addr=(k + 1) << 12,

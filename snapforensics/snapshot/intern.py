@@ -277,10 +277,14 @@ class Interner:
 
     def stream_column(self, col: list, where_dev: str) -> np.ndarray:
         check_types(col, {int, type(None)}, where_dev, "stream", "an int")
+        # range first: past 2^64 a file can pick any number of ints with one hash (multiples of
+        # 2^61-1); within it at most 14 share one, so the table below stays linear
+        ints = [s for s in col if s is not None] if None in col else col
+        if ints and (min(ints) < -(1 << 63) or max(ints) >= (1 << 64)):
+            s = next(s for s in ints if not -(1 << 63) <= s < (1 << 64))
+            raise SnapError(f"{where_dev}[{col.index(s)}]: stream {short(s)} is out of range")
         m = {}
         for s in dict.fromkeys(col):
-            if s is not None and not -(1 << 63) <= s < (1 << 64):
-                raise SnapError(f"{where_dev}[{col.index(s)}]: stream {short(s)} is out of range")
             m[s] = self.stream(s, where_dev)
         if len(m) == 1:
             return np.full(len(col), next(iter(m.values())), np.int32)
