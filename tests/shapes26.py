@@ -123,7 +123,8 @@ def frames_grown_after_use(d: Path) -> Path:
 
 def frames_twice(d: Path) -> Path:
     """4: an entry dict with its frames key set twice (pickle keeps the second); the first,
-    discarded, names a torch_npu frame (a reader that kept it would call the file an NPU's)."""
+    discarded, names a torch_npu frame (the reader before issue 26 kept its stack: a different
+    document)."""
     e = (_entry(EMPTY_LIST + _frame("c10_npu::NPUCachingAllocator::malloc") + APPEND,
                 size=64 << 20)
          + s("frames") + EMPTY_LIST + _frame("second") + APPEND + b"s")
@@ -156,11 +157,13 @@ def two_marks_appends(d: Path) -> Path:
 
 
 def frame_straddle(d: Path) -> Path:
-    """6: a FRAME whose end falls inside an opcode's argument."""
+    """6: a FRAME whose end falls inside an opcode's argument, gzipped. CPython's C unpickler
+    refuses it from a buffer (the gzip path's BytesIO) and reads it from a file, so a plain
+    file reads and a gzipped one does not, in every path alike."""
     body = _small_doc(Memo()) + STOP
     cut = 7  # inside the first SHORT_BINUNICODE ('segments'... after '}', MEMOIZE, MARK)
-    return _write(d, "frame_straddle.pickle",
-                  PROTO + FRAME + struct.pack("<Q", cut) + body)
+    return _write(d, "frame_straddle.pickle.gz",
+                  gzip.compress(PROTO + FRAME + struct.pack("<Q", cut) + body))
 
 
 def colliding_int_keys(d: Path, n: int = 150_000) -> Path:
