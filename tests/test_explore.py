@@ -433,3 +433,28 @@ def test_the_allocator_at_a_moment_has_the_segments_blocks_and_free_gaps():
     cpu = client(report())
     s = cpu[0].get("/api/segments?row=10", headers=cpu[1]).json()
     assert s["segments"] == [] and "no caching allocator" in s["statement"]
+
+
+def test_a_path_is_diagnosed_with_its_lifetimes_from_the_cache(tmp_path, monkeypatch):
+    from snapforensics import doccache
+    from snapforensics.analysis import lifetimes
+
+    monkeypatch.setenv("SNAPFORENSICS_CACHE_DIR", str(tmp_path))
+    want = report()
+    first = queries.Sources([BUGGY])[0]
+    entry = next(tmp_path.glob("*.lifetimes.npz"))
+    # the second run pairs nothing: the entry's lifetimes, the same report
+    monkeypatch.setattr(lifetimes, "compute", lambda *a: pytest.fail("paired again"))
+    again = queries.Sources([BUGGY])[0]
+    for got in (first, again):
+        assert got.to_dict() == want.to_dict() and got.blocks.equals(want.blocks)
+    # an entry that is not this trace's is deleted, and the lifetimes paired again
+    monkeypatch.undo()
+    monkeypatch.setenv("SNAPFORENSICS_CACHE_DIR", str(tmp_path))
+    import numpy as np
+    a = dict(np.load(entry))
+    a["d0_free_row"] = a["d0_free_row"] + len(want.timeline)
+    with open(entry, "wb") as f:
+        np.savez(f, **a)
+    assert doccache.report(BUGGY).to_dict() == want.to_dict()
+    assert entry.exists() and dict(np.load(entry))["d0_free_row"].max() <= len(want.timeline)

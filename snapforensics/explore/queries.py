@@ -34,9 +34,9 @@ KEEP = 4
 
 class Sources:
     """The snapshots a server was given, by index (0 = the first): paths, or Reports already
-    made. `sources[i]` is snapshot i's Report, diagnosed on first use (the loaded model read
-    from and written to the snapshot cache, as `diagnose` does); the KEEP most recently used
-    stay in memory. No other path is ever read (the cache's own folder aside)."""
+    made. `sources[i]` is snapshot i's Report, diagnosed on first use (the loaded model and
+    the blocks' lifetimes read from and written to the cache, `doccache.report`); the KEEP
+    most recently used stay in memory. No other path is ever read (the cache's own folder aside)."""
 
     def __init__(self, items: Sequence[str | Path | Report]) -> None:
         self.items = list(items)
@@ -51,11 +51,10 @@ class Sources:
         return self._get(i)
 
     def _diagnose(self, i: int) -> Report:
-        from snapforensics.api import diagnose
-        from snapforensics.snapshot import cache
+        from snapforensics import doccache
 
-        it = self.items[i]  # a path: its model from the cache when it is there (as diagnose's)
-        return it if isinstance(it, Report) else diagnose(cache.load(it))
+        it = self.items[i]  # a path: its model and lifetimes from the cache when there
+        return it if isinstance(it, Report) else doccache.report(it)
 
     def source(self, i: int) -> str:
         it = self.items[i]
