@@ -329,3 +329,132 @@ def _get(url: str):
         except OSError:
             time.sleep(0.1)
     raise AssertionError(url)
+
+
+def _phase_runs(rep: sf.Report, lo: int, hi: int) -> list[tuple[str, int, int]]:
+    """The runs of one phase among rows [lo, hi), from the diagnosis' timeline alone."""
+    ph = rep.timeline.phase.astype(str).to_numpy()[lo:hi]
+    cut = [0] + [i for i in range(1, len(ph)) if ph[i] != ph[i - 1]] + [len(ph)]
+    return [(ph[a], lo + a, lo + b) for a, b in zip(cut[:-1], cut[1:])]
+
+
+@pytest.mark.parametrize("lo,hi,width", [(0, None, 1000), (2000, 6000, 700), (5000, 5010, 300)])
+def test_a_window_shades_the_diagnosis_phases_and_marks_the_peak(lo, hi, width):
+    rep = report()
+    c, h = client(rep)
+    d = rep.analyses[0]
+    hi = d.lt.rows if hi is None else hi
+    w = c.get(f"/api/window?lo={lo}&hi={hi}&width={width}", headers=h).json()
+    assert [(p["phase"], p["lo"], p["hi"]) for p in w["phases"]] == _phase_runs(rep, lo, hi)
+    per = (hi - lo) / width
+    assert all(abs(p["c0"] - (p["lo"] - lo) / per) < 1e-6 for p in w["phases"])
+    assert w["phases"][-1]["c1"] == width
+    starts = [it.start for it in d.tl.iterations if lo <= it.start < hi]
+    assert [it["row"] for it in w["iterations"]] == starts
+    assert (w["peak"]["c"] is not None) == (lo <= d.peak_row < hi)
+    assert w["peak"]["bytes"] == rep.peaks["overall_bytes"]
+    # every column's live bytes are those of the row it names (a click there asks for it)
+    live = rep.timeline.live_bytes.to_numpy()
+    assert [int(live[r]) for r in w["moment"]] == w["live"]
+
+
+def test_a_window_on_the_time_axis_is_the_rows_of_those_seconds():
+    rep = report()
+    c, h = client(rep)
+    t = rep.timeline.time_s.cummax().to_numpy()
+    x0, x1 = float(t[3000]), float(t[9000])
+    w = c.get(f"/api/window?axis=time&x0={x0}&x1={x1}&width=500", headers=h).json()
+    assert (w["x0"], w["x1"], w["axis"]) == (x0, x1, "time")
+    assert w["lo"] == int(np.searchsorted(t, x0, "right")) - 1 and w["hi"] == \
+        int(np.searchsorted(t, x1, "left"))
+    assert [(p["phase"], p["lo"], p["hi"]) for p in w["phases"]] == \
+        _phase_runs(rep, w["lo"], w["hi"])
+    # a phase's columns are its seconds
+    for p in w["phases"][1:]:
+        assert abs(p["c0"] - (t[p["lo"]] - x0) / (x1 - x0) * 500) < 1e-6
+    live = rep.timeline.live_bytes.to_numpy()
+    assert max(w["live"]) == int(live[w["lo"]:w["hi"]].max())
+    ov = c.get("/api/overview", headers=h).json()
+    assert ov["devices"][0]["axes"] == ["row", "time"] and ov["phase_colors"]["forward"]
+    assert c.get("/api/window?axis=seconds", headers=h).status_code == 400
+
+
+def test_the_unit_filter_keeps_the_unit_and_the_modules_inside_it():
+    rep = report()
+    d = rep.analyses[0]
+    c, h = client(rep)
+    units = c.get("/api/overview", headers=h).json()["devices"][0]["units"]
+    assert "layers.1" in units, units
+    m = queries.keep_mask(rep, d.device, unit="layers.1")
+    want = np.array([(d.module_of(i) or "") in ("layers.1",) or
+                     (d.module_of(i) or "").startswith("layers.1.") for i in range(len(d.lt))])
+    assert m.any() and (m == want).all()
+
+
+NIU = "NiuHuangxiaozi_fwd_bwd_200_mixed.pickle"  # a CUDA run whose trace logs every segment
+
+
+def test_the_allocator_at_a_moment_has_the_segments_blocks_and_free_gaps():
+    from corpus import corpus_file
+
+    path = corpus_file(NIU)
+    rep = sf.diagnose(path)
+    c, h = client(rep)
+    d = rep.analyses[0]
+    # at the last row (the dump's moment): the file's own segments, each free gap the
+    # segment's total minus the blocks the file says are allocated in it
+    raw = sorted((s for s in sf.load(path).segments if s.device == d.device),
+                 key=lambda s: s.address)
+    got = c.get(f"/api/segments?row={d.lt.rows - 1}", headers=h).json()
+    assert [(s["address"], s["total_size"]) for s in got["segments"]] == \
+        [(s.address, s.total_size) for s in raw]
+    for g, s in zip(got["segments"], raw):
+        active = sum(b.size for b in s.blocks if b.state != "inactive")
+        assert g["gap_bytes"] == s.total_size - active, hex(s.address)
+        assert sum(x["size"] for x in g["gaps"]) == g["gap_bytes"]
+    assert sum(g["gap_bytes"] for g in got["segments"]) > 0
+    # at the peak: what was reserved then (the timeline's reserved bytes), each segment's
+    # blocks the blocks alive then at its addresses, the rest of it reserved but unused
+    at = c.get(f"/api/segments?row={d.peak_row}", headers=h).json()
+    tl = rep.timeline
+    assert at["reserved_bytes"] == int(tl.reserved_bytes[d.peak_row]) and at["unplaced"] == 0
+    assert at["allocated_bytes"] == int(tl.live_bytes[d.peak_row])
+    b = rep.blocks
+    alive = b[(b.alloc_row <= d.peak_row) & ((b.free_row > d.peak_row) | (b.free_row < 0))]
+    for s in at["segments"]:
+        inside = alive[(alive.address >= s["address"]) &
+                       (alive.address < s["address"] + s["total_size"])]
+        assert sorted(x["id"] for x in s["blocks"]) == sorted(inside.index.tolist())
+        assert s["allocated_size"] == int(inside["size"].sum())
+        assert s["reserved_unused"] == s["total_size"] - s["allocated_size"] == \
+            s["gap_bytes"] + s["tail_bytes"]
+    assert at["reserved_unused"] == at["reserved_bytes"] - at["allocated_bytes"] > 0
+    # a CPU recording says so
+    cpu = client(report())
+    s = cpu[0].get("/api/segments?row=10", headers=cpu[1]).json()
+    assert s["segments"] == [] and "no caching allocator" in s["statement"]
+
+
+def test_a_path_is_diagnosed_with_its_lifetimes_from_the_cache(tmp_path, monkeypatch):
+    from snapforensics import doccache
+    from snapforensics.analysis import lifetimes
+
+    monkeypatch.setenv("SNAPFORENSICS_CACHE_DIR", str(tmp_path))
+    want = report()
+    first = queries.Sources([BUGGY])[0]
+    entry = next(tmp_path.glob("*.lifetimes.npz"))
+    # the second run pairs nothing: the entry's lifetimes, the same report
+    monkeypatch.setattr(lifetimes, "compute", lambda *a: pytest.fail("paired again"))
+    again = queries.Sources([BUGGY])[0]
+    for got in (first, again):
+        assert got.to_dict() == want.to_dict() and got.blocks.equals(want.blocks)
+    # an entry that is not this trace's is deleted, and the lifetimes paired again
+    monkeypatch.undo()
+    monkeypatch.setenv("SNAPFORENSICS_CACHE_DIR", str(tmp_path))
+    import numpy as np
+    a = dict(np.load(entry))
+    a["d0_free_row"] = a["d0_free_row"] + len(want.timeline)
+    with open(entry, "wb") as f:
+        np.savez(f, **a)
+    assert doccache.report(BUGGY).to_dict() == want.to_dict()
+    assert entry.exists() and dict(np.load(entry))["d0_free_row"].max() <= len(want.timeline)

@@ -30,6 +30,8 @@ def _serve(sources, fleet=None):
     server = uvicorn.Server(uvicorn.Config(web, log_level="warning"))
     t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     t.start()
+    while not server.started and t.is_alive():  # listening before the page asks
+        t.join(0.05)
     try:
         yield f"http://127.0.0.1:{sock.getsockname()[1]}", web.state.token
     finally:
@@ -190,3 +192,140 @@ def test_a_fleet_strip_click_opens_that_ranks_timeline(page, tmp_path):
             assert page.evaluate("Math.max(...win.live)") == peak == r["peak_bytes"]
             assert page.locator(f".rank[data-snapshot='{r['snapshot']}']").get_attribute(
                 "class").split().count("sel") == 1
+
+
+def _open(page, base: str, token: str) -> None:
+    page.goto(f"{base}/?token={token}")
+    page.wait_for_function("typeof win !== 'undefined' && win !== null && rects.length > 0")
+    page.wait_for_load_state("networkidle")
+
+
+def _query(page) -> str:
+    return page.evaluate("'/api/window?' + query()")
+
+
+def test_the_timeline_shades_the_diagnosis_phases_and_pans_on_a_drag(served, page):
+    rep, base, token = served
+    _open(page, base, token)
+    w = _api(base, token, _query(page))
+    assert page.evaluate("win") == w
+    # the shading: the API's phase spans, each at its columns, and those the diagnosis' phases
+    shading = page.evaluate("shading")
+    W = page.evaluate("document.getElementById('plot').clientWidth")
+    assert [(p, a, b) for _, _, p, a, b in shading] == \
+        [(p["phase"], p["lo"], p["hi"]) for p in w["phases"]]
+    for (x0, x1, *_), p in zip(shading, w["phases"]):
+        assert abs(x0 - p["c0"] * W / w["width"]) < 1e-6
+        assert abs(x1 - p["c1"] * W / w["width"]) < 1e-6
+    ph = rep.timeline.phase.astype(str).to_numpy()
+    runs = [(ph[a], a) for a in range(len(ph)) if a == 0 or ph[a] != ph[a - 1]]
+    assert [(p, a) for _, _, p, a, _ in shading] == runs
+    # drawn in the report's colour at its opacity, above the bars (the top rows of the plot)
+    x0, x1, phase = max(shading, key=lambda s: s[1] - s[0])[:3]
+    hexa = page.evaluate("ov.phase_colors")[phase]
+    alpha = page.evaluate("ov.phase_alpha")
+    rgba = page.evaluate("""(x) => Array.from(document.getElementById('plot').getContext('2d')
+        .getImageData(x, 3, 1, 1).data)""", int((x0 + x1) / 2))
+    want = [int(hexa[i:i + 2], 16) for i in (1, 3, 5)] + [round(255 * alpha)]
+    # (a canvas keeps colours premultiplied: a faint one reads back a few units off)
+    assert all(abs(a - b) <= 8 for a, b in zip(rgba, want)), (rgba, want)
+    # the peak marked where it is, and a drag pans the window by what the mouse moved
+    d = rep.analyses[0]
+    assert page.evaluate("win.peak") == {"row": d.peak_row, "bytes": d.peak_bytes,
+                                         "c": w["peak"]["c"]}
+    page.evaluate("setView(3000, 5000)")
+    page.wait_for_function("win.lo === 3000 && win.hi === 5000")
+    box = page.locator("#plot").bounding_box()
+    page.mouse.move(box["x"] + 600, box["y"] + 50)
+    page.mouse.down()
+    page.mouse.move(box["x"] + 500, box["y"] + 50, steps=5)
+    page.mouse.up()
+    page.wait_for_function("win.lo !== 3000")
+    shift = round(100 / box["width"] * 2000)
+    assert abs(page.evaluate("win.lo") - (3000 + shift)) <= 1
+    assert page.evaluate("win.hi - win.lo") == 2000
+    # the time axis: the same phases, on the seconds of their rows
+    page.select_option("#xaxis", "time")
+    page.wait_for_function("win.axis === 'time'")
+    wt = _api(base, token, _query(page))
+    assert [(p, a, b) for _, _, p, a, b in page.evaluate("shading")] == \
+        [(p["phase"], p["lo"], p["hi"]) for p in wt["phases"]]
+    assert [(p, a) for _, _, p, a, _ in page.evaluate("shading")] == runs
+
+
+def test_filtered_and_grey_bytes_at_the_peak_are_the_unfiltered_total(served, page):
+    rep, base, token = served
+    _open(page, base, token)
+    d = rep.analyses[0]
+    page.evaluate("(r) => setView(r - 200, r + 200)", d.peak_row)
+    page.wait_for_function("(r) => win.lo === r - 200", arg=d.peak_row)
+    whole = _api(base, token, _query(page))
+    c = int(whole["peak"]["c"])
+    assert whole["live"][c] == d.peak_bytes
+    unit = next(u for u in page.evaluate("ov.devices[0].units") if u.startswith("layers"))
+    for sel, value in (("#cat", "fsdp.unsharded_param"), ("#unit", unit), ("#minsize", "4096"),
+                       ("#text", "forward")):
+        if sel in ("#cat", "#unit"):
+            page.select_option(sel, value)
+        else:
+            page.fill(sel, value)
+            page.dispatch_event(sel, "change")
+        page.wait_for_function("drawn === '/api/window?' + query()")
+        assert page.evaluate("win") == _api(base, token, _query(page))
+        t = page.evaluate("(c) => totalsAt(c)", c)
+        assert t["grey"] > 0 and t["kept"] + t["grey"] == d.peak_bytes == t["live"], (sel, t)
+        # the page's hover says the same
+        box = page.locator("#plot").bounding_box()
+        page.mouse.move(box["x"] + (c + 0.5) * box["width"] / whole["width"], box["y"] + 2)
+        hover = page.locator("#hover").inner_text()
+        human = page.evaluate("(n) => human(n)", t["grey"])
+        assert f"filtered out {human}" in hover or "(block" in hover
+
+
+def test_a_cuda_file_shows_the_allocator_at_the_peak_and_at_a_clicked_moment(page):
+    from corpus import corpus_file
+    from test_explore import NIU
+
+    path = corpus_file(NIU)
+    rep = sf.diagnose(path)
+    d = rep.analyses[0]
+    with _serve(rep) as (base, token):
+        _open(page, base, token)
+        page.wait_for_function("segs !== null")
+        assert page.evaluate("segs.row") == d.peak_row
+        b = rep.blocks
+        alive = b[(b.alloc_row <= d.peak_row) & ((b.free_row > d.peak_row) | (b.free_row < 0))]
+        shown = page.locator(".seg")
+        api = _api(base, token, f"/api/segments?row={d.peak_row}")
+        assert shown.count() == len(api["segments"]) > 0
+        assert int(rep.timeline.reserved_bytes[d.peak_row]) == sum(
+            int(shown.nth(i).get_attribute("data-total")) for i in range(shown.count()))
+        for i in range(shown.count()):
+            e = shown.nth(i)
+            a, total = int(e.get_attribute("data-address")), int(e.get_attribute("data-total"))
+            live = int(alive[(alive.address >= a) & (alive.address < a + total)]["size"].sum())
+            s = api["segments"][i]
+            # free gaps + what the allocator's rounding left with the blocks: total - live
+            assert int(e.get_attribute("data-gap-bytes")) + s["tail_bytes"] == total - live
+        # the dump's moment: each gap the raw segment's total minus its allocated blocks
+        page.evaluate("(r) => showSegments(r)", d.lt.rows - 1)
+        page.wait_for_function("(r) => segs.row === r", arg=d.lt.rows - 1)
+        raw = sorted((s for s in sf.load(path).segments if s.device == d.device),
+                     key=lambda s: s.address)
+        shown = page.locator(".seg")
+        assert shown.count() == len(raw)
+        for i, s in enumerate(raw):
+            e = shown.nth(i)
+            assert int(e.get_attribute("data-address")) == s.address
+            assert int(e.get_attribute("data-gap-bytes")) == s.total_size - sum(
+                x.size for x in s.blocks if x.state != "inactive")
+        # a click on the plot (not on a block) asks for that column's moment
+        page.locator("#plot").click(position={"x": 5, "y": 5})
+        page.wait_for_function("(r) => segs.row !== r", arg=d.lt.rows - 1)
+        k = int(5 / page.locator("#plot").bounding_box()["width"] * page.evaluate("win.width"))
+        assert page.evaluate("segs.row") == page.evaluate("win.moment")[k]
+    # and a CPU recording says plainly there is none
+    with _serve(sf.diagnose(BUGGY)) as (base, token):
+        _open(page, base, token)
+        page.wait_for_function("segs !== null")
+        assert "no caching allocator" in page.locator("#segments").inner_text()

@@ -134,8 +134,11 @@ def _distinct(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.flatnonzero(seen) + lo, slot[keys - lo]
 
 
-def analyse(snapshot: Snapshot, trace: Trace) -> DeviceAnalysis:
-    lt = lifetimes.compute(snapshot, trace)
+def analyse(snapshot: Snapshot, trace: Trace, lt: lifetimes.Lifetimes | None = None
+            ) -> DeviceAnalysis:
+    """The analysis of one device's trace; `lt`: its lifetimes already paired (the cache's,
+    `doccache.report`), else paired here."""
+    lt = lifetimes.compute(snapshot, trace) if lt is None else lt
     ctx, contexts = phases.range_context(snapshot.annotations, trace.device, len(trace))
     # Classify each distinct (stack, ranges) pair once: rows first (phase hints), then blocks.
     n_ctx = max(len(contexts), 1)

@@ -14,6 +14,7 @@ from snapforensics.analysis.evidence import human, top_stacks
 from snapforensics.analysis.evidence import peaks as phase_peaks
 from snapforensics.analysis.frameworks import detect as frameworks
 from snapforensics.analysis.frameworks import fixes as framework_fixes
+from snapforensics.analysis.lifetimes import Lifetimes
 from snapforensics.analysis.rules import run_rules
 from snapforensics.analysis.vocab import Phase
 from snapforensics.snapshot.model import Snapshot, Trace
@@ -23,13 +24,16 @@ def diagnose(snapshot: Snapshot, categories: dict[str, re.Pattern] | None = None
     return diagnose_devices(snapshot, categories)[0]
 
 
-def diagnose_devices(snapshot: Snapshot, categories: dict[str, re.Pattern] | None = None
+def diagnose_devices(snapshot: Snapshot, categories: dict[str, re.Pattern] | None = None,
+                     lifetimes: dict[int, Lifetimes] | None = None
                      ) -> tuple[Diagnosis, list[DeviceAnalysis]]:
     """The Diagnosis and the per-device analyses it was made from (for the Python API).
 
     `categories`: user categories (name -> regex on stack frames and range names), applied
-    after the rules ran (see `DeviceAnalysis.add_categories`)."""
-    analyses = [analyse(snapshot, t) for t in snapshot.active_traces]
+    after the rules ran (see `DeviceAnalysis.add_categories`). `lifetimes`: devices' lifetimes
+    already paired (by device; the cache's)."""
+    analyses = [analyse(snapshot, t, (lifetimes or {}).get(t.device))
+                for t in snapshot.active_traces]
     findings = [f for d in analyses for f in run_rules(d)]
     framework = frameworks.detect(snapshot, analyses)
     framework_fixes.localize(findings, framework)

@@ -34,9 +34,9 @@ KEEP = 4
 
 class Sources:
     """The snapshots a server was given, by index (0 = the first): paths, or Reports already
-    made. `sources[i]` is snapshot i's Report, diagnosed on first use (the loaded model read
-    from and written to the snapshot cache, as `diagnose` does); the KEEP most recently used
-    stay in memory. No other path is ever read (the cache's own folder aside)."""
+    made. `sources[i]` is snapshot i's Report, diagnosed on first use (the loaded model and
+    the blocks' lifetimes read from and written to the cache, `doccache.report`); the KEEP
+    most recently used stay in memory. No other path is ever read (the cache's own folder aside)."""
 
     def __init__(self, items: Sequence[str | Path | Report]) -> None:
         self.items = list(items)
@@ -51,11 +51,10 @@ class Sources:
         return self._get(i)
 
     def _diagnose(self, i: int) -> Report:
-        from snapforensics.api import diagnose
-        from snapforensics.snapshot import cache
+        from snapforensics import doccache
 
-        it = self.items[i]  # a path: its model from the cache when it is there (as diagnose's)
-        return it if isinstance(it, Report) else diagnose(cache.load(it))
+        it = self.items[i]  # a path: its model and lifetimes from the cache when there
+        return it if isinstance(it, Report) else doccache.report(it)
 
     def source(self, i: int) -> str:
         it = self.items[i]
@@ -119,39 +118,102 @@ def _primary(rep: Report) -> DeviceAnalysis:
 
 
 def overview(rep: Report) -> dict[str, Any]:
+    """What the page opens with: per device its rows, peak, categories (with the report's
+    colours), FSDP units and the x axes it can draw (`time` only when the file has times);
+    the phases' colours (the report's shading); the findings."""
+    from snapforensics.report.plot import PHASE_ALPHA, PHASE_COLORS, color
+
     d = rep.diagnosis
     return {"source": _text(d.source), "peaks": d.peaks,
             "caching_allocator": bool(rep.snapshot.kind.caching_allocator),
             "devices": [{"device": a.device, "rows": a.lt.rows, "blocks": len(a.lt),
                          "peak_row": a.peak_row, "peak_bytes": a.peak_bytes,
-                         "categories": [_text(c, FRAME) for c in a.category_names]}
+                         "categories": [_text(c, FRAME) for c in a.category_names],
+                         "colors": {_text(c, FRAME): color(str(c)) for c in a.category_names},
+                         "units": [_text(u, FRAME) for u in _unit_names(a)[0]],
+                         "axes": [ax for ax in WINDOW_AXES if ax == "row" or _timed(a)]}
                         for a in rep.analyses],
+            "phase_colors": PHASE_COLORS, "phase_alpha": PHASE_ALPHA,
             "findings": findings(rep)}
 
 
+def _unit_names(d: DeviceAnalysis) -> tuple[list[str], np.ndarray]:
+    """The FSDP units (module paths) of the device's blocks, sorted, and each block's index
+    into them (-1: none), as `module_of` says, without a Python loop over the blocks."""
+    mods = [i.module for i in d.infos] + [m for m in d.block_module.values() if m]
+    names = sorted({m for m in mods if m})
+    at = {m: k for k, m in enumerate(names)}
+    per_info = np.array([at.get(i.module, -1) if i.module else -1 for i in d.infos], np.int64)
+    code = per_info[d.info] if len(d.info) else np.full(len(d.lt), -1, np.int64)
+    for b, m in d.block_module.items():
+        if m is not None:
+            code[int(b)] = at[m]
+    return names, code
+
+
+def _timed(d: DeviceAnalysis) -> bool:
+    return bool(d.lt.rows) and bool(np.isfinite(_seconds(d.trace.time_us, d.lt.rows)).all())
+
+
+WINDOW_AXES = ("row", "time")
+
+
+def _xs(d: DeviceAnalysis, axis: str) -> np.ndarray:
+    """Each row's x on the window's `axis` and, last, where the trace ends (rows + 1 values,
+    never decreasing): `row`, the row itself; `time`, seconds since the first row (as the
+    report's plot)."""
+    n = d.lt.rows
+    if axis == "row":
+        return np.arange(n + 1, dtype=np.float64)
+    if axis != "time":
+        raise ValueError(f"axis {axis!r}: one of {', '.join(WINDOW_AXES)}")
+    if not _timed(d):
+        raise ValueError("no times recorded on this device; use axis=row")
+    x = np.maximum.accumulate(_seconds(d.trace.time_us, n))
+    return np.append(x, np.nextafter(x[-1], np.inf))
+
+
 def window(rep: Report, device: int, lo: int, hi: int, width: int,
-           keep: np.ndarray | None = None) -> dict[str, Any]:
-    """Rows [lo, hi) drawn `width` pixels wide. A block at least one column wide (its lifetime
+           keep: np.ndarray | None = None, axis: str = "row", x0: float | None = None,
+           x1: float | None = None) -> dict[str, Any]:
+    """Rows [lo, hi) drawn `width` pixels wide; on axis `time`, [x0, x1) seconds (the rows are
+    those alive in it) in columns of equal time. A block at least one column wide (its lifetime
     in the window) is drawn on its own, up to BLOCKS_PER_COLUMN * width of them, largest first;
-    every other block alive in the window is merged with its category into a band: its live
-    bytes per column (the column's max, as the report's timeline keeps peaks). `keep`: a mask
-    of the blocks a filter kept; the others go to the "filtered out" band (grey), so the
-    totals stay honest."""
+    every other block alive in the window is merged with its category into a band: the bytes
+    of the blocks alive in each column. `keep`: a mask of the blocks a filter kept; the others
+    go to the "filtered out" band (grey), so the totals stay honest. With them: `live` (each
+    column's max of the trace's live bytes), the phases of the rows shaded (`phases`), the
+    iteration starts, the peak's column, and `moment` (the row each column's `live` is of: a
+    click asks for the allocator's state there)."""
     d, off = _device(rep, device)
     lt = d.lt
     width = int(min(max(width, 1), MAX_WIDTH))
-    lo, hi = max(int(lo), 0), min(int(hi), lt.rows)
-    hi = max(hi, lo + 1)
-    per_col = (hi - lo) / width
+    X = _xs(d, axis)
+    if axis == "row" or x0 is None or x1 is None:
+        lo, hi = max(int(lo), 0), min(int(hi), lt.rows)
+        hi = max(hi, lo + 1)
+        x0, x1 = float(X[lo]), float(X[hi])
+    else:
+        x0, x1 = float(x0), float(x1)
+        if not x1 > x0:
+            raise ValueError(f"x1 ({x1}) must be above x0 ({x0})")
+        lo = max(int(np.searchsorted(X[:-1], x0, "right")) - 1, 0)
+        hi = min(max(int(np.searchsorted(X[:-1], x1, "left")), lo + 1), lt.rows)
+    span = x1 - x0
+
+    def col(x: np.ndarray) -> np.ndarray:  # column position (float) of each x
+        return (np.clip(x, x0, x1) - x0) / span * width
+
     start = np.maximum(lt.alloc_row, 0)
     end = np.minimum(lt.free_row, lt.rows)
     vis = np.flatnonzero((start < hi) & (end > lo))
     a, b, size = np.maximum(start[vis], lo), np.minimum(end[vis], hi), lt.size[vis]
-    c0 = ((a - lo) / per_col).astype(np.int64)
-    c1 = np.ceil((b - lo) / per_col).astype(np.int64)
+    ca, cb = col(X[a]), col(X[b])
+    c0 = np.minimum(ca.astype(np.int64), width - 1)
+    c1 = np.maximum(np.ceil(cb).astype(np.int64), c0 + 1)
     kept = np.ones(len(vis), bool) if keep is None else keep[vis]
     # at least one column of the window: smaller ones are merged
-    wide = np.flatnonzero((b - a >= per_col) & kept)
+    wide = np.flatnonzero((cb - ca >= 1) & kept)
     drawn = wide[np.argsort(-size[wide], kind="stable")[:BLOCKS_PER_COLUMN * width]]
     rest = np.ones(len(vis), bool)
     rest[drawn] = False
@@ -162,16 +224,68 @@ def window(rep: Report, device: int, lo: int, hi: int, width: int,
     cm, sm, w1 = cat[merged], size[merged], width + 1
     delta = np.zeros(len(names) * w1, np.int64)
     np.add.at(delta, cm * w1 + np.clip(c0[merged], 0, width), sm)
-    np.add.at(delta, cm * w1 + np.clip(np.maximum(c1[merged], c0[merged] + 1), 0, width), -sm)
+    np.add.at(delta, cm * w1 + np.clip(c1[merged], 0, width), -sm)
     live = np.cumsum(delta.reshape(len(names), w1)[:, :width], axis=1)
     bands = {_text(names[code], FRAME): live[code].tolist()
              for code in np.flatnonzero(np.bincount(cm, minlength=len(names))).tolist()}
     blocks = [{"id": int(off + vis[i]), "c0": int(c0[i]), "c1": int(c1[i]),
                "size": int(size[i]), "category": _text(names[cat[i]], FRAME)}
               for i in drawn[np.argsort(a[drawn], kind="stable")].tolist()]
-    return {"device": device, "lo": lo, "hi": hi, "width": width, "rows_per_column": per_col,
-            "live": _columns(lt.live[lo:hi], width), "bands": bands, "blocks": blocks,
-            "merged_blocks": int(len(merged))}
+    top, moment = _moments(lt.live, lo, hi, col(X[lo:hi]), width)
+    peak = d.peak_row
+    return {"device": device, "axis": axis, "lo": lo, "hi": hi, "x0": x0, "x1": x1,
+            "x_end": float(X[-1]), "width": width, "rows_per_column": (hi - lo) / width,
+            "live": top, "moment": moment, "bands": bands, "blocks": blocks,
+            "merged_blocks": int(len(merged)),
+            "phases": _phase_spans(d, lo, hi, X, col, width),
+            "iterations": [{"index": it.index, "row": it.start, "c": float(col(X[it.start]))}
+                           for it in d.tl.iterations if lo <= it.start < hi][:width],
+            "peak": {"row": peak, "bytes": d.peak_bytes,
+                     "c": float(col(X[peak])) if lo <= peak < hi else None}}
+
+
+def _moments(live: np.ndarray, lo: int, hi: int, pos: np.ndarray, width: int
+             ) -> tuple[list[int], list[int]]:
+    """Per column (rows [lo, hi) at column positions `pos`): the max of the live bytes and the
+    first row that has it; a column no row starts in shows the row before it (nothing changed
+    since)."""
+    v = live[lo:hi]
+    c = np.minimum(pos.astype(np.int64), width - 1)
+    first = np.searchsorted(c, np.arange(width), "left")
+    has = np.searchsorted(c, np.arange(width), "right") > first
+    top = np.zeros(width, np.int64)
+    top[has] = np.maximum.reduceat(v, first[has])  # `c` never decreases: runs of columns
+    at_top = np.flatnonzero(v == top[c])
+    row = np.full(width, -1, np.int64)
+    row[c[at_top][::-1]] = at_top[::-1]  # the first row at each column's max
+    empty = np.flatnonzero(~has)
+    row[empty] = np.maximum(first[empty] - 1, 0)  # the last row before the column
+    top[empty] = v[row[empty]]
+    return top.tolist(), (row + lo).tolist()
+
+
+def _phase_spans(d: DeviceAnalysis, lo: int, hi: int, X: np.ndarray, col, width: int
+                 ) -> list[dict[str, Any]]:
+    """The runs of one phase among rows [lo, hi), from the diagnosis' per-row phases
+    (`Timeline.phase`, the report's shading): rows [lo, hi) of each and its columns [c0, c1).
+    More runs than columns: each column takes the phase of its first row, and runs of
+    columns are merged (the shading stays O(width))."""
+    from snapforensics.analysis.vocab import PHASE_LABELS
+
+    ph = d.tl.phase[lo:hi]
+    cut = np.flatnonzero(np.diff(ph)) + 1
+    if len(cut) >= width:
+        pos = col(X[lo:hi]).astype(np.int64)
+        firsts = np.unique(np.searchsorted(pos, np.arange(width), "left"))
+        firsts = firsts[firsts < len(ph)]
+        keep = np.flatnonzero(np.diff(ph[firsts])) + 1
+        cut = firsts[keep]
+    starts = np.concatenate([[0], cut]).astype(np.int64) + lo
+    ends = np.concatenate([cut + lo, [hi]]).astype(np.int64)
+    c0, c1 = col(X[starts]), col(X[ends])
+    return [{"phase": PHASE_LABELS[int(d.tl.phase[a])], "lo": int(a), "hi": int(b),
+             "c0": float(u), "c1": float(v)}
+            for a, b, u, v in zip(starts.tolist(), ends.tolist(), c0.tolist(), c1.tolist())]
 
 
 def _columns(values: np.ndarray, width: int) -> list[int]:
@@ -341,15 +455,17 @@ def finding(rep: Report, index: int, width: int = 800) -> dict[str, Any]:
     return out | {"block_ids": ids, "after_fix": after}
 
 
-def segments(rep: Report, device: int) -> dict[str, Any]:
-    """The allocator's segments by address with their blocks and free gaps, as the file holds
-    them (at dump time: a snapshot records segments only then); a plain statement on a
-    recording without a caching allocator."""
+def segments(rep: Report, device: int, row: int | None = None) -> dict[str, Any]:
+    """The allocator's segments by address with their blocks and free gaps: as the file holds
+    them at dump (`row` None: a snapshot records segments only then), or right after trace row
+    `row` (`allocator_at`); a plain statement on a recording without a caching allocator."""
     snap = rep.snapshot
     if not snap.kind.caching_allocator:
-        return {"device": device, "caching_allocator": False, "segments": [],
+        return {"device": device, "caching_allocator": False, "segments": [], "row": row,
                 "statement": "This is a CPU recording: there is no caching allocator, so no "
                              "segments; every block is its own allocation."}
+    if row is not None:
+        return allocator_at(rep, device, row)
     segs = sorted((s for s in snap.segments if s.device == device), key=lambda s: s.address)
     return {"device": device, "caching_allocator": True, "at": "dump", "statement": None,
             "segments": [{"address": s.address, "total_size": s.total_size,
@@ -357,6 +473,109 @@ def segments(rep: Report, device: int) -> dict[str, Any]:
                           "reserved_unused": s.total_size - s.allocated_size,
                           "blocks": [{"address": int(b.address), "size": int(b.size),
                                       "state": _text(b.state)} for b in s.blocks]} for s in segs]}
+
+
+# the caching allocator splits a block only when what remains is at least this big: less stays
+# with the block (c10 CUDACachingAllocator `should_split`: 512 B in the small pool, whose
+# segments are 2 MiB; more than 1 MiB in the large pool)
+SMALL_SEGMENT, SMALL_SPLIT, LARGE_SPLIT = 2 << 20, 512, (1 << 20) + 1
+MIN_BLOCK = 512  # every block is a multiple of it (kMinBlockSize)
+
+# a segment's answer lists at most this many blocks and as many gaps (its totals stay exact)
+SEGMENT_ITEMS = 512
+
+
+def allocator_at(rep: Report, device: int, row: int) -> dict[str, Any]:
+    """The caching allocator right after trace row `row`: its segments by address, each with
+    the blocks alive then (`Lifetimes.alive_at`, the timeline's blocks) and the free gaps
+    between them (reserved but unused: cached by the allocator, no tensor in it).
+
+    The segments are the dump's, walked back to `row`: each segment_alloc / segment_map row
+    after it undone (its range was not reserved yet), each segment_free / segment_unmap after
+    it redone (its range still was); map and unmap ranges (expandable segments) join the
+    segment next to them. A gap after a block too small for the allocator to have split off
+    is that block's tail, not a free gap: `tail_bytes`, what the blocks were given beyond
+    their requests (rounding, unsplit tails), is what `reserved_unused` (total - the bytes
+    of the blocks alive) holds besides the free gaps. `reserved_bytes`: the segments' total;
+    `unplaced`: the blocks alive then that no segment holds (0 on a consistent file)."""
+    from bisect import bisect_right
+
+    from snapforensics.snapshot.model import SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP
+
+    d, off = _device(rep, device)
+    n = d.lt.rows
+    row = min(max(int(row), 0), max(n - 1, 0))
+    # [start, end, stream] sorted by start
+    segs = sorted([int(s.address), int(s.address) + int(s.total_size), int(s.stream)]
+                  for s in d.allocator.segments)
+    act = d.trace.action
+    later = np.flatnonzero(((act == SEGMENT_ALLOC) | (act == SEGMENT_FREE) | (act == SEGMENT_MAP)
+                            | (act == SEGMENT_UNMAP)) & (np.arange(len(act)) > row))
+    for k in later[::-1].tolist():
+        a, z = int(d.trace.addr[k]), int(d.trace.addr[k]) + int(d.trace.size[k])
+        if act[k] in (SEGMENT_ALLOC, SEGMENT_MAP):  # not reserved before row k: cut it out
+            cut = []
+            for s in segs:
+                if s[1] <= a or s[0] >= z:
+                    cut.append(s)
+                    continue
+                if s[0] < a:
+                    cut.append([s[0], a, s[2]])
+                if s[1] > z:
+                    cut.append([z, s[1], s[2]])
+            segs = cut
+        else:  # freed after row: it was reserved then
+            i = bisect_right([s[0] for s in segs], a)
+            new = [a, z, int(d.trace.stream[k])]
+            if act[k] == SEGMENT_UNMAP and i and segs[i - 1][1] == a:
+                segs[i - 1][1] = z
+                new = segs.pop(i - 1)
+                i -= 1
+            if act[k] == SEGMENT_UNMAP and i < len(segs) and segs[i][0] == z:
+                new[1] = segs.pop(i)[1]
+            segs.insert(i, new)
+    alive = np.flatnonzero(d.lt.alive_at(row))
+    addr = d.lt.addr[alive].astype(np.int64)
+    order = np.argsort(addr, kind="stable")
+    alive, addr, size = alive[order], addr[order], d.lt.size[alive[order]]
+    starts = np.array([s[0] for s in segs], np.int64)
+    ends = np.array([s[1] for s in segs], np.int64)
+    home = np.searchsorted(starts, addr, "right") - 1
+    placed = (home >= 0) & (addr + size <= ends[np.maximum(home, 0)]) if len(segs) else \
+        np.zeros(len(addr), bool)
+    out = []
+    for j, (a, z, stream) in enumerate(segs):
+        k = np.flatnonzero(placed & (home == j))
+        ba, bs = addr[k], size[k]
+        # the gaps: from the segment's start and each block's end (its size rounded as the
+        # allocator rounds a request, to MIN_BLOCK) to the next block's start
+        ext = np.maximum(-(-bs // MIN_BLOCK) * MIN_BLOCK, MIN_BLOCK)
+        g0 = np.concatenate([[a], np.maximum.accumulate(ba + ext)]) if len(k) else np.array([a])
+        g1 = np.concatenate([ba, [z]]) if len(k) else np.array([z])
+        g = np.flatnonzero(g1 > g0)
+        gap = g1[g] - g0[g]
+        # a gap right after a block that the allocator would not have split off is the
+        # block's own tail (its request rounded to the block it was given), not a free block
+        tail = (g > 0) & (gap < (SMALL_SPLIT if z - a <= SMALL_SEGMENT else LARGE_SPLIT))
+        g, gap = g[~tail], gap[~tail]
+        live = int(bs.sum())
+        out.append({"address": a, "total_size": z - a, "stream": stream, "allocated_size": live,
+                    "tail_bytes": z - a - live - int(gap.sum()), "reserved_unused": z - a - live,
+                    "blocks_count": len(k), "gaps_count": len(g), "gap_bytes": int(gap.sum()),
+                    "largest_gap": int(gap.max()) if len(g) else 0,
+                    "blocks": [{"id": int(off + i), "address": int(x), "size": int(y)}
+                               for i, x, y in zip(alive[k][:SEGMENT_ITEMS].tolist(),
+                                                  ba[:SEGMENT_ITEMS].tolist(),
+                                                  bs[:SEGMENT_ITEMS].tolist())],
+                    "gaps": [{"address": int(x), "size": int(y)} for x, y in
+                             zip(g0[g][:SEGMENT_ITEMS].tolist(), gap[:SEGMENT_ITEMS].tolist())]})
+    reserved = int(ends.sum() - starts.sum()) if len(segs) else 0
+    allocated = sum(x["allocated_size"] for x in out)
+    return {"device": device, "caching_allocator": True, "at": "row", "row": row,
+            "statement": None, "segments": out, "reserved_bytes": reserved,
+            "allocated_bytes": allocated, "reserved_unused": reserved - allocated,
+            "live_bytes": int(d.lt.live[row]) if n else 0,
+            "unplaced": int((~placed).sum())}
 
 
 def keep_mask(rep: Report, device: int, category: str | None = None,
@@ -377,9 +596,10 @@ def keep_mask(rep: Report, device: int, category: str | None = None,
         if f.device == device and f.members is not None:
             sel[np.asarray(f.members, np.int64)] = True
         m &= sel
-    if unit:
-        m &= np.array([(d.module_of(i) or "") == unit or (d.module_of(i) or "").startswith(
-            unit + ".") for i in range(len(m))], bool)
+    if unit:  # the unit or any module inside it
+        names, code = _unit_names(d)
+        hit = np.array([n == unit or n.startswith(unit + ".") for n in names] + [False], bool)
+        m &= hit[code]
     if text:
         t = text.casefold()
         uniq, inv = np.unique(d.lt.stack, return_inverse=True)

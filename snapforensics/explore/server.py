@@ -8,11 +8,15 @@ path: the server reads only the snapshots the command was given (`queries.Source
     GET /                      the page (static/index.html)
     GET /api/overview          source, peaks, devices (rows, blocks, categories), findings,
                                `snapshots` (index, source) and `mode` (one, compare, fleet)
-    GET /api/window?device=&lo=&hi=&width=[&category=&finding=&unit=&min_size=&text=]
+    GET /api/window?device=&lo=&hi=&width=[&axis=time&x0=&x1=][&category=&finding=&unit=
+                               &min_size=&text=]   blocks, bands (the filtered-out rest grey),
+                               live bytes, phases, iterations and the peak in a window
     GET /api/block/{id}        one block: size, address, rows, times, phase, iteration,
                                category and the frame that decided it, unit, stack, findings
     GET /api/finding/{index}?width=   its block ids and the predicted-after-fix curve
-    GET /api/segments?device=  the allocator's segments (a statement on CPU recordings)
+    GET /api/segments?device=[&row=]   the allocator's segments with their blocks and free
+                               gaps, at dump or right after `row` (a statement on CPU
+                               recordings)
     GET /api/compare?a=&b=&axis=&x0=&x1=&width=   B against A and both timelines overlaid
     GET /api/fleet             a fleet's strip: every rank's peak and the snapshot to open
 Every endpoint but /api/fleet takes `snapshot=` (/api/compare: `a=` and `b=`).
@@ -96,7 +100,9 @@ def app(sources: Report | queries.Sources, fleet: dict[str, Any] | None = None,
                                  finding_index=int(fi) if fi not in (None, "") else None,
                                  unit=q.get("unit") or None, min_size=a["min_size"],
                                  text=q.get("text") or None)
-        return JSONResponse(queries.window(rep, dev, a["lo"], a["hi"], a["width"], keep),
+        x = floats(req, "x0", "x1")
+        return JSONResponse(queries.window(rep, dev, a["lo"], a["hi"], a["width"], keep,
+                                           q.get("axis") or "row", x["x0"], x["x1"]),
                             headers=_HEADERS)
 
     async def block(req: Request) -> Response:
@@ -113,7 +119,9 @@ def app(sources: Report | queries.Sources, fleet: dict[str, Any] | None = None,
 
     async def segments(req: Request) -> Response:
         rep = report(req)
-        return JSONResponse(queries.segments(rep, ints(req, device=first_device(rep))["device"]),
+        a = ints(req, device=first_device(rep))
+        row = req.query_params.get("row")
+        return JSONResponse(queries.segments(rep, a["device"], int(row) if row else None),
                             headers=_HEADERS)
 
     async def compare(req: Request) -> Response:
