@@ -7,7 +7,7 @@ import re
 import numpy as np
 
 from snapforensics import __version__
-from snapforensics.analysis import timeline
+from snapforensics.analysis import identity, timeline
 from snapforensics.analysis.context import DeviceAnalysis, analyse
 from snapforensics.analysis.diagnosis import DeviceSummary, Diagnosis, Finding, top_anomaly
 from snapforensics.analysis.evidence import human, top_stacks
@@ -94,6 +94,8 @@ def _summary(snapshot: Snapshot, d: DeviceAnalysis, findings: list[Finding]) -> 
                  "truncated": lt.truncated, "baseline_bytes": lt.baseline},
         segments=snapshot.segment_totals(d.device),
         timeline=plot.timeline_rows() if plot else [],
+        tensors=identity.summary(d, d.names) if d.names is not None else
+        identity.without_names(d),
         plot=plot,
     )
 

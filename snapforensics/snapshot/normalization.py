@@ -50,6 +50,7 @@ from snapforensics.snapshot.native import native
 from snapforensics.snapshot.segments import read_segments
 from snapforensics.snapshot.stream import StreamTrace
 from snapforensics.snapshot.stream import read_info as stream_info
+from snapforensics.snapshot.tensors import read as read_tensors
 from snapforensics.snapshot.unpickle import gc_paused, on_stack, open_file, read_raw_info
 
 OTHER = A["other"]
@@ -305,4 +306,5 @@ def normalize(raw: Any, source: str = "<memory>", warnings: list[str] | None = N
         rank=rank,
         warnings=warnings,
         kind=kind(fmt, provenance),
+        tensors=read_tensors(raw, warnings),
     )
