@@ -95,9 +95,18 @@ def _summary(snapshot: Snapshot, d: DeviceAnalysis, findings: list[Finding]) -> 
         segments=snapshot.segment_totals(d.device),
         timeline=plot.timeline_rows() if plot else [],
         tensors=identity.summary(d, d.names) if d.names is not None else
-        identity.without_names(d),
+        _without_names(snapshot),
         plot=plot,
     )
+
+
+def _without_names(snapshot: Snapshot) -> dict:
+    """`identity.without_names`, once per file (a file may have thousands of devices)."""
+    cached = getattr(snapshot, "_without_names", None)
+    if cached is None:
+        cached = identity.without_names(snapshot)
+        object.__setattr__(snapshot, "_without_names", cached)
+    return cached
 
 
 def _iteration(d: DeviceAnalysis, it) -> dict:

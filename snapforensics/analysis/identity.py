@@ -223,39 +223,42 @@ def summary(d, names: BlockNames, rows: int = 24) -> dict:
     return out
 
 
-def without_names(d) -> dict:
+def without_names(snapshot) -> dict:
     """For a dump with no recorder names: what its frames and record_function ranges say
-    about modules, and the recipe for the next dump."""
-    snap = d.snapshot
-    frames = snap.frames
-    module_frames = sum(1 for f in frames if f.filename == "<nn.Module>")
-    fsdp_units = sorted({m.group(1) for a in snap.annotations if a.device == d.device
-                         and a.stage == "START" and (m := _UNIT.search(a.name))},
-                        key=_natural)
-    named_units = sorted({i.module for i in d.infos if i.module}, key=_natural)
-    user_ranges = sorted({a.name for a in snap.annotations if a.device == d.device
-                          and a.stage == "START" and not _TORCH_RANGE.match(a.name)})
-    forward = any(f.name == "forward" for f in frames)
+    about modules, and the recipe for the next dump (once per file: every device shares it)."""
+    module_frames = sum(1 for f in snapshot.frames if f.filename == "<nn.Module>")
+    starts = [a.name for a in snapshot.annotations if a.stage == "START"]
+    units = sorted({m.group(1) for n in set(starts) if (m := _UNIT.search(n))}, key=_natural)
+    user_ranges = sorted({n for n in starts if not _TORCH_RANGE.match(n)})
+    forward = any(f.name == "forward" for f in snapshot.frames)
     said = []
     if module_frames:
-        said.append(f"{module_frames} module frames (<nn.Module> in stacks): blocks are placed "
-                    "in the module that allocated them, not named")
+        said.append(f"{module_frames} module frames (<nn.Module> in stacks): a block is placed "
+                    "in the module call that allocated it, not named")
     elif forward:
         said.append("Python frames show which forward() allocated each block (file:line), "
                     "not which module instance or tensor")
     else:
         said.append("no Python frames: blocks have no module at all")
-    if fsdp_units or named_units:
-        units = named_units or fsdp_units
+    if units:
         said.append(f"FSDP units from record_function ranges: {len(units)} "
-                    f"({', '.join(units[:4])}{', ...' if len(units) > 4 else ''}); blocks made "
-                    "inside a unit's range are that unit's, not a tensor's")
+                    f"({', '.join(units[:4])}{', ...' if len(units) > 4 else ''}); a block made "
+                    "inside a unit's range is that unit's, not a tensor's")
     if user_ranges:
         said.append(f"{len(user_ranges)} record_function ranges of the script's own "
                     f"({', '.join(user_ranges[:3])}{', ...' if len(user_ranges) > 3 else ''})")
     said.append("no tensor names, shapes or dtypes, and no record of what was saved for "
-                "backward: torch's snapshot keeps addresses, sizes and stacks only")
-    return {"recorded": False, "said": said, "recipe": RECIPE}
+                "backward: the snapshot keeps addresses, sizes and stacks only")
+    recorder = snapshot.provenance.get("recorder")
+    if type(recorder) is str and recorder.startswith("snapforensics"):
+        recipe = ("record the run again with this version's `snapforensics record`: it names "
+                  "tensors (SNAPFORENSICS_NAMES=0 was set, or an older recorder made this file)")
+    elif snapshot.backend.value == "npu":
+        recipe = RECIPE.replace("torch.cuda.memory", "torch_npu.npu.memory").replace(
+            'path="snap.pickle")', 'path="snap.pickle", device="npu")')
+    else:
+        recipe = RECIPE
+    return {"recorded": False, "said": said, "recipe": recipe}
 
 
 _UNIT = re.compile(r"^FSDP::\w+ \((.+)\)$")
