@@ -298,3 +298,30 @@ def test_names_context_manager_in_a_plain_script():
     saved = {data["identities"][i][2] for i in data["identity"]
              if data["identities"][i][1] == "saved_for_backward"}
     assert {"0", "1", "2"} <= saved  # each layer saved its input (ReLU its output)
+
+
+def test_names_from_the_file_are_neutralized_in_every_report():
+    """Layer, module and tensor names are the file's strings: each renderer passes them through
+    its sink's neutralizer (as test_sinks.py checks for every other string)."""
+    import dataclasses
+
+    from test_sinks import CONTROL, HOSTILE, SGR
+
+    d = sf.diagnose(FIXTURE).diagnosis
+    named = {"recorded": True, "named_bytes_at_peak": 1 << 20, "bytes_at_peak": 2 << 20,
+             "by_kind_at_peak": {HOSTILE: 1 << 20},
+             "saved_by_layer": [{"layer": HOSTILE, "bytes": 1 << 20, "blocks": 2,
+                                 "modules": [[HOSTILE, 1 << 19]]}],
+             "largest_at_peak": [{"tensor": HOSTILE, "kind": HOSTILE, "module": HOSTILE,
+                                  "shape": [2, 3], "dtype": HOSTILE, "bytes": 1 << 19}]}
+    d = dataclasses.replace(d, devices=[dataclasses.replace(d.devices[0], tensors=named)])
+    from snapforensics.report import render_text
+
+    term = render_text(d, "terminal")
+    assert "saved for backward, by layer" in term
+    assert not CONTROL.findall(SGR.sub("", term).replace("\n", ""))
+    md = render_text(d, "markdown")
+    assert "Saved for backward, by layer" in md and "\n# INJECTED" not in md
+    assert "<script>" not in md.split("```")[0]
+    page = render_text(d, "html")
+    assert "Saved for backward, by layer" in page and "<script>alert(1)" not in page
