@@ -87,6 +87,8 @@ class TensorNames:
         self._patched: list[tuple[Any, str, Any]] = []
         self._hooks_pushed = False
         self._thread: int | None = None
+        self._want_step_hooks = False
+        self.active = False
         self.cost_ns = 0  # time spent in the hooks (measured around the step hooks only)
         for root in list(self.roots):
             self._add_root(root)
@@ -99,16 +101,11 @@ class TensorNames:
         self._handles.append(nn_module.register_module_forward_pre_hook(self._pre_forward))
         self._handles.append(nn_module.register_module_forward_hook(self._post_forward,
                                                                     always_call=True))
-        try:
-            from torch.optim.optimizer import (
-                register_optimizer_step_post_hook,
-                register_optimizer_step_pre_hook,
-            )
-
-            self._handles.append(register_optimizer_step_pre_hook(self._before_step))
-            self._handles.append(register_optimizer_step_post_hook(self._after_step))
-        except ImportError as e:  # torch < 2.0
-            self.errors.append(f"no optimizer step hooks: {e}")
+        # the optimizer step hooks are registered at the next forward: start() may run inside
+        # one (`record --steps A:B` starts in a step post hook), where adding to torch's hook
+        # dict would break its iteration ("OrderedDict mutated during iteration")
+        self._want_step_hooks = True
+        self.active = True
         self._patch_fsdp2()
         torch._C._autograd._push_saved_tensors_default_hooks(self._pack, _unpack)
         self._hooks_pushed = True
@@ -117,6 +114,7 @@ class TensorNames:
     def stop(self) -> None:
         import torch
 
+        self.active = False  # the step hooks stay registered, inert (see _StepHooks)
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -184,6 +182,9 @@ class TensorNames:
         return s
 
     def _pre_forward(self, module: Any, args: Any) -> None:
+        if self._want_step_hooks:
+            self._want_step_hooks = False
+            _StepHooks.register(self)
         stack = self._stack()
         if not stack:
             if module not in self.module_names:
@@ -341,6 +342,43 @@ class TensorNames:
                 "identities": [list(e) for e in self.table], **cols,
                 "observations_made": self.seen, "identities_dropped": self.dropped_identities,
                 "step_hooks_s": round(self.cost_ns / 1e9, 4), "errors": list(self.errors)}
+
+
+class _StepHooks:
+    """Torch's global optimizer step pre/post hooks for one tracker, through a weak reference:
+    never removed (removing them inside a step hook, where `--steps` stops recording, would
+    break torch's iteration over its hook dict); inert once the tracker stopped or is gone."""
+
+    def __init__(self, tracker: TensorNames) -> None:
+        self.tracker = weakref.ref(tracker)
+
+    @classmethod
+    def register(cls, tracker: TensorNames) -> None:
+        try:
+            from torch.optim.optimizer import (
+                register_optimizer_step_post_hook,
+                register_optimizer_step_pre_hook,
+            )
+        except ImportError as e:  # torch < 2.0
+            tracker.errors.append(f"no optimizer step hooks: {e}")
+            return
+        hooks = cls(tracker)
+        register_optimizer_step_pre_hook(hooks.before)
+        register_optimizer_step_post_hook(hooks.after)
+
+    def _live(self) -> TensorNames | None:
+        t = self.tracker()
+        return t if t is not None and t.active else None
+
+    def before(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        t = self._live()
+        if t is not None:
+            t._before_step(optimizer, args, kwargs)
+
+    def after(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        t = self._live()
+        if t is not None:
+            t._after_step(optimizer, args, kwargs)
 
 
 def _numel(shape: Any) -> int:
