@@ -63,8 +63,7 @@ class BlockNames:
     def tensor(self, b: int) -> str | None:
         ids = self.extra.get(int(b))
         if ids:
-            names = [self.table.identities[i].tensor for i in ids]
-            names = [n for n in dict.fromkeys(names) if n]
+            names = [n for n in dict.fromkeys(self.table.identities[i].tensor for i in ids) if n]
             return ", ".join(names) if names else None
         i = self.identity(b)
         return i.tensor if i is not None else None
@@ -216,10 +215,13 @@ def summary(d, names: BlockNames, rows: int = 24) -> dict:
     out["saved_bytes_at_peak"] = int(lt.size[act].sum())
     named = alive[kinds >= 0]
     big = named[np.argsort(-lt.size[named], kind="stable")][:8]
-    out["largest_at_peak"] = [
-        {"tensor": names.tensor(b), "kind": names.kind(b), "module": names.module(b),
-         "shape": list(names.identity(b).shape), "dtype": names.identity(b).dtype,
-         "bytes": int(lt.size[b])} for b in big.tolist()]
+    largest = []
+    for b in big.tolist():
+        i = names.identity(b)
+        if i is not None:
+            largest.append({"tensor": names.tensor(b), "kind": i.kind, "module": names.module(b),
+                            "shape": list(i.shape), "dtype": i.dtype, "bytes": int(lt.size[b])})
+    out["largest_at_peak"] = largest
     return out
 
 

@@ -144,7 +144,7 @@ def _read(v: Any) -> TensorTable | None:
             notes[k] = v[k]
     if type(v.get("step_hooks_s")) in (int, float):
         notes["step_hooks_s"] = float(v["step_hooks_s"])
-    errs = v.get("errors")
+    errs: Any = v.get("errors")
     if type(errs) in LISTS:
         notes["errors"] = [clean_str(e[:300]) for e in errs[:5] if type(e) is str]
     return TensorTable(identities, cols["ptr"], cols["offset"], cols["nbytes"], cols["time_us"],
