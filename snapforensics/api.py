@@ -160,7 +160,12 @@ class Report:
     def blocks(self) -> pd.DataFrame:
         """One row per block: where, how big, when it was allocated and freed (row and
         microseconds; alloc_row -1 = alive before the first row, free_row -1 = alive at dump),
-        phase and iteration of its allocation, what made it, its FSDP unit, its stack."""
+        phase and iteration of its allocation, what made it, its FSDP unit, its stack; and,
+        in recordings with the recorder's names (analysis/identity.py), which tensor it is:
+        `tensor` (`layers.3.mlp.w1.weight`, `.grad`, `.exp_avg`; several names, comma
+        separated, for a buffer holding several views), `tensor_kind`, `module` (the module
+        that owns the parameter, or that saved the tensor for backward), `shape`, `dtype`,
+        `saved_for_backward`; None / False where unnamed or the file has no names."""
         import pandas as pd
 
         from snapforensics.analysis.vocab import PHASE_LABELS
@@ -189,6 +194,7 @@ class Report:
                 "fsdp_unit": pd.Categorical.from_codes(unit_code, unit_names),
                 "stack_id": lt.stack,
                 "top_frame": pd.Categorical.from_codes(frame_code, frame_names),
+                **_identity_columns(d),
             }))
         return _concat(parts)
 
@@ -255,6 +261,27 @@ class Report:
         from snapforensics.report import notebook
 
         return notebook.diagnosis(self.diagnosis)
+
+
+def _identity_columns(d: DeviceAnalysis) -> dict[str, Any]:
+    """tensor, tensor_kind, module, shape, dtype, saved_for_backward per block (object
+    columns: None where unnamed)."""
+    n = len(d.lt)
+    names = d.names
+    cols: dict[str, Any] = {c: np.full(n, None, object) for c in
+                            ("tensor", "tensor_kind", "module", "shape", "dtype")}
+    cols["saved_for_backward"] = np.zeros(n, bool) if names is None else names.saved.copy()
+    if names is None:
+        return cols
+    for b in np.flatnonzero(names.ident >= 0).tolist():
+        i = names.identity(b)
+        assert i is not None
+        cols["tensor"][b] = names.tensor(b)
+        cols["tensor_kind"][b] = i.kind
+        cols["module"][b] = names.module(b)
+        cols["shape"][b] = i.shape
+        cols["dtype"][b] = i.dtype
+    return cols
 
 
 def _seconds(t: np.ndarray, n: int) -> np.ndarray:

@@ -190,8 +190,8 @@ def test_terminal_numbers_are_not_half_highlighted():
 
 OUR_HEADINGS = re.compile(r"^(snapforensics (diagnosis|compare|forecast|fleet)|Ranks, worst first|"
                           r"Findings by rank|Device \d+|Findings|Peaks|The worst rank's timeline|"
-                          r"Alive at the peak|Prediction check|Imbalance|\[(ANOMALOUS|EXPECTED|"
-                          r"INFO)\] )")
+                          r"Alive at the peak|Prediction check|Imbalance|Tensor names|"
+                          r"\[(ANOMALOUS|EXPECTED|INFO)\] )")
 
 
 def test_markdown_structure_comes_only_from_us(kind_doc):

@@ -11,10 +11,11 @@ from functools import cached_property
 
 import numpy as np
 
-from snapforensics.analysis import lifetimes, phases
+from snapforensics.analysis import identity, lifetimes, phases
 from snapforensics.analysis.allocator import Allocator
 from snapforensics.analysis.classify import PATHS, StackInfo, classify
 from snapforensics.analysis.fsdp.units import FsdpUnits, name_fsdp1_backward, name_fsdp1_units
+from snapforensics.analysis.identity import BlockNames
 from snapforensics.analysis.stacks import is_native, is_noise
 from snapforensics.analysis.vocab import BACKWARD_PHASES, CAT_CODE, CATEGORIES, Category, Phase
 from snapforensics.snapshot.model import ALLOC, NO_STACK, Snapshot, Trace
@@ -47,6 +48,13 @@ class DeviceAnalysis:
     @cached_property
     def allocator(self) -> Allocator:
         return Allocator(self)
+
+    @cached_property
+    def names(self) -> BlockNames | None:
+        """The recorder's tensor names joined to this device's blocks (analysis/identity.py);
+        None when the file has none."""
+        t = self.snapshot.tensors
+        return identity.join(t, self.lt, self.trace) if t is not None else None
 
     @property
     def device(self) -> int:

@@ -113,6 +113,10 @@ class DeviceSummary:
     segments: dict[str, int]
     # live bytes over the trace, downsampled keeping each bucket's max: [row, bytes, phase]
     timeline: list[list] = field(default_factory=list)
+    # which tensors the blocks are (analysis/identity.py): with the recorder's names, the named
+    # bytes at the peak and what was saved for backward by layer; without, what frames and
+    # record_function ranges say and the recipe that names the next dump
+    tensors: dict[str, Any] = field(default_factory=dict)
     # the timeline plot's series (analysis/timeline.py), for renderers; not part of the JSON,
     # in the document (`Diagnosis.to_doc`) for the devices a report draws
     plot: Series | None = field(default=None, repr=False, compare=False, metadata=INTERNAL)

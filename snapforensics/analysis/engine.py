@@ -7,7 +7,7 @@ import re
 import numpy as np
 
 from snapforensics import __version__
-from snapforensics.analysis import timeline
+from snapforensics.analysis import identity, timeline
 from snapforensics.analysis.context import DeviceAnalysis, analyse
 from snapforensics.analysis.diagnosis import DeviceSummary, Diagnosis, Finding, top_anomaly
 from snapforensics.analysis.evidence import human, top_stacks
@@ -98,8 +98,19 @@ def _summary(snapshot: Snapshot, d: DeviceAnalysis, findings: list[Finding]) -> 
                  "truncated": lt.truncated, "baseline_bytes": lt.baseline},
         segments=snapshot.segment_totals(d.device),
         timeline=plot.timeline_rows() if plot else [],
+        tensors=identity.summary(d, d.names) if d.names is not None else
+        _without_names(snapshot),
         plot=plot,
     )
+
+
+def _without_names(snapshot: Snapshot) -> dict:
+    """`identity.without_names`, once per file (a file may have thousands of devices)."""
+    cached = getattr(snapshot, "_without_names", None)
+    if cached is None:
+        cached = identity.without_names(snapshot)
+        object.__setattr__(snapshot, "_without_names", cached)
+    return cached
 
 
 def _iteration(d: DeviceAnalysis, it) -> dict:

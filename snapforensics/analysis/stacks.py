@@ -21,7 +21,9 @@ _NOISE = re.compile(
     r"(^torch::|^c10::|^at::|^_Py|^Py[A-Z]|^_start$|^__libc|^std::|CapturedTraceback|"
     r"^<unknown>$|^\?\?$|^_call_impl$|^_wrapped_call_impl$|^inner$|^_fn$|^wrapper$|"
     r"^decorate_context$)")
-_NOISE_FILES = ("torch/nn/modules/module.py", "torch/_dynamo/eval_frame.py", "torch/_compile.py")
+_NOISE_FILES = ("torch/nn/modules/module.py", "torch/_dynamo/eval_frame.py", "torch/_compile.py",
+                # the recorder's tensor names wrap FSDP2's wait_for_unshard / post_backward
+                "snapforensics/record/identity.py")
 
 
 # A native (C/C++) frame's file, as torch's symbolizer writes it for `stacks="all"`: a source or

@@ -44,7 +44,17 @@ from snapforensics.errors import EXIT_BAD_INPUT, EXIT_RECORD_FAILED, SnapError
 from snapforensics.record._write import TMP_PREFIX
 from snapforensics.record.backends import DEVICES, STACKS
 
-__all__ = ["DEVICES", "STACKS", "RecordResult", "in_torchrun", "record"]
+__all__ = ["DEVICES", "STACKS", "RecordResult", "in_torchrun", "names", "record"]
+
+
+def names(model=None, optimizer=None, path=None, device=None):
+    """``with snapforensics.record.names(model, optimizer, path="snap.pickle"): train()``
+    after ``torch.cuda.memory._record_memory_history(...)``: the dump at ``path`` names every
+    parameter, gradient, optimizer state and tensor saved for backward (``record/identity.py``;
+    torch is imported when it is called, not here)."""
+    from snapforensics.record.identity import names as _names
+
+    return _names(model, optimizer, path, device)
 
 
 

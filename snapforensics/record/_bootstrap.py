@@ -262,6 +262,7 @@ class _StepWindow:
         self.first, self.stop = (steps or (0, None))
         self.done = 0
         self.started = False
+        self.stopped = False
         self._hook = None
 
     def install(self) -> None:
@@ -277,12 +278,17 @@ class _StepWindow:
         self.started = True
 
     def _after_step(self, optimizer, args, kwargs) -> None:
+        if self.stopped:
+            return
         self.done += 1
         if self.done == self.first:
             self._start()
         if self.stop is not None and self.done == self.stop:
             self.backend.stop()
-            self.remove()
+            # the hook stays (inert) until the dump removes it: removing it here, while torch
+            # iterates over its post hooks, breaks that iteration when another hook follows
+            # (the tensor names' own, identity.py)
+            self.stopped = True
 
     def remove(self) -> None:
         if self._hook is not None:

@@ -290,6 +290,7 @@ class CudaBackend:
         self.start_error: str | None = None
         self._oom_fired = False
         self.device_memory = DeviceMemory(self)
+        self.names: Any = None  # tensor identity (identity.py), from start() to stop()
         if stacks == "all":  # C++ frames: torch's in-process symbolizer, not one addr2line each
             os.environ.setdefault("TORCH_SYMBOLIZE_MODE", "fast")
 
@@ -311,6 +312,7 @@ class CudaBackend:
     def start(self) -> None:
         if self._guard is None:
             self._guard = _ScriptHistoryCalls(self._c(), self._bindings)
+        self.names = _start_names()
         dev = self._device()
         if dev.is_initialized():
             self._start_now()
@@ -341,6 +343,8 @@ class CudaBackend:
         """Stop recording now: the history so far is taken for ``snapshot()``."""
         if self._taken is not None:
             return
+        names, self.names = self.names, None
+        _stop_names(names)
         if not self.started:
             self._taken = {"segments": [], "device_traces": []}
         else:
@@ -354,6 +358,7 @@ class CudaBackend:
             except Exception:
                 pass
             self._taken.setdefault("snapforensics", {})["device_memory"] = samples
+            _attach_names(self._taken, names)
         if self._guard is not None:
             self._taken.setdefault("snapforensics", {})["script_history_calls"] = list(
                 self._guard.calls)
@@ -399,7 +404,8 @@ class CudaBackend:
                 info = {"device": device, "requested_bytes": alloc_size,
                         "device_total_or_allowed_max_bytes": device_limit,
                         "device_free_bytes": device_free,
-                        "snapshot": _as_dict(self._memory()._snapshot())}
+                        "snapshot": _attach_names(_as_dict(self._memory()._snapshot()),
+                                                  self.names)}
                 callback(info)
             except BaseException as e:  # never replace the OOM with our own error
                 try:
@@ -450,6 +456,8 @@ class CpuBackend:
         self._prof = None
         self._untraced: Any = None  # imports run untraced while recording (_untraced.py)
         self._stopped = None  # the profiler after stop(), converted by snapshot()
+        self.names: Any = None  # tensor identity (identity.py), from start() to stop()
+        self._names_done: Any = None
         self.timings: dict[str, float] = {}
         # The profiler records allocator events only on threads it traces: a tensor freed on a
         # gloo worker thread has no free event (profile_all_threads=True drops every memory event
@@ -467,6 +475,7 @@ class CpuBackend:
         _warm_imports()
         self._untraced = UntracedImports()
         self._untraced.prepare()
+        self.names = _start_names()  # its hooks are set before the profiler traces
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True,
                              with_stack=True, record_shapes=False)
         with _profiler_log_filtered():
@@ -480,6 +489,8 @@ class CpuBackend:
         prof, self._prof = self._prof, None
         if prof is None:
             return
+        self._names_done, self.names = self.names, None
+        _stop_names(self._names_done)
         if self._untraced is not None:
             self._untraced.remove()
             self.timings["imports_untraced"] = self._untraced.imports
@@ -502,7 +513,8 @@ class CpuBackend:
         t1 = time.perf_counter()
         snap = profile_to_snapshot(prof, self.max_entries)
         self.timings["convert_s"] = round(time.perf_counter() - t1, 3)
-        return snap
+        names, self._names_done = self._names_done, None
+        return _attach_names(snap, names)
 
     def attach_oom(self, callback: Callable[[dict], None]) -> bool:
         return False
@@ -576,6 +588,37 @@ def _warm_imports() -> None:
             importlib.import_module(name)
         except Exception:
             pass
+
+
+def _start_names() -> Any:
+    """The tensor-identity tracker (identity.py), started; None when off or it cannot start."""
+    from snapforensics.record import identity
+
+    if not identity.enabled():
+        return None
+    names = identity.TensorNames()
+    try:
+        names.start()
+    except Exception as e:  # never the script's error: the recording goes on unnamed
+        print(f"snapforensics record: tensor names are off: {type(e).__name__}: {e}",
+              file=sys.stderr, flush=True)
+        _stop_names(names)
+        return None
+    return names
+
+
+def _stop_names(names: Any) -> None:
+    if names is not None:
+        try:
+            names.stop()
+        except Exception:
+            pass
+
+
+def _attach_names(snap: dict, names: Any) -> dict:
+    from snapforensics.record import identity
+
+    return identity.attach(snap, names)
 
 
 BACKENDS = {"cuda": CudaBackend, "npu": NpuBackend, "cpu": CpuBackend}

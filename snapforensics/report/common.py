@@ -208,3 +208,59 @@ def peak_stacks(dev) -> list[dict]:
         first.setdefault(str(s.get("category")), s)
     lead = sorted(first.values(), key=lambda s: rank.get(str(s.get("category")), len(rank)))
     return lead + [s for s in stacks if not any(s is x for x in lead)]
+
+
+def _int(v: object) -> int:
+    return v if type(v) is int else 0
+
+
+def tensor_names(dev) -> dict | None:
+    """The device's tensor names (`DeviceSummary.tensors`) when the recorder wrote them."""
+    t = dev.tensors if isinstance(getattr(dev, "tensors", None), dict) else {}
+    return t if t.get("recorded") is True else None
+
+
+def names_line(t: dict) -> str:
+    """One sentence: how much of the peak the names cover, by kind."""
+    kinds = t.get("by_kind_at_peak") if isinstance(t.get("by_kind_at_peak"), dict) else {}
+    parts = ", ".join(f"{str(k).replace('_', ' ')} {human(_int(b))}" for k, b in
+                      sorted(kinds.items(), key=lambda x: -_int(x[1])))
+    return (f"tensor names: {human(_int(t.get('named_bytes_at_peak')))} of "
+            f"{human(_int(t.get('bytes_at_peak')))} alive at the peak named"
+            f"{f' ({parts})' if parts else ''}")
+
+
+def saved_by_layer(t: dict) -> list[tuple[str, int, int, str]]:
+    """Rows (layer, bytes, blocks, 'module bytes, ...') of the table "saved for backward, by
+    layer" at the peak. Strings are the file's: each renderer neutralizes them."""
+    rows = []
+    for r in t.get("saved_by_layer") or []:
+        if not isinstance(r, dict):
+            continue
+        mods = [m for m in r.get("modules") or [] if isinstance(m, list) and len(m) == 2]
+        inside = ", ".join(f"{m[0]} {human(_int(m[1]))}" for m in mods)
+        rows.append((str(r.get("layer")), _int(r.get("bytes")), _int(r.get("blocks")), inside))
+    return rows
+
+
+def largest_named(t: dict) -> list[tuple[str, str, str, int]]:
+    """Rows (tensor, kind, 'shape dtype', bytes) of the largest named blocks at the peak."""
+    rows = []
+    for r in t.get("largest_at_peak") or []:
+        if not isinstance(r, dict):
+            continue
+        name = r.get("tensor") or f"(saved by {r.get('module') or '?'})"
+        shape = r.get("shape") if isinstance(r.get("shape"), list) else []
+        rows.append((str(name), str(r.get("kind")).replace("_", " "),
+                     f"{tuple(shape)} {r.get('dtype')}", _int(r.get("bytes"))))
+    return rows
+
+
+def no_names(d: Diagnosis) -> dict | None:
+    """What the report says once for a dump without the recorder's names: `said` lines and
+    the `recipe` (the first device's; every device shares them)."""
+    for dev in d.devices:
+        t = dev.tensors if isinstance(getattr(dev, "tensors", None), dict) else {}
+        if t.get("recorded") is False:
+            return t
+    return None

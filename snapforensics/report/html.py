@@ -22,11 +22,16 @@ from snapforensics.report.common import (
     framework_line,
     headline,
     human,
+    largest_named,
+    names_line,
+    no_names,
     peak_line,
     peak_stacks,
     phase_peaks,
     provenance_line,
     ratio,
+    saved_by_layer,
+    tensor_names,
     verdict_order,
 )
 from snapforensics.report.json import dumps
@@ -255,6 +260,7 @@ def _device(dev: DeviceSummary, d: Diagnosis, drawn: set[int]) -> str:
         rows2 = sorted(((str(c), _num(b)) for c, b in dev.categories_at_peak.items()),
                        key=lambda x: -x[1])
         out += ["<h4>Alive at the peak, by what made it</h4>", _bars(rows2)]
+    out += _names(dev)
     if dev.top_stacks_at_peak:
         out.append("<h4>Top allocating stacks alive at the peak</h4>")
         for k, s in enumerate(peak_stacks(dev)):
@@ -264,6 +270,41 @@ def _device(dev: DeviceSummary, d: Diagnosis, drawn: set[int]) -> str:
                        f'{_stack_pre(s.get("stack") or [])}</details>')
     out.append("</section>")
     return "".join(out)
+
+
+def _names(dev: DeviceSummary) -> list[str]:
+    t = tensor_names(dev)
+    if t is None:
+        return []
+    out = [f'<p>{e(names_line(t))}.</p>']
+    rows = saved_by_layer(t)
+    if rows:
+        body = "".join(f'<tr><td><code>{e(a, NAME)}</code></td><td class="n">{e(human(b))}</td>'
+                       f'<td class="n">{e(n)}</td><td>{e(i)}</td></tr>' for a, b, n, i in
+                       rows[:ROWS])
+        out.append(f'<h4>Saved for backward, by layer (alive at the peak: '
+                   f'{e(human(sum(r[1] for r in rows)))})</h4><table><tr><th>layer</th>'
+                   '<th class="n">bytes</th><th class="n">tensors</th><th>inside</th></tr>'
+                   f'{body}</table>')
+    big = largest_named(t)
+    if big:
+        body = "".join(f'<tr><td><code>{e(a, NAME)}</code></td><td>{e(k, NAME)}</td>'
+                       f'<td>{e(s, NAME)}</td><td class="n">{e(human(b))}</td></tr>'
+                       for a, k, s, b in big)
+        out.append('<h4>Largest named tensors at the peak</h4><table><tr><th>tensor</th>'
+                   '<th>kind</th><th>shape</th><th class="n">bytes</th></tr>'
+                   f'{body}</table>')
+    return out
+
+
+def _no_names_card(d: Diagnosis) -> str:
+    t = no_names(d)
+    if t is None:
+        return ""
+    said = "".join(f"<li>{e(s)}</li>" for s in (t.get("said") or [])[:ROWS])
+    return ('<section class="card" id="tensor-names"><h2>Tensor names</h2>'
+            f'<p>This dump has no tensor names. What it can say:</p><ul>{said}</ul>'
+            f'<p>The next dump with names:</p><pre>{e(t.get("recipe", ""))}</pre></section>')
 
 
 def _finding(i: int, f: Finding, d: Diagnosis) -> str:
@@ -374,6 +415,9 @@ def body(d: Diagnosis) -> list[str]:
     parts = [_header(d)]
     drawn = _drawn(d)
     parts += [_device(dev, d, drawn) for dev in d.devices]
+    card = _no_names_card(d)
+    if card:
+        parts.append(card)
     parts.append('<h2 class="sec" id="findings">Findings</h2>')
     if not d.findings:
         parts.append('<section class="card"><p class="muted">No findings: no rule matched this '

@@ -21,10 +21,15 @@ from snapforensics.report.common import (
     framework_line,
     headline,
     human,
+    largest_named,
+    names_line,
+    no_names,
     peak_line,
     peak_stacks,
     phase_peaks,
     provenance_line,
+    saved_by_layer,
+    tensor_names,
     verdict_order,
 )
 from snapforensics.report.registry import PLAIN, Screen
@@ -76,11 +81,13 @@ def render(d: Diagnosis, screen: Screen = PLAIN, image: str | None = None) -> st
             out += [f"| {md(c)} | {human(b)} | {100 * b / total:.0f}% |" for c, b in
                     sorted(dev.categories_at_peak.items(), key=lambda x: -x[1])[:ROWS]]
             out.append("")
+        out += _names(dev)
         if dev.top_stacks_at_peak:
             out += ["Top allocating stacks alive at the peak:", ""]
             for s in peak_stacks(dev)[:3]:
                 out += _details(f"{human(s['bytes'])} in {s['blocks']} blocks "
                                 f"({s.get('category', '?')})", s["stack"][:8])
+    out += _no_names(d)
     out += ["## Findings", ""]
     if not d.findings:
         out += ["No findings.", ""]
@@ -99,6 +106,38 @@ def render(d: Diagnosis, screen: Screen = PLAIN, image: str | None = None) -> st
         for s in f.stacks[:1]:
             out += _details("Representative stack", s["stack"][:FRAMES])
     return "\n".join(out)
+
+
+def _names(dev) -> list[str]:
+    """The recorder's tensor names: coverage, saved for backward by layer, largest tensors."""
+    t = tensor_names(dev)
+    if t is None:
+        return []
+    out = [md(names_line(t), TEXT) + ".", ""]
+    rows = saved_by_layer(t)
+    if rows:
+        out += [f"Saved for backward, by layer (alive at the peak: "
+                f"{human(sum(r[1] for r in rows))}):", "",
+                "| layer | bytes | tensors | inside |", "|---|--:|--:|---|"]
+        out += [f"| {md(a)} | {human(b)} | {n} | {md(i, TEXT)} |" for a, b, n, i in rows[:ROWS]]
+        out.append("")
+    big = largest_named(t)
+    if big:
+        out += ["| largest named at the peak | kind | shape | bytes |", "|---|---|---|--:|"]
+        out += [f"| {md(a)} | {md(k)} | {md(s)} | {human(b)} |" for a, k, s, b in big]
+        out.append("")
+    return out
+
+
+def _no_names(d: Diagnosis) -> list[str]:
+    t = no_names(d)
+    if t is None:
+        return []
+    out = ["## Tensor names", "", "This dump has no tensor names. What it can say:", ""]
+    out += [f"- {md(s, TEXT)}" for s in (t.get("said") or [])[:ROWS]]
+    out += ["", "The next dump with names:", "", *code([str(t.get("recipe", ""))], "python"),
+            ""]
+    return out
 
 
 def _pictures(d: Diagnosis, image: str | None) -> list[str]:

@@ -20,9 +20,13 @@ from snapforensics.report.common import (
     framework_line,
     headline,
     human,
+    names_line,
+    no_names,
     peak_line,
     phase_peaks,
     provenance_line,
+    saved_by_layer,
+    tensor_names,
     verdict_order,
 )
 from snapforensics.report.redact import short_path
@@ -63,6 +67,7 @@ def render(d: Diagnosis, screen: Screen = PLAIN) -> str:
         console.print(t(f"… {len(d.warnings) - ROWS} more warnings", style="yellow"))
     for dev in d.devices:
         _device(console, d, dev)
+    _no_names(console, d)
     if not d.findings:
         console.print(Text("no findings", style="dim"))
     for f in verdict_order(d.findings):
@@ -92,10 +97,36 @@ def _device(console: Console, d: Diagnosis, dev) -> None:
         console.print(it)
         if len(dev.iterations) > ROWS:
             console.print(Text(f"… {len(dev.iterations) - ROWS} more iterations", style="dim"))
-    elif not dev.categories_at_peak:
+    names = tensor_names(dev)
+    if names is not None:
+        console.print(t(names_line(names), TEXT))
+        rows = saved_by_layer(names)
+        if rows:
+            tab = Table(title=t(f"saved for backward, by layer (alive at the peak: "
+                                f"{human(sum(r[1] for r in rows))})"), title_justify="left",
+                        show_edge=False)
+            for name in ("layer", "bytes", "tensors", "inside"):
+                tab.add_column(name, justify="right" if name in ("bytes", "tensors") else "left")
+            for a, b, n, i in rows[:ROWS]:
+                tab.add_row(t(a), human(b), str(n), t(i, TEXT))
+            console.print(tab)
+    if not dev.categories_at_peak and not (len(dev.iterations) > 1 or any(
+            i["backward_peak_bytes"] for i in dev.iterations)):
         console.print(f"device {dev.device}: {human(dev.segments['allocated_bytes'])} "
                       f"allocated in {dev.segments['count']} segments "
                       f"({human(dev.segments['reserved_bytes'])} reserved) at dump")
+
+
+def _no_names(console: Console, d: Diagnosis) -> None:
+    """Once: a dump without tensor names, what it can say, and the recipe for the next one."""
+    nn = no_names(d)
+    if nn is None:
+        return
+    console.print(Text("tensor names: none in this dump. What it can say:", style="bold"))
+    for line in (nn.get("said") or [])[:ROWS]:
+        console.print(t(f"  - {line}", TEXT))
+    console.print(Text("the next dump with names:", style="bold"))
+    console.print(t(f"  {nn.get('recipe', '')}", TEXT))
 
 
 def _finding(console: Console, d: Diagnosis, f: Finding) -> None:

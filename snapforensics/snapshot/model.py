@@ -15,6 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from snapforensics._compat import StrEnum
+from snapforensics.snapshot.tensors import TensorTable
 
 # Trace actions, as small integer codes. Order is part of no contract; use the names.
 ACTIONS = (
@@ -157,6 +158,8 @@ class Snapshot:
     rank: int | None
     warnings: list[str]
     kind: Format = field(default_factory=Format)  # typed: what analyses branch on
+    # the recorder's tensor names (snapshot/tensors.py), None when the file has none
+    tensors: TensorTable | None = None
 
     @property
     def active_traces(self) -> list[Trace]:

@@ -50,6 +50,7 @@ from snapforensics.snapshot.native import native
 from snapforensics.snapshot.segments import read_segments
 from snapforensics.snapshot.stream import StreamTrace
 from snapforensics.snapshot.stream import read_info as stream_info
+from snapforensics.snapshot.tensors import read as read_tensors
 from snapforensics.snapshot.unpickle import (
     file_kind,
     gc_paused,
@@ -321,4 +322,5 @@ def normalize(raw: Any, source: str = "<memory>", warnings: list[str] | None = N
         rank=rank,
         warnings=warnings,
         kind=kind(fmt, provenance),
+        tensors=read_tensors(raw, warnings),
     )

@@ -33,8 +33,9 @@ from snapforensics.snapshot.model import (
     Snapshot,
     Trace,
 )
+from snapforensics.snapshot.tensors import KINDS, Identity, TensorTable
 
-SCHEMA = 1
+SCHEMA = 2  # 2: the recorder's tensor names (snapshot/tensors.py)
 STATES = ("active_allocated", "active_pending_free", "inactive")
 STAGES = ("START", "END")
 _ALLOWED = {np.dtype(t) for t in ("i1", "i4", "i8", "u1", "u8", "f8", "?")}
@@ -85,7 +86,15 @@ def save(s: Snapshot, f) -> None:
     a["ann_time_us"] = np.array([x.time_us for x in an], np.float64)
     a["ann_row"] = np.array([x.row for x in an], np.int64)
     _strs(a, "ann_name", [x.name for x in an])
+    nm = s.tensors
+    if nm is not None:
+        a["nm_ptr"], a["nm_offset"], a["nm_nbytes"] = nm.ptr, nm.offset, nm.nbytes
+        a["nm_time_us"], a["nm_identity"] = nm.time_us, nm.identity
+    tensors = None if nm is None else {
+        "identities": [[i.tensor, i.kind, i.module, list(i.shape), i.dtype, i.device]
+                       for i in nm.identities], "notes": nm.notes}
     meta = {"schema": SCHEMA, "traces": len(s.traces), "streams": s.streams,
+            "tensors": tensors,
             "seg_pool_id": [list(x.pool_id) for x in seg],
             "allocator_settings": s.allocator_settings, "provenance": s.provenance,
             "format": s.format, "warnings": s.warnings,
@@ -224,11 +233,31 @@ def _build(a: dict, source: str) -> Snapshot:
         kind["caching_allocator"]), expandable_segments=bool(kind["expandable_segments"]),
         cpu_recorded=bool(kind["cpu_recorded"]))
     rank = _rank(meta["provenance"], source)
+    tensors = _tensors(a, meta.get("tensors"))
     return Snapshot(source=source, frames=frames, stacks=stacks, streams=streams,
                     traces=traces, segments=segments, annotations=annotations,
                     allocator_settings=meta["allocator_settings"],
                     provenance=meta["provenance"], format=meta["format"], rank=rank,
-                    warnings=meta["warnings"], kind=fmt)
+                    warnings=meta["warnings"], kind=fmt, tensors=tensors)
+
+
+def _tensors(a: dict, meta: Any) -> TensorTable | None:
+    if meta is None:
+        return None
+    if type(meta) is not dict or type(meta.get("identities")) is not list or \
+            type(meta.get("notes")) is not dict:
+        raise BadEntry("tensors")
+    ids = []
+    for e in meta["identities"]:
+        if type(e) is not list or len(e) != 6 or e[1] not in KINDS or type(e[3]) is not list \
+                or not all(type(x) is int for x in e[3]) or type(e[5]) is not int or not all(
+                    x is None or type(x) is str for x in (e[0], e[2])) or type(e[4]) is not str:
+            raise BadEntry("tensor identities")
+        ids.append(Identity(e[0], e[1], e[2], tuple(e[3]), e[4], e[5]))
+    n = len(_arr(a, "nm_ptr", "u8"))
+    return TensorTable(ids, a["nm_ptr"], _arr(a, "nm_offset", "i8", n, 0, MAX_BYTES),
+                       _arr(a, "nm_nbytes", "i8", n, 0, MAX_BYTES), _arr(a, "nm_time_us", "f8", n),
+                       _arr(a, "nm_identity", "i4", n, 0, max(len(ids) - 1, 0)), meta["notes"])
 
 
 def _rank(provenance: dict, source: str) -> int | None:
