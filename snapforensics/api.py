@@ -311,7 +311,9 @@ def _concat(parts: list) -> pd.DataFrame:
     from pandas.api.types import union_categoricals
 
     cat_cols = [c for c in parts[0].columns if isinstance(parts[0][c].dtype, pd.CategoricalDtype)]
-    merged = {c: union_categoricals([p[c] for p in parts]) for c in cat_cols}
+    # a device with no names has empty categories of another dtype (float): union as objects
+    merged = {c: union_categoricals([p[c].cat.set_categories(p[c].cat.categories.astype(object))
+                                     for p in parts]) for c in cat_cols}
     df = pd.concat([p.drop(columns=cat_cols) for p in parts], ignore_index=True)
     for c in cat_cols:
         df[c] = merged[c]

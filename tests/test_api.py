@@ -183,6 +183,19 @@ def test_display(buggy):
     assert selectors and all(x.startswith(".sf-report") for x in selectors)
 
 
+@pytest.mark.parametrize("name", ["Muduard_dump_snapshot_495k.pickle",
+                                  "MemSnapDump_snapshot_with_multi_devices.pkl"])
+def test_blocks_of_every_device_in_one_frame(sf, name):
+    """Devices whose units or frames differ (one with no FSDP unit: empty categories of another
+    dtype) still give one frame with every device's blocks, the columns categorical."""
+    d = sf.diagnose(corpus_file(name))
+    b = d.blocks
+    assert len(b) == sum(len(a.lt) for a in d.analyses)
+    assert int(b["size"].sum()) == sum(int(a.lt.size.sum()) for a in d.analyses)
+    for col in ("phase", "category", "fsdp_unit", "top_frame"):
+        assert isinstance(b[col].dtype, __import__("pandas").CategoricalDtype), col
+
+
 def test_multi_device_file(sf):
     d = sf.diagnose(corpus_file("MemSnapDump_snapshot_with_multi_devices.pkl"))
     devices = {a.device for a in d.analyses}
