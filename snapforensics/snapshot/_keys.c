@@ -4,7 +4,8 @@
  *
  * Returns 0 (none found, or the scan stopped where it cannot follow: the unpickler names that
  * error), 1 (a dict key that is not a str), 2 (a set), 3 (a memo index beyond the file's
- * size). Linear in the bytes; memory: one byte per stack slot and per memo index.
+ * size). Linear in the bytes; memory: one byte per stack slot and per memo index. It runs
+ * without the GIL, so it allocates with PyMem_Raw* (PyMem_* needs the GIL).
  */
 #include "_common.h"
 #include <string.h>
@@ -26,7 +27,7 @@ static int grow(void **p, size_t *cap, size_t need, size_t width) {
     size_t nc = *cap ? *cap : 64;
     while (nc < need)
         nc *= 2;
-    void *q = PyMem_Realloc(*p, nc * width);
+    void *q = PyMem_RawRealloc(*p, nc * width);
     if (!q)
         return -1;
     if (width == 1)
@@ -227,9 +228,9 @@ static int scan(const unsigned char *d, size_t n) {
         }
         rc = STOPPED;
     }
-    PyMem_Free(s.st);
-    PyMem_Free(s.marks);
-    PyMem_Free(s.memo);
+    PyMem_RawFree(s.st);
+    PyMem_RawFree(s.marks);
+    PyMem_RawFree(s.memo);
     return rc;
 }
 
