@@ -5,7 +5,11 @@ carry Python frames, prints the bytes alive at the peak row, the share in `other
 biggest `other` stacks' innermost non-torch frames (what a new category would key on). The
 issue's goal: no file with frames above 5% of its peak bytes in `other`.
 
-    .venv/bin/python benchmarks/bench_other_share.py [--stacks]
+    .venv/bin/python benchmarks/bench_other_share.py [--stacks] [PATH ...]
+
+With PATHs (snapshot files or folders of them, e.g. a recording of examples/ddp.py), those are
+measured instead of the corpus. Run with PYTHONPATH pointing at another checkout to measure its
+classification on the same files (before/after a change).
 """
 
 from __future__ import annotations
@@ -47,13 +51,16 @@ def shares(path: Path):
 
 
 def main() -> int:
-    if not CORPUS.is_dir():
+    show = "--stacks" in sys.argv
+    given = [Path(a) for a in sys.argv[1:] if not a.startswith("--")]
+    if not given and not CORPUS.is_dir():
         print(f"no corpus at {CORPUS}")
         return 0
-    show = "--stacks" in sys.argv
+    files = sorted(f for g in given for f in (sorted(g.glob("*.pickle")) if g.is_dir() else [g])) \
+        if given else sorted(CORPUS.iterdir())
     worst = 0.0
     print(f"{'file':<48} {'dev':>3} {'peak MiB':>9} {'other %':>8}  biggest categories")
-    for p in sorted(CORPUS.iterdir()):
+    for p in files:
         if p.suffix in (".tsv", ".md", ".txt"):
             continue
         try:
@@ -66,7 +73,8 @@ def main() -> int:
             worst = max(worst, share)
             top = ", ".join(f"{k} {v / peak:.0%}" for k, v in
                             sorted(by.items(), key=lambda kv: -kv[1])[:4])
-            print(f"{p.name:<48} {dev:>3} {peak / 2**20:>9.1f} {share:>8.1%}  {top}")
+            name = f"{p.parent.name[:24]}/{p.name}" if given else p.name
+            print(f"{name:<48} {dev:>3} {peak / 2**20:>9.1f} {share:>8.1%}  {top}")
             if show:
                 for s, n in stacks.most_common(3):
                     print(f"      {n / 2**20:8.1f} MiB  {s[:160]}")

@@ -92,3 +92,26 @@ def test_user_code_outside_modules_is_what_its_phase_makes():
     # Every block born in a forward / backward / recompute row is named.
     born_in_step = np.isin(d.phase, (Phase.FORWARD, Phase.BACKWARD, Phase.RECOMPUTE))
     assert not (born_in_step & (d.category == CAT_CODE[Category.OTHER])).any()
+
+
+def test_classify_ddp_reducer_buckets():
+    """DDP's Reducer buckets by their innermost Python frame (`_ddp_init_helper` at
+    construction, `_pre_forward` when it rebuilds them), with the C++ op on top (CPU) or not
+    (CUDA `stacks="python"`); what else `_pre_forward` reaches goes through a call of its own;
+    DDP's construction-time shape all-gather is no FSDP buffer."""
+    ddp = "torch/nn/parallel/distributed.py"
+    init = classify([Frame("<op>", 0, "aten::empty"), _f("_ddp_init_helper", ddp),
+                     _f("__init__", ddp), _f("main", "train.py")])
+    assert (init.category, init.phase) == (Category.DDP_BUCKET, Phase.INIT)
+    rebuilt = classify([_f("_pre_forward", ddp), Frame("<record_function>", 0,
+                                                       "DistributedDataParallel.forward"),
+                        _f("forward", ddp), _f("_call_impl", "torch/nn/modules/module.py")])
+    assert (rebuilt.category, rebuilt.phase) == (Category.DDP_BUCKET, Phase.FORWARD)
+    buffers = classify([Frame("<op>", 0, "aten::empty"), _f("_sync_buffers", ddp),
+                        _f("_pre_forward", ddp), _f("forward", ddp),
+                        _f("_call_impl", "torch/nn/modules/module.py")])
+    assert buffers.category == Category.ACTIVATION
+    shapes = classify([Frame("<op>", 0, "aten::empty"), Frame("<op>", 0, "c10d::allgather_"),
+                       _f("_verify_param_shape_across_processes", "torch/distributed/utils.py"),
+                       _f("__init__", ddp)])
+    assert shapes.category == Category.PARAMETER

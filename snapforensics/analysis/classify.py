@@ -69,6 +69,19 @@ _INIT_FUNCS = {"reset_parameters", "_apply", "to_empty", "__init__", "_materiali
 # (bcrafton_memory_snapshot: AccumulateGrad and evaluate_function frees inside forward).
 _AUTOGRAD_ENGINE = re.compile(r"torch::autograd::(?:python::Python)?Engine::")
 
+# DDP (`torch/nn/parallel/distributed.py`): the Reducer allocates its flat gradient buckets in
+# C++ (`Reducer::initialize_buckets`, `at::empty` per bucket), called from Python by
+# `_ddp_init_helper` (`dist.Reducer(...)` at construction; `replicate()` reaches it through
+# `DistributedDataParallel.__init__`) and again by `_pre_forward` (`reducer._rebuild_buckets()`,
+# once, in the second step's forward, in the order the gradients came). The stack's innermost
+# Python frame is one of those two: whatever else they allocate goes through a Python call of
+# its own (`_sync_buffers`, `_to_kwargs`, `Join.notify_join_context`).
+_DDP_FILE = "nn/parallel/distributed.py"
+_DDP_BUCKET_FUNCS = {"_ddp_init_helper", "_pre_forward"}
+# DDP's construction-time check that every rank has the same parameter shapes all-gathers
+# them (`torch/distributed/utils.py`): not an FSDP all-gather.
+_DDP_INIT_COLLECTIVES = {"_verify_param_shape_across_processes"}
+
 # Ranges FSDP2 names `KIND (fqn)`; the root unit's have no fqn.
 _PER_UNIT_RANGES = {"pre_forward", "post_forward", "pre_backward", "all_gather",
                     "all_gather_copy_out", "post_backward_accumulate", "post_backward_reshard",
@@ -174,7 +187,13 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
         phase = Phase.UNKNOWN
 
     path = None
-    if nameset & _UNSHARDED_FUNCS or "all_gather_copy_out" in rfkinds:
+    inner = next((f for f in frames if not f.filename.startswith("<")), None)
+    if inner is not None and inner.name in _DDP_BUCKET_FUNCS and \
+            inner.filename.replace("\\", "/").endswith(_DDP_FILE):
+        category = Category.DDP_BUCKET
+    elif nameset & _DDP_INIT_COLLECTIVES and not any(_is_fsdp_file(f) for f in frames):
+        category = Category.PARAMETER
+    elif nameset & _UNSHARDED_FUNCS or "all_gather_copy_out" in rfkinds:
         category = Category.UNSHARDED_PARAM
     elif nameset & _ALL_GATHER_FUNCS or "all_gather" in rfkinds:
         category = Category.ALL_GATHER

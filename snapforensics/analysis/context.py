@@ -197,8 +197,39 @@ def analyse(snapshot: Snapshot, trace: Trace, lt: lifetimes.Lifetimes | None = N
     cat[untraced] = CAT_CODE[Category.UNTRACED]
     d = DeviceAnalysis(snapshot, trace, lt, tl, infos, blk_info, cat, path, phase, iteration)
     _split_sharded_grads(d)
+    _split_ddp_grad_copies(d)
     name_fsdp1_backward(d)
     return d
+
+
+# DDP's forward is a record_function range (`DistributedDataParallel.forward`, in every CPU
+# recording and on CUDA with `global_record_annotations`): a run whose buckets were made before
+# the recording started still shows it.
+DDP_FORWARD_RANGE = "DistributedDataParallel.forward"
+
+
+def _is_ddp(d: DeviceAnalysis) -> bool:
+    return bool(d.mask(Category.DDP_BUCKET).any()) or any(
+        DDP_FORWARD_RANGE in c for c in d.tl.contexts)
+
+
+def _split_ddp_grad_copies(d: DeviceAnalysis) -> None:
+    """Under DDP a gradient made in backward that outlives that backward is a parameter's
+    `.grad` kept as its own tensor beside the bucket slice holding the same values
+    (`gradient_as_bucket_view=False`: the Reducer copies it into the bucket, all-reduces the
+    bucket, copies it back). With the views the autograd engine's fresh gradient is freed in the
+    Reducer's hook, inside the backward that made it: nothing made in backward outlives it but
+    what the user keeps."""
+    if not _is_ddp(d):
+        return
+    lt = d.lt
+    grads = np.flatnonzero((d.category == CAT_CODE[Category.GRADIENT]) & (lt.size > 64) &
+                           np.isin(d.phase, BACKWARD_PHASES) & (lt.alloc_row >= 0))
+    for b in grads.tolist():
+        it = d.tl.iteration_of(int(lt.alloc_row[b]))
+        end = it.backward_end if it and it.backward_end >= 0 else -1
+        if end >= 0 and lt.free_row[b] > end:
+            d.category[b] = CAT_CODE[Category.DDP_GRAD_COPY]
 
 
 def _split_sharded_grads(d: DeviceAnalysis) -> None:

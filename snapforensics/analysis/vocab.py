@@ -50,6 +50,9 @@ class Category(StrEnum):
     PARAMETER = "parameter"
     OTHER = "other"
     UNTRACED = "untraced"  # alive before the first trace entry: what made it is not in the file
+    # DDP (`torch.nn.parallel.DistributedDataParallel`, and `replicate` which wraps it)
+    DDP_BUCKET = "ddp.bucket"  # the Reducer's flat gradient buckets (and its per-param maps)
+    DDP_GRAD_COPY = "ddp.grad_copy"  # a `.grad` kept beside its bucket slice (not a view of it)
 
 
 CATEGORIES = tuple(Category)
@@ -57,6 +60,7 @@ CAT_CODE = {c: i for i, c in enumerate(CATEGORIES)}
 FSDP_CATEGORIES = frozenset({Category.ALL_GATHER, Category.UNSHARDED_PARAM,
                              Category.REDUCE_SCATTER, Category.SHARDED_GRAD,
                              Category.UNSHARDED_GRAD, Category.SHARDED_PARAM})
+DDP_CATEGORIES = frozenset({Category.DDP_BUCKET, Category.DDP_GRAD_COPY})
 
 
 class Verdict(StrEnum):

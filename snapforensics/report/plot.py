@@ -50,6 +50,8 @@ CATEGORY_COLORS = {
     "optimizer_state": "#2ca02c",
     "other": "#7f7f7f",
     "untraced": "#e8e8e8",
+    "ddp.bucket": "#e377c2",
+    "ddp.grad_copy": "#ffbb78",
 }
 _PALETTE = ("#393b79", "#e7ba52", "#843c39", "#637939", "#7b4173", "#3182bd", "#e6550d")
 PHASE_ALPHA = 0.13  # the shading's opacity, the same in the key

@@ -28,6 +28,7 @@ _AC = "activations.no_checkpointing"
 _AC_FINE = "activations.checkpoint_finer_than_unit"
 _DOUBLE = "fsdp.double_all_gather_in_backward"
 _RATE = "fsdp.too_many_concurrent_all_gathers"
+_DDP_VIEW = "ddp.gradient_as_bucket_view"
 
 
 def localize(findings: list[Finding], fw: Framework) -> None:
@@ -365,6 +366,45 @@ def _ac_fine_hf(fw: Framework, f: Finding) -> str:
 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})"""
 
 
+def _ddp_view_accelerate(fw: Framework, f: Finding) -> str:
+    return """\
+from accelerate import Accelerator
+from accelerate.utils import DistributedDataParallelKwargs
+
+accelerator = Accelerator(kwargs_handlers=[
+    DistributedDataParallelKwargs(gradient_as_bucket_view=True)])"""
+
+
+def _ddp_view_trainer(fw: Framework, f: Finding) -> str:
+    return """\
+# TrainingArguments has no field for it: the Trainer's _wrap_model sets accelerate's
+# ddp_handler from ddp_find_unused_parameters / ddp_bucket_cap_mb / ddp_broadcast_buffers
+# only, then accelerator.prepare wraps the model; add the switch in between
+from transformers import Trainer
+
+
+class BucketViewTrainer(Trainer):
+    def _wrap_model(self, model, *args, **kwargs):
+        model = super()._wrap_model(model, *args, **kwargs)
+        if self.accelerator.ddp_handler is not None:
+            self.accelerator.ddp_handler.gradient_as_bucket_view = True
+        return model"""
+
+
+def _ddp_view_lightning(fw: Framework, f: Finding) -> str:
+    return """\
+from lightning.pytorch.strategies import DDPStrategy  # Fabric: lightning.fabric.strategies
+
+# its keywords go to DistributedDataParallel
+strategy = DDPStrategy(gradient_as_bucket_view=True)"""
+
+
+def _ddp_view_titan(fw: Framework, f: Finding) -> str:
+    return """\
+# torchtitan has no config key for it: in apply_ddp (parallelize.py),
+replicate(model, device_mesh=dp_mesh, bucket_cap_mb=100, gradient_as_bucket_view=True)"""
+
+
 _FORMS: dict[str, dict[str, Form]] = {
     _RAB: {"accelerate": _rab_accelerate, "hf_trainer": _rab_accelerate,
            "lightning": _rab_lightning, "fabric": _rab_lightning, "torchtitan": _rab_titan},
@@ -381,4 +421,7 @@ _FORMS: dict[str, dict[str, Form]] = {
                "hf_trainer": _ac_fine_accelerate},
     _RATE: {"accelerate": _rate_accelerate, "hf_trainer": _rate_trainer,
             "lightning": _rate_lightning, "fabric": _rate_lightning},
+    _DDP_VIEW: {"accelerate": _ddp_view_accelerate, "hf_trainer": _ddp_view_trainer,
+                "lightning": _ddp_view_lightning, "fabric": _ddp_view_lightning,
+                "torchtitan": _ddp_view_titan},
 }

@@ -15,6 +15,7 @@ from snapforensics.analysis.rules import (
     activations_checkpointing,
     allocator_fragmentation,
     allocator_record_stream,
+    ddp_bucket_view,
     fsdp_all_gather_concurrency,
     fsdp_deferred_reshard,
     fsdp_double_all_gather,
@@ -50,6 +51,7 @@ RULES: tuple[Rule, ...] = tuple(m.RULE for m in (
     fsdp_mixed_precision,
     fsdp_grad_sync_off,
     pipeline_schedule,
+    ddp_bucket_view,
     runtime_outside_allocator,
 ))
 BY_ID = {r.id: r for r in RULES}

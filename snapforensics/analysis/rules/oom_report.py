@@ -36,6 +36,12 @@ _FIXES = {
     Category.GRADIENT:
         "# gradients filled the device: shard them (FSDP), free them early\n"
         "optimizer.zero_grad(set_to_none=True)",
+    Category.DDP_GRAD_COPY:
+        "# DDP's separate gradient copies filled the device: make each .grad its bucket slot\n"
+        "model = DistributedDataParallel(model, gradient_as_bucket_view=True)",
+    Category.DDP_BUCKET:
+        "# DDP's gradient buckets (one copy of every gradient) filled the device: shard the\n"
+        "# gradients instead (fully_shard / FSDP)",
     Category.ALL_GATHER:
         "# gathered FSDP parameters filled the device: reshard after forward/backward,"
         "\n# prefetch one unit ahead at most",
