@@ -1,6 +1,7 @@
 """The fuzz target's seed corpus: real snapshots (fixtures, corpus when present) cut to a few
 entries, segments and frames, pickled with protocols 2, 4 and 5; and every hostile file the
-tests build (tests/hostile.py's CASES, tests/shapes26.py's SHAPES), their first max_len bytes."""
+tests build (tests/hostile.py's CASES, tests/shapes26.py's SHAPES), their first max_len bytes;
+and cfuzz/regressions/, the inputs the target once failed on."""
 
 import gzip
 import pickle
@@ -34,6 +35,8 @@ def main(out: str, max_len: int) -> None:
         small = cut(raw)
         for proto in (2, 4, 5):
             (d / f"{p.stem}.p{proto}").write_bytes(pickle.dumps(small, protocol=proto))
+    for p in sorted((ROOT / "cfuzz" / "regressions").glob("*")):  # inputs it once failed on
+        (d / f"regression-{p.name}").write_bytes(p.read_bytes())
     with tempfile.TemporaryDirectory() as t:
         for name, build in [*CASES.items(), *SHAPES]:
             b = build(Path(t)).read_bytes()

@@ -67,3 +67,33 @@ def test_the_comparison_sees_a_difference(tmp_path):
     results["pure"] = ("ok", canonical(snap))
     assert read(p, "stream")[0] == "ok"
     assert disagreement(results) == "the paths give different Snapshots"
+
+
+@pytest.mark.parametrize("key", ["snapforensics", "allocator_settings"])
+@pytest.mark.parametrize("ref", [0, 4, 5])  # the root, the device_traces list, a trace
+def test_metadata_that_refers_back_to_the_root_or_the_traces(key, ref):
+    """Found by cfuzz/ (a mutant whose allocator_settings reached the root dict through the
+    memo): the streaming reader's root holds its traces as columns, so a metadata copy walked
+    into them warned differently from the Python paths. Metadata never copies those objects."""
+    from differential import compare, disagreement
+    from hostile import (
+        APPEND,
+        APPENDS,
+        EMPTY_DICT,
+        EMPTY_LIST,
+        MARK,
+        MEMOIZE,
+        SETITEMS,
+        get,
+        pkl,
+        s,
+    )
+    from shapes26 import _entry, _frame
+
+    # memo: 0 root, 1 'segments', 2 its list, 3 'device_traces', 4 its list, 5 the trace
+    body = (EMPTY_DICT + MEMOIZE + MARK + s("segments") + MEMOIZE + EMPTY_LIST + MEMOIZE
+            + s("device_traces") + MEMOIZE + EMPTY_LIST + MEMOIZE + EMPTY_LIST + MEMOIZE + MARK
+            + _entry(EMPTY_LIST + _frame("f") + APPEND) + APPENDS + APPEND
+            + s(key) + EMPTY_DICT + MARK + s("inner") + get(ref) + SETITEMS + SETITEMS)
+    results = compare(pkl(body))
+    assert disagreement(results) == "", results
