@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -24,12 +25,13 @@ MEMORY = 2 << 30
 SECONDS = 120  # a loaded CI machine; unbounded versions take minutes or never end
 
 
-def _cap() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY, MEMORY))
+def _cap(memory: int = MEMORY) -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
 
 
-def run(*args: str) -> tuple[int, str, bytes, float, int]:
-    """(exit code, stderr, stdout, seconds, peak RSS bytes) of the CLI under the caps."""
+def run(*args: str, memory: int = MEMORY) -> tuple[int, str, bytes, float, int]:
+    """(exit code, stderr, stdout, seconds, peak RSS bytes) of the CLI under the caps (an
+    address-space cap of `memory` bytes)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("SNAPFORENSICS_EXPANSION", None)
     # RUSAGE_CHILDREN is the max over every child this process ever waited for (recordings
@@ -44,12 +46,13 @@ def run(*args: str) -> tuple[int, str, bytes, float, int]:
     t = time.monotonic()
     p = subprocess.Popen([sys.executable, "-c", wrapper, str(w), sys.executable, "-m",
                           "snapforensics", *args], env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, preexec_fn=_cap, pass_fds=(w,))
+                         stderr=subprocess.PIPE, preexec_fn=lambda: _cap(memory), pass_fds=(w,),
+                         start_new_session=True)
     os.close(w)
     try:
         out, err = p.communicate(timeout=SECONDS)
     except subprocess.TimeoutExpired:
-        p.kill()
+        os.killpg(p.pid, signal.SIGKILL)  # the wrapper and the CLI it waits for
         p.communicate()
         pytest.fail(f"{args}: still running after {SECONDS} s")
     finally:

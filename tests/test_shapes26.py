@@ -1,6 +1,7 @@
 """Issue 26: each hostile shape read by all three read paths (the streaming C reader; the C
 unpickler + C trace columns, SNAPFORENSICS_STREAM=0; pure Python, SNAPFORENSICS_PURE_PYTHON=1)
-through `diagnose --format json` in a child under a 2 GiB address-space cap and a timeout: exit
+through `diagnose --format json` in a child under a 4 GiB address-space cap (the issue's; a
+lower one would refuse the old code's blow-ups before they show in its RSS) and a timeout: exit
 0 or 2 with one line, the same result in every path, and a peak RSS bounded by the file's size
 (a small fixed allowance for the interpreter, numpy and the analysis, plus 96x the pickle).
 """
@@ -39,7 +40,8 @@ def test_every_read_path_agrees_in_bounded_memory(built, name, monkeypatch):
         monkeypatch.setenv("SNAPFORENSICS_NO_CACHE", "1")  # each path reads the file itself
         for k, v in env.items():
             monkeypatch.setenv(k, v)
-        rc, err, out, _seconds, rss = run("diagnose", str(path), "--format", "json")
+        rc, err, out, _seconds, rss = run("diagnose", str(path), "--format", "json",
+                                          memory=4 << 30)
         assert rc in (0, 2), f"{name} [{label}]: exit {rc}: {err[-2000:]}"
         if rc == 2:
             assert len(err.strip().splitlines()) == 1, f"{name} [{label}]: {err[-2000:]}"
