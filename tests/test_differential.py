@@ -11,6 +11,8 @@ the fixtures alone (no corpus) a mutant costs ~40 ms, so that run is 600.
 
 from __future__ import annotations
 
+import concurrent.futures
+import multiprocessing
 import os
 
 import pytest
@@ -28,7 +30,12 @@ def _no_cache(monkeypatch):
 
 
 def _check(seed: int, count: int) -> None:
-    failures, tally = run(seed, count)
+    # In a forked child: the loader caps the process's address space while it reads, and in a
+    # pytest-xdist worker that cap also starves execnet's threads (a mutant that reaches it
+    # took the worker down); the child has only the reading thread.
+    ctx = multiprocessing.get_context("fork")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        failures, tally = pool.submit(run, seed, count).result()
     print(f"seed {seed}: {count} mutants: {tally}")
     # the population exercises both outcomes, and the stream reader itself (not only its
     # declines): otherwise agreement would be vacuous

@@ -45,6 +45,7 @@ STALE = "fsdp.stale_prefetch_all_gather"
 DOUBLE = "fsdp.double_all_gather_in_backward"
 LEAK = "leak.iteration_growth"
 FULL_INIT = "fsdp.full_model_materialized_at_init"
+BUCKET_VIEW = "ddp.gradient_as_bucket_view"
 GRAD_SYNC = "fsdp.gradient_sync_disabled"
 RAF = "fsdp.reshard_after_forward_disabled"
 
@@ -95,6 +96,8 @@ def bugs(truth: dict) -> set[str]:
         out.add(LEAK)
     if truth.get("full_model_bytes"):
         out.add(FULL_INIT)
+    if truth.get("ddp_bucket_view") is False:
+        out.add(BUCKET_VIEW)  # every gradient twice: .grad and its bucket (DDP's default)
     return out
 
 

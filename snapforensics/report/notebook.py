@@ -63,7 +63,7 @@ def _cell(css: str, body: str, script: str = "") -> str:
     from snapforensics.report.html import scoped
 
     n = next(_CELLS)
-    body = re.sub(r'(id="|href="#)(finding|device|findings)', rf"\1sf{n}-\2", body)
+    body = re.sub(r'(id="|href="#)(finding|device|findings|tensor-names)', rf"\1sf{n}-\2", body)
     body = body.replace("<main>", "<div>").replace("</main>", "</div>")
     js = f"<script>{script}</script>" if script else ""
     return (f'<div class="{ROOT}"><style>{scoped(ISOLATE + css, SCOPE)}</style>{body}{js}'

@@ -50,7 +50,7 @@ def metadata(raw: dict, key: str, warnings: list[str]) -> dict:
     # The root and the device traces, reached through the memo, are what the two readers hold
     # differently (the streaming reader's traces are columns): metadata never copies them.
     dt = raw.get("device_traces")
-    skip = {id(raw), id(dt), *(map(id, dt) if type(dt) in LISTS else ())}
+    skip = {id(raw), id(dt), *(map(id, dt) if dt is not None and type(dt) in LISTS else ())}
     try:
         return _plain(v, [_METADATA_ITEMS], skip)
     except ValueError as e:

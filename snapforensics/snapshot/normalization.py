@@ -52,6 +52,7 @@ from snapforensics.snapshot.stream import StreamTrace
 from snapforensics.snapshot.stream import read_info as stream_info
 from snapforensics.snapshot.tensors import read as read_tensors
 from snapforensics.snapshot.unpickle import (
+    address_limit,
     file_kind,
     gc_paused,
     load_budget,
@@ -75,17 +76,19 @@ def load(path: str | os.PathLike, file: Any = None) -> Snapshot:
     # raw graph is alive would make the next allocation walk millions of containers (a young
     # collection: every object made while the GC was off counts as young). So the raw graph is
     # freed before the GC comes back.
-    # One memory guard over the whole read (the stream reader, its fallback, normalization),
-    # proportional to the most pickle bytes the file can hold.
+    # One memory limit for the whole read (the stream reader, its fallback, normalization),
+    # proportional to the most pickle bytes the file can hold, set in each phase's thread.
     f = open_file(path) if file is None else file
     size, gzipped = file_kind(f, path)
-    with gc_paused(), memory_guard(load_budget(pickle_bound(size, gzipped))):
+    limit = address_limit(load_budget(pickle_bound(size, gzipped)))
+    with gc_paused():
         try:
-            got = stream_info(path, f)  # None: declined or not built, the Python path reads it
-            raw, warnings, info = got if got is not None else read_raw_info(path, f)
+            with memory_guard(limit):
+                got = stream_info(path, f)  # None: declined or not built: the Python path
+            raw, warnings, info = got if got is not None else read_raw_info(path, f, limit)
             try:  # on the unpickling thread's stack size: the Python path may hold deep tuples
                 snap = on_stack(partial(normalize, raw, source=str(path), warnings=warnings,
-                                        file_info=info), info.get("tuple_bound", 0))
+                                        file_info=info), info.get("tuple_bound", 0), limit)
             except SnapError as e:
                 raise SnapError(f"{path}: {e}", e.exit_code) from None
         except MemoryError:

@@ -62,38 +62,44 @@ def _vm_size() -> int | None:
     return None
 
 
-@contextmanager
-def memory_guard(budget: int) -> Iterator[int | None]:
-    """Cap how much address space the process may add while the C unpickler runs (Linux).
-
-    Yields the cap in bytes (None when no cap applies). `SNAPFORENSICS_LOAD_MEMORY` overrides the
-    budget in bytes; 0 disables the guard.
-    """
+def address_limit(budget: int) -> int | None:
+    """The address space the process may reach during a read that may add `budget` bytes: its
+    size now + `budget` (`SNAPFORENSICS_LOAD_MEMORY` overrides the budget in bytes; 0 disables
+    the guard); None where no cap applies (not Linux, disabled). Computed once per read, so
+    every phase of the read (the stream reader, the unpickler, normalization) shares it."""
     if os.environ.get("SNAPFORENSICS_LOAD_MEMORY", "").strip():
         budget = int(number("SNAPFORENSICS_LOAD_MEMORY"))
+    vm = _vm_size()
+    if budget <= 0 or vm is None:
+        return None
+    return vm + budget
+
+
+@contextmanager
+def memory_guard(limit: int | None) -> Iterator[None]:
+    """Cap the process's address space at `limit` (`address_limit`) while the block runs, unless
+    a cap at least as tight is already set. Never around a thread's start (its stack counts):
+    `on_stack` enters it on the new thread."""
     try:
         import resource
     except ImportError:  # not POSIX
-        yield None
+        yield
         return
-    vm = _vm_size()
-    if budget <= 0 or vm is None:
-        yield None
+    if limit is None:
+        yield
         return
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    cap = vm + budget
-    if hard != resource.RLIM_INFINITY:
-        cap = min(cap, hard)
+    cap = limit if hard == resource.RLIM_INFINITY else min(limit, hard)
     if soft != resource.RLIM_INFINITY and soft <= cap:
-        yield None  # already tighter than ours
+        yield  # already tighter than ours
         return
     try:
         resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
     except (ValueError, OSError):
-        yield None
+        yield
         return
     try:
-        yield budget
+        yield
     finally:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
@@ -272,24 +278,25 @@ def _gunzip(f: Any, size: int, p: Path) -> tuple[bytes, bool, str]:
     return data[:cap], n > cap, err
 
 
-def _load(stream: Any, data: Any, bound: int, budget: int) -> Any:
+def _load(stream: Any, data: Any, bound: int, limit: int | None) -> Any:
     """Unpickle with the globals refused, under the memory guard, on a thread whose C stack
     holds any tuple nesting the stream can describe (`bound` levels), after `keys.check` of the
     pickle's bytes (`data`: bytes or an mmap) found no dict the unpickler could be made to hash
     in quadratic time."""
 
     def load() -> Any:
-        with gc_paused(), memory_guard(budget):
+        with gc_paused():
             keys.check(data)
             return _RefuseGlobals(stream).load()
 
-    return on_stack(load, bound)
+    return on_stack(load, bound, limit)
 
 
-def on_stack(fn: Any, bound: int) -> Any:
+def on_stack(fn: Any, bound: int, limit: int | None = None) -> Any:
     """`fn()` on a thread whose C stack holds `bound` levels of tuple nesting: unpickling, and
     everything that hashes or walks the unpickled objects afterwards (normalization hashes pool
-    ids and keys: a 300,000-deep tuple there overflowed the main thread's stack)."""
+    ids and keys: a 300,000-deep tuple there overflowed the main thread's stack); under the
+    memory guard's `limit`, entered on that thread once it has started."""
     need = (16 << 20) + bound * _STACK_PER_LEVEL
     if need > _MAX_STACK:
         raise SnapError(f"the pickle may nest tuples {bound} deep; a memory snapshot nests them "
@@ -298,7 +305,8 @@ def on_stack(fn: Any, bound: int) -> Any:
 
     def run() -> None:
         try:
-            result.append(fn())
+            with memory_guard(limit):
+                result.append(fn())
         except BaseException as e:  # noqa: BLE001 handed to the caller's thread
             result.append(e)
             result.append(None)
@@ -325,9 +333,11 @@ def on_stack(fn: Any, bound: int) -> Any:
     return result[0]
 
 
-def read_raw_info(path: str | os.PathLike, file: Any = None) -> tuple[Any, list[str], dict]:
+def read_raw_info(path: str | os.PathLike, file: Any = None,
+                  limit: int | None | bool = True) -> tuple[Any, list[str], dict]:
     """Unpickle `path` safely. Returns the raw object, loader warnings and facts about the file.
-    `file`: `path` already opened by `open_file` (read from its start; closed here)."""
+    `file`: `path` already opened by `open_file` (read from its start; closed here). `limit`:
+    the enclosing read's `address_limit` (True: this file's own)."""
     f = open_file(path) if file is None else file
     p = Path(path)
     try:
@@ -372,10 +382,11 @@ def read_raw_info(path: str | os.PathLike, file: Any = None) -> tuple[Any, list[
         if not info["gzip"]:
             bound = _plain_bytes(f, p)
             info["pickle_bytes"] = size
-        budget = load_budget(info["pickle_bytes"])
+        if limit is True:
+            limit = address_limit(load_budget(info["pickle_bytes"]))
         info["tuple_bound"] = bound
         try:
-            obj = _load(stream, data if info["gzip"] else _mapped(f, p), bound, budget)
+            obj = _load(stream, data if info["gzip"] else _mapped(f, p), bound, limit)
         except SnapError as e:
             raise SnapError(f"{p}: {e}") from None
         except RecursionError:
@@ -416,5 +427,6 @@ def read_raw(path: str | os.PathLike) -> tuple[Any, list[str]]:
     return obj, warnings
 
 
-__all__ = ["open_file", "read_raw", "read_raw_info", "gc_paused", "on_stack", "memory_guard"]
+__all__ = ["open_file", "read_raw", "read_raw_info", "gc_paused", "on_stack", "memory_guard",
+           "address_limit"]
 

@@ -118,6 +118,8 @@ def run_layout(lay: Layout, ctx: Ctx, check: bool) -> dict:
         model = wrapped
     probe = Probe(model) if check else None
     truth["fsdp"] = probe.fsdp if probe else None
+    # DDP's gradients: views of its buckets, or a second copy of each (the default)
+    truth["ddp_bucket_view"] = getattr(model, "gradient_as_bucket_view", None)
     if lay.optimizer == "sgd":
         optim = torch.optim.SGD(model.parameters(), lr=1e-2)
     else:
