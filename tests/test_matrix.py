@@ -192,6 +192,10 @@ def test_cuda_shape_gives_the_same_verdicts_and_predictions(matrix, name):
         verdicts = {r: f.verdict for r, f in got.items()}
         assert verdicts == {r: f.verdict for r, f in ref.items()}, shape
         for rule, f in got.items():
+            # without C++ frames DDP's replay frees each copy at the next row (a lower bound;
+            # ddp_bucket_view.py): its prediction is checked against twins on CPU recordings
+            if rule == BUCKET_VIEW:
+                continue
             if f.predicted_peak_bytes and ref[rule].predicted_peak_bytes:
                 a, b = f.predicted_peak_bytes, ref[rule].predicted_peak_bytes
                 assert abs(a - b) / b <= PREDICTION_TOLERANCE, (shape, rule, a, b)

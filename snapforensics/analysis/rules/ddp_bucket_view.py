@@ -13,11 +13,13 @@ nothing away (no compute, no communication) and any peak byte it removes is a sa
 whenever the replay lowers the peak, info when the copies are not alive at the peak (a peak the
 buckets and copies do not reach: the forward's activations, a rebuild of the buckets).
 
-The replay frees each copy where the view mode frees the fresh gradient: the row right after
-it was made (AccumulateGrad adds it into the bucket view and drops it, or the Reducer's hook
-copies it in and drops it, within the same backward op's rows). Placing it by the hook's C++
-frames instead gave different peaks for a recording with and without those frames (a `no_sync`
-micro-batch has no hook: its next hook row is a whole backward later), so it is not used.
+The replay frees each copy where the view mode frees the fresh gradient: at the end of the
+Reducer's hook that copies it into the bucket, the first `torch::distributed::reducer::` or
+`AccumulateGrad` row after the gradient was made (CPU recordings show those C++ frames), else
+the row right after it was made: a lower bound, so on a CUDA dump (no C++ frames unless
+recorded with stacks="all") the predicted peak can be lower than the twin's (a matrix layout
+with no_sync accumulation: 16.9 MB without the frames, 18.8 MB with them); the twin checks
+(tests/rules/test_ddp_bucket_view.py) are on CPU recordings.
 """
 
 from __future__ import annotations
@@ -41,10 +43,33 @@ model = DistributedDataParallel(model, gradient_as_bucket_view=True)
 # passes its keywords to DistributedDataParallel: add gradient_as_bucket_view=True there
 """
 
+# the C++ frames of the Reducer's hook (CPU recordings, `stacks="all"` on CUDA): the autograd
+# engine's AccumulateGrad node the hook runs in, the `record_function` ranges the Reducer opens
+_HOOK_FRAMES = ("torch::distributed::reducer::", "torch::autograd::AccumulateGrad")
+
+
+def _hook_rows(d: DeviceAnalysis) -> np.ndarray:
+    """Rows made inside the Reducer's gradient hook (sorted)."""
+    stacks = d.trace.stack
+    ids = np.unique(stacks[stacks >= 0])
+    hook = {int(s) for s in ids.tolist()
+            if any(any(h in f.name for h in _HOOK_FRAMES) for f in d.snapshot.stack_frames(int(s)))}
+    if not hook:
+        return np.zeros(0, np.int64)
+    return np.flatnonzero(np.isin(stacks, np.fromiter(hook, np.int64)))
+
+
 def _replay(d: DeviceAnalysis, copies: np.ndarray) -> Replay:
     lt = d.lt
     fr = lt.free_row.copy()
-    fr[copies] = np.minimum(fr[copies], lt.alloc_row[copies] + 1)
+    made = lt.alloc_row[copies]
+    hook = _hook_rows(d)
+    view_free = made + 1
+    if len(hook):
+        at = np.searchsorted(hook, made, side="right")
+        nxt = hook[np.minimum(at, len(hook) - 1)]
+        view_free = np.where(at < len(hook), np.maximum(nxt, made) + 1, made + 1)
+    fr[copies] = np.minimum(fr[copies], view_free)
     return Replay(free_row=fr)
 
 
