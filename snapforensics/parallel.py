@@ -118,9 +118,6 @@ def _expand_url(url: str) -> list[str]:
 
 # ---------------------------------------------------------------------------------- one input
 
-_ONE_AT_A_TIME = threading.Lock()  # the loader's memory guard is process-wide (RLIMIT_AS)
-
-
 def diagnose_one(src: str, cache: bool = True, variant: str = "",
                  categories: tuple[str, ...] = (), full: bool | None = None,
                  fd: int | None = None) -> dict[str, Any]:
@@ -130,20 +127,19 @@ def diagnose_one(src: str, cache: bool = True, variant: str = "",
     (`_open_inputs`; a forked worker inherits it), else it is opened here."""
     from snapforensics import doccache
 
-    with _ONE_AT_A_TIME:
-        try:
-            if not is_url(src):
-                file = os.fdopen(os.dup(fd), "rb") if fd is not None else None
-                return doccache.diagnose(local_path(src), cache, variant, categories,
-                                         full, file).to_doc()
-            with tempfile.TemporaryDirectory(prefix="snapforensics-") as tmp:
-                local = os.path.join(tmp, src.rstrip("/").rsplit("/", 1)[-1] or "snapshot")
-                _fetch(src, local)
-                doc = doccache.diagnose(local, False, variant, categories).to_doc()
-            doc["source"] = src
-            return doc
-        except SnapError as e:
-            return {"source": src, "error": str(e).replace(local_path(src) + ": ", "", 1)}
+    try:
+        if not is_url(src):
+            file = os.fdopen(os.dup(fd), "rb") if fd is not None else None
+            return doccache.diagnose(local_path(src), cache, variant, categories,
+                                     full, file).to_doc()
+        with tempfile.TemporaryDirectory(prefix="snapforensics-") as tmp:
+            local = os.path.join(tmp, src.rstrip("/").rsplit("/", 1)[-1] or "snapshot")
+            _fetch(src, local)
+            doc = doccache.diagnose(local, False, variant, categories).to_doc()
+        doc["source"] = src
+        return doc
+    except SnapError as e:
+        return {"source": src, "error": str(e).replace(local_path(src) + ": ", "", 1)}
 
 
 def _fetch(url: str, local: str) -> None:
@@ -379,7 +375,8 @@ class _Progress:
         self.paths = {os.path.realpath(local_path(s)) for s in srcs if not is_url(s)}
         self.pids = pids
         self.stop = threading.Event()
-        self.drawer = threading.Thread(target=self._draw, daemon=True)
+        self.drawer = threading.Thread(target=self._draw, name="snapforensics-progress",
+                                       daemon=True)
 
     def __enter__(self) -> _Progress:
         if self.on:

@@ -10,6 +10,7 @@ an impossible size is a one-line SnapError, never a silently wrong number.
 from __future__ import annotations
 
 import os
+import threading
 from functools import partial
 from itertools import repeat
 from typing import Any
@@ -19,6 +20,7 @@ import numpy as np
 from snapforensics.errors import SnapError
 from snapforensics.snapshot.annotations import place as place_annotations
 from snapforensics.snapshot.budget import Budget
+from snapforensics.snapshot.child import in_child
 from snapforensics.snapshot.columns import (
     LISTS,
     MAX_BYTES,
@@ -81,6 +83,22 @@ def load(path: str | os.PathLike, file: Any = None) -> Snapshot:
     f = open_file(path) if file is None else file
     size, gzipped = file_kind(f, path)
     limit = address_limit(load_budget(pickle_bound(size, gzipped)))
+    if limit is not None and _others():
+        # The cap is the process's: here it would starve the other threads (a server's
+        # requests, a Dask worker's comms). A forked child, with only this thread, reads under it.
+        return in_child(partial(_load, path, f, size, limit), path, memory_message(path, size))
+    return _load(path, f, size, limit)
+
+
+def _others() -> bool:
+    """Whether a thread runs here that is not this one nor one of the tool's own quiet ones
+    (named "snapforensics-": the progress bar, which allocates within the cap's 256 MiB slack)."""
+    me = threading.current_thread()
+    return any(t is not me and not t.name.startswith("snapforensics-")
+               for t in threading.enumerate())
+
+
+def _load(path: str | os.PathLike, f: Any, size: int, limit: int | None) -> Snapshot:
     with gc_paused():
         try:
             with memory_guard(limit):
