@@ -10,18 +10,21 @@ exactly the routed rows.
 Seen from the token dispatcher's blocks (`moe.dispatch_buffer`), one MoE call at a time (a run of
 dispatch blocks, the experts' blocks, then `moe.combine_buffer` blocks, in forward): the padded
 buffers are the call's largest dispatch blocks, made twice or more at one size (the zero-filled
-send buffer and the received one: a static shape both ways; a dropless call receives a ragged
-count that differs from what it sent), and the routed rows are the permuted tokens, the largest
-dispatch block below that size. Their ratio r = routed / padded is 1/cf up to the capacity's
-rounding; r < 1 is padding. A dispatcher that pads while it permutes (Megatron's fused
-`permute(..., drop_and_pad=True)`) shows no unpadded tensor: r is not seen and the rule is silent.
+send buffer and the received one: a static shape both ways; a dropless call receives one ragged
+buffer), and the routed rows are the permuted tokens, the call's first token-row block (at least
+a quarter of the padded size, so cf up to 4: the int64 index tensors made before it, 8 bytes a
+routed row, are 8 / (dim * itemsize) of a token buffer). Their ratio r = routed / padded is 1/cf
+up to the capacity's rounding; r < 1 is padding (at cf = 1.0 with E dividing tokens * k the
+buffers are the permuted tokens' size: nothing beyond the routed rows). A dispatcher that pads
+while it permutes (Megatron's fused `permute(..., drop_and_pad=True)`) shows no unpadded tensor:
+r is not seen and the rule is silent.
 
 The replay is cf = 1.0: every padded-size dispatch and combine block of the call and every block
 made between the call's last dispatch block and its first combine block (the experts' work on the
-padded rows) shrinks by r. Backward's gradients of those tensors are left as they are, so a peak in
-backward is predicted high (a saving's lower bound). The threshold is the mechanism: the padding
-rows hold zeros the experts compute on and the combine throws away, so whatever the replay takes
-off the peak is the saving (the project's 2 % floor, `evidence.MIN_PEAK_SAVING`, for what
+padded rows) shrinks by r, and so does every backward gradient at one of those sizes (the
+gradients of the padded tensors: autograd makes them at their shapes). The threshold is the
+mechanism: the padding rows hold zeros the experts compute on and the combine throws away, so
+whatever the replay takes off the peak is the saving (the project's 2 % floor, `evidence.MIN_PEAK_SAVING`, for what
 re-recording moves); a lower cf drops the tokens an over-full expert gets beyond its capacity,
 which a dropless dispatch does not, hence the fix names both. Info when the padding is not alive
 at the peak.
@@ -35,7 +38,7 @@ from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding, Replay
 from snapforensics.analysis.evidence import human, lowers_peak, top_stacks
 from snapforensics.analysis.rule import Family, Rule
-from snapforensics.analysis.vocab import CAT_CODE, Category, Phase, Verdict
+from snapforensics.analysis.vocab import BACKWARD_PHASES, CAT_CODE, Category, Phase, Verdict
 
 FIX = """\
 # the MoE dispatch pads every expert's all-to-all slot to capacity = ceil(cf * tokens * k / E):
@@ -71,6 +74,7 @@ def _padding(d: DeviceAnalysis) -> tuple[list[tuple[int, int, int]], list[int], 
     """The replay's (alloc, free, -bytes) intervals, the padded blocks, each padded call's r."""
     lt = d.lt
     extra, padded, ratios = [], [], []
+    ratio_of: list[float] = []
     for disp, comb in _calls(d):
         sizes = lt.size[disp]
         big = int(sizes.max())
@@ -94,7 +98,17 @@ def _padding(d: DeviceAnalysis) -> tuple[list[tuple[int, int, int]], list[int], 
             if cut > 0:
                 extra.append((int(lt.alloc_row[b]), int(lt.free_row[b]), -cut))
                 padded.append(b)
+                ratio_of.append(r)
         ratios.append(r)
+    if ratios:  # backward: the gradients of the padded tensors, at their sizes
+        sizes = {int(lt.size[b]): r for b, r in zip(padded, ratio_of)}
+        grads = np.flatnonzero(np.isin(d.phase, BACKWARD_PHASES) & (lt.alloc_row >= 0) &
+                               (d.category == CAT_CODE[Category.GRADIENT]) &
+                               np.isin(lt.size, np.fromiter(sizes, np.int64)))
+        for b in grads.tolist():
+            cut = int(lt.size[b]) - int(round(int(lt.size[b]) * sizes[int(lt.size[b])]))
+            extra.append((int(lt.alloc_row[b]), int(lt.free_row[b]), -cut))
+            padded.append(b)
     return extra, padded, ratios
 
 
@@ -112,14 +126,15 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     saving = d.peak_bytes - predicted
     anomalous = lowers_peak(d, saving)
     cf = 1 / min(ratios)
+    padded_bytes = int(lt.size[alive].sum())
     evidence = {"capacity_factor_seen": round(cf, 3), "calls_padded": len(ratios),
                 "padded_blocks_at_peak": int(len(alive)), "padding_bytes_at_peak": pad_at_peak,
-                "padded_bytes_at_peak": int(lt.size[alive].sum()),
+                "padded_bytes_at_peak": padded_bytes,
                 "stacks": top_stacks(d, alive if len(alive) else members, 1)}
     cause = (f"{len(ratios)} MoE call(s) exchange about {cf:.2f}x the routed token rows: each "
              "expert's all-to-all slot is padded to its capacity, and the experts compute on "
              f"the padding too. At the peak {human(pad_at_peak)} of "
-             f"{human(evidence['padded_bytes_at_peak'])} in those buffers hold no token.")
+             f"{human(padded_bytes)} in those buffers hold no token.")
     if not anomalous:
         cause += " The padding does not raise this run's peak: a lower capacity would not lower it."
     return [Finding(
