@@ -25,9 +25,9 @@ padded rows) shrinks by r, and so does every backward gradient at one of those s
 gradients of the padded tensors: autograd makes them at their shapes). The threshold is the
 mechanism: the padding rows hold zeros the experts compute on and the combine throws away, so
 whatever the replay takes off the peak is the saving (the project's 2 % floor,
-`evidence.MIN_PEAK_SAVING`, for what re-recording moves); a lower cf drops the tokens an over-full expert gets beyond its capacity,
-which a dropless dispatch does not, hence the fix names both. Info when the padding is not alive
-at the peak.
+`evidence.MIN_PEAK_SAVING`, for what re-recording moves); a lower cf drops the tokens an
+over-full expert gets beyond its capacity, which a dropless dispatch does not, hence the fix
+names both. Info when the padding is not alive at the peak.
 """
 
 from __future__ import annotations
