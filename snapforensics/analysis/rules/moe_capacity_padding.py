@@ -20,14 +20,15 @@ while it permutes (Megatron's fused `permute(..., drop_and_pad=True)`) shows no 
 r is not seen and the rule is silent.
 
 The replay is cf = 1.0: every padded-size dispatch and combine block of the call and every block
-made between the call's last dispatch block and its first combine block (the experts' work on the
-padded rows) shrinks by r, and so does every backward gradient at one of those sizes (the
-gradients of the padded tensors: autograd makes them at their shapes). The threshold is the
-mechanism: the padding rows hold zeros the experts compute on and the combine throws away, so
-whatever the replay takes off the peak is the saving (the project's 2 % floor,
-`evidence.MIN_PEAK_SAVING`, for what re-recording moves); a lower cf drops the tokens an
-over-full expert gets beyond its capacity, which a dropless dispatch does not, hence the fix
-names both. Info when the padding is not alive at the peak.
+made between the call's last dispatch block and its first combine block (the experts' work on
+the padded rows) shrinks by r, and so does every backward gradient at one of those sizes (the
+gradients of the padded tensors: autograd makes them at their shapes; not a size some forward
+block that is not padded has too). The threshold is the mechanism: the padding rows hold zeros
+the experts compute on and the combine throws away, so whatever the replay takes off the peak is
+the saving (the project's 2 % floor, `evidence.MIN_PEAK_SAVING`, for what re-recording moves); a
+lower cf drops the tokens an over-full expert gets beyond its capacity, which a dropless
+dispatch does not, hence the fix names both. Info when the padding is not alive
+at the peak.
 """
 
 from __future__ import annotations
@@ -100,11 +101,16 @@ def _padding(d: DeviceAnalysis) -> tuple[list[tuple[int, int, int]], list[int], 
                 padded.append(b)
                 ratio_of.append(r)
         ratios.append(r)
-    if ratios:  # backward: the gradients of the padded tensors, at their sizes
+    if ratios:  # backward: the gradients of the padded tensors, at their sizes (a size that
+        # some forward block not padded has too could be its gradient's: left as it is)
         sizes = {int(lt.size[b]): r for b, r in zip(padded, ratio_of)}
+        fwd = (d.phase == Phase.FORWARD) & (lt.alloc_row >= 0)
+        fwd[np.array(padded, np.int64)] = False
+        for s in np.intersect1d(lt.size[fwd], np.fromiter(sizes, np.int64)).tolist():
+            sizes.pop(int(s))
         grads = np.flatnonzero(np.isin(d.phase, BACKWARD_PHASES) & (lt.alloc_row >= 0) &
                                (d.category == CAT_CODE[Category.GRADIENT]) &
-                               np.isin(lt.size, np.fromiter(sizes, np.int64)))
+                               np.isin(lt.size, np.fromiter(sizes, np.int64, len(sizes))))
         for b in grads.tolist():
             cut = int(lt.size[b]) - int(round(int(lt.size[b]) * sizes[int(lt.size[b])]))
             extra.append((int(lt.alloc_row[b]), int(lt.free_row[b]), -cut))
