@@ -115,3 +115,40 @@ def test_classify_ddp_reducer_buckets():
                        _f("_verify_param_shape_across_processes", "torch/distributed/utils.py"),
                        _f("__init__", ddp)])
     assert shapes.category == Category.PARAMETER
+
+
+def test_classify_moe_token_dispatchers():
+    """MoE dispatch / combine buffers by the token dispatchers' own function names (torchtitan's
+    `AllToAllTokenDispatcher` in `torchtitan/models/common/token_dispatcher.py` and its older
+    `ExpertParallel` hooks, Megatron-LM's `MoEAlltoAllTokenDispatcher`), the functional
+    all-to-all's output under an MoE layer with no named function; a `dispatch` outside an MoE
+    file or module is nothing of the kind."""
+    mod = _f("_call_impl", "torch/nn/modules/module.py")
+    tt = "torchtitan/models/common/token_dispatcher.py"
+    fc = "torch/distributed/_functional_collectives.py"
+    a2a = _f("all_to_all_single_autograd", fc)
+
+    def cat(*frames):
+        return classify([Frame("<op>", 0, "aten::empty"), *frames, mod]).category
+
+    assert cat(a2a, _f("_dispatch_token_exchange", tt), _f("dispatch", tt),
+               _f("forward", "torchtitan/models/common/moe.py")) == Category.MOE_DISPATCH
+    assert cat(_f("_permute", tt), _f("dispatch", tt)) == Category.MOE_DISPATCH
+    assert cat(a2a, _f("_combine_token_exchange", tt), _f("combine", tt)) == Category.MOE_COMBINE
+    assert cat(_f("_unpermute", tt), _f("combine", tt)) == Category.MOE_COMBINE
+    old = "torchtitan/distributed/expert_parallel.py"
+    assert cat(a2a, _f("_token_dispatch", old), _f("forward", "m.py")) == Category.MOE_DISPATCH
+    assert cat(a2a, _f("_token_combine", old), _f("forward", "m.py")) == Category.MOE_COMBINE
+    mg = "megatron/core/transformer/moe/token_dispatcher.py"
+    mp = "megatron/core/tensor_parallel/mappings.py"
+    c10d = "torch/distributed/distributed_c10d.py"
+    assert cat(_f("forward", mp), _f("token_dispatch", mg)) == Category.MOE_DISPATCH
+    assert cat(_f("permute", "megatron/core/transformer/moe/moe_utils.py"),
+               _f("dispatch_preprocess", mg)) == Category.MOE_DISPATCH
+    assert cat(_f("forward", mp), _f("token_combine", mg)) == Category.MOE_COMBINE
+    assert cat(_f("combine_postprocess", mg)) == Category.MOE_COMBINE
+    # an all-to-all under an MoE module frame (this recorder's `<nn.Module>` frames)
+    assert cat(_f("all_to_all_single", c10d), _f("exchange", "model.py"),
+               Frame("<nn.Module>", 0, "MoELayer_0")) == Category.MOE_DISPATCH
+    # no MoE anywhere: a forward's `dispatch` is an activation
+    assert cat(_f("dispatch", "mylib/router.py"), _f("forward", "m.py")) == Category.ACTIVATION

@@ -82,6 +82,48 @@ _DDP_BUCKET_FUNCS = {"_ddp_init_helper", "_pre_forward"}
 # them (`torch/distributed/utils.py`): not an FSDP all-gather.
 _DDP_INIT_COLLECTIVES = {"_verify_param_shape_across_processes"}
 
+# Mixture of experts (expert parallelism): a token dispatcher's functions, by the words their
+# names are made of, in a file of an MoE implementation or under an MoE module's frame (this
+# recorder's `<nn.Module>` frames name the class): torchtitan's `AllToAllTokenDispatcher.dispatch`
+# / `_dispatch_token_exchange` / `_permute` and `combine` / `_combine_token_exchange` /
+# `_unpermute` (`torchtitan/models/common/token_dispatcher.py`; `ExpertParallel._token_dispatch`
+# / `_token_combine` in `torchtitan/distributed/expert_parallel.py` before), Megatron's
+# `MoEAlltoAllTokenDispatcher.dispatch_preprocess` / `token_dispatch` / `token_combine` /
+# `combine_postprocess` (`megatron/core/transformer/moe/token_dispatcher.py`, `permute` /
+# `unpermute` in `moe/moe_utils.py`). The innermost named function decides; an all-to-all
+# (`all_to_all_single` in `distributed_c10d.py`, `_functional_collectives.py`'s
+# `all_to_all_single[_autograd]`, which allocate their outputs) under an MoE frame and no named
+# function is a dispatch buffer.
+_MOE_FILE = re.compile(r"(?:^|[/_])moe(?:[/_.]|$)|expert|token_dispatch", re.IGNORECASE)
+_MOE_MODULE = re.compile(r"moe|expert", re.IGNORECASE)
+_MOE_DISPATCH_WORDS = {"dispatch", "permute", "permutation"}
+_MOE_COMBINE_WORDS = {"combine", "unpermute", "unpermutation"}
+_ALL_TO_ALL_FUNCS = {"all_to_all_single", "all_to_all", "all_to_all_single_autograd"}
+
+
+def _moe_category(frames: list[Frame]) -> Category | None:
+    """moe.dispatch_buffer / moe.combine_buffer for a stack under an MoE layer, else None."""
+    if not any(_MOE_MODULE.search(f.name) if f.filename == "<nn.Module>" else
+               _MOE_FILE.search(f.filename) for f in frames):
+        return None
+    a2a = False
+    for f in frames:  # innermost first
+        if f.filename.startswith("<"):
+            continue
+        if f.name in _ALL_TO_ALL_FUNCS and f.filename.replace("\\", "/").endswith(
+                ("distributed/distributed_c10d.py", "distributed/_functional_collectives.py")):
+            a2a = True
+            continue
+        if not _MOE_FILE.search(f.filename):
+            continue
+        words = set(f.name.lower().strip("_").split("_"))
+        if words & _MOE_COMBINE_WORDS:
+            return Category.MOE_COMBINE
+        if words & _MOE_DISPATCH_WORDS:
+            return Category.MOE_DISPATCH
+    return Category.MOE_DISPATCH if a2a else None
+
+
 # Ranges FSDP2 names `KIND (fqn)`; the root unit's have no fqn.
 _PER_UNIT_RANGES = {"pre_forward", "post_forward", "pre_backward", "all_gather",
                     "all_gather_copy_out", "post_backward_accumulate", "post_backward_reshard",
@@ -207,6 +249,8 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
         category = Category.PARAMETER
     elif nameset & _SHARDED_INIT_FUNCS and any(_is_fsdp_file(f) for f in frames):
         category = Category.SHARDED_PARAM
+    elif phase != Phase.OPTIMIZER and (moe := _moe_category(frames)) is not None:
+        category = moe
     elif phase == Phase.OPTIMIZER:
         category = Category.OPTIMIZER_STATE
     elif phase == Phase.RECOMPUTE:

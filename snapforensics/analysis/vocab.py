@@ -53,6 +53,10 @@ class Category(StrEnum):
     # DDP (`torch.nn.parallel.DistributedDataParallel`, and `replicate` which wraps it)
     DDP_BUCKET = "ddp.bucket"  # the Reducer's flat gradient buckets (and its per-param maps)
     DDP_GRAD_COPY = "ddp.grad_copy"  # a `.grad` kept beside its bucket slice (not a view of it)
+    # Mixture of experts under expert parallelism: what the token dispatcher makes on the way to
+    # the experts' ranks (permuted tokens, the all-to-all's send and receive buffers) and back
+    MOE_DISPATCH = "moe.dispatch_buffer"
+    MOE_COMBINE = "moe.combine_buffer"
 
 
 CATEGORIES = tuple(Category)
@@ -61,6 +65,7 @@ FSDP_CATEGORIES = frozenset({Category.ALL_GATHER, Category.UNSHARDED_PARAM,
                              Category.REDUCE_SCATTER, Category.SHARDED_GRAD,
                              Category.UNSHARDED_GRAD, Category.SHARDED_PARAM})
 DDP_CATEGORIES = frozenset({Category.DDP_BUCKET, Category.DDP_GRAD_COPY})
+MOE_CATEGORIES = frozenset({Category.MOE_DISPATCH, Category.MOE_COMBINE})
 
 
 class Verdict(StrEnum):

@@ -52,6 +52,8 @@ CATEGORY_COLORS = {
     "untraced": "#e8e8e8",
     "ddp.bucket": "#e377c2",
     "ddp.grad_copy": "#ffbb78",
+    "moe.dispatch_buffer": "#98df8a",
+    "moe.combine_buffer": "#c49c94",
 }
 _PALETTE = ("#393b79", "#e7ba52", "#843c39", "#637939", "#7b4173", "#3182bd", "#e6550d")
 PHASE_ALPHA = 0.13  # the shading's opacity, the same in the key

@@ -27,6 +27,7 @@ from snapforensics.analysis.rules import (
     fsdp_reshard_after_forward,
     fsdp_stale_prefetch,
     leak_iteration_growth,
+    moe_capacity_padding,
     oom_report,
     pipeline_schedule,
     runtime_outside_allocator,
@@ -52,6 +53,7 @@ RULES: tuple[Rule, ...] = tuple(m.RULE for m in (
     fsdp_grad_sync_off,
     pipeline_schedule,
     ddp_bucket_view,
+    moe_capacity_padding,
     runtime_outside_allocator,
 ))
 BY_ID = {r.id: r for r in RULES}

@@ -42,6 +42,12 @@ _FIXES = {
     Category.DDP_BUCKET:
         "# DDP's gradient buckets (one copy of every gradient) filled the device: shard the\n"
         "# gradients instead (fully_shard / FSDP)",
+    Category.MOE_DISPATCH:
+        "# MoE dispatch buffers filled the device: a lower expert capacity factor (1.0), or a\n"
+        "# dropless dispatch (all_to_all_single with the routed token counts as splits)",
+    Category.MOE_COMBINE:
+        "# MoE combine buffers filled the device: a lower expert capacity factor (1.0), or a\n"
+        "# dropless dispatch (all_to_all_single with the routed token counts as splits)",
     Category.ALL_GATHER:
         "# gathered FSDP parameters filled the device: reshard after forward/backward,"
         "\n# prefetch one unit ahead at most",

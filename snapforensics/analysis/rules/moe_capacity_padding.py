@@ -1,0 +1,158 @@
+"""A drop-and-pad MoE token dispatch (capacity factor cf, every expert's slot in the all-to-all
+padded to `capacity = ceil(cf * tokens * k / experts)` rows) exchanges `experts * capacity` rows
+whatever the routing: `cf * tokens * k` where the tokens routed are `tokens * k`, so a fraction
+`1 - 1/cf` of the dispatch and combine buffers, and of every activation the experts compute on
+them, holds no token (Switch / GShard; Megatron's `--moe-expert-capacity-factor` with
+`--moe-pad-expert-input-to-capacity`). cf = 1.0 pads only to the next multiple of the experts
+(and drops what an over-full expert cannot take); a dropless dispatch (ragged splits) exchanges
+exactly the routed rows.
+
+Seen from the token dispatcher's blocks (`moe.dispatch_buffer`), one MoE call at a time (a run of
+dispatch blocks, the experts' blocks, then `moe.combine_buffer` blocks, in forward): the padded
+buffers are the call's largest dispatch blocks, made twice or more at one size (the zero-filled
+send buffer and the received one: a static shape both ways; a dropless call receives one ragged
+buffer), and the routed rows are the permuted tokens, the call's first token-row block (at least
+a quarter of the padded size, so cf up to 4: the int64 index tensors made before it, 8 bytes a
+routed row, are 8 / (dim * itemsize) of a token buffer). Their ratio r = routed / padded is 1/cf
+up to the capacity's rounding; r < 1 is padding (at cf = 1.0 with E dividing tokens * k the
+buffers are the permuted tokens' size: nothing beyond the routed rows). A dispatcher that pads
+while it permutes (Megatron's fused `permute(..., drop_and_pad=True)`) shows no unpadded tensor:
+r is not seen and the rule is silent.
+
+The replay is cf = 1.0: every padded-size dispatch and combine block of the call and every block
+made between the call's last dispatch block and its first combine block (the experts' work on
+the padded rows) shrinks by r, and so does every backward gradient at one of those sizes (the
+gradients of the padded tensors: autograd makes them at their shapes; not a size some forward
+block that is not padded has too). The threshold is the mechanism: the padding rows hold zeros
+the experts compute on and the combine throws away, so whatever the replay takes off the peak is
+the saving (the project's 2 % floor, `evidence.MIN_PEAK_SAVING`, for what re-recording moves); a
+lower cf drops the tokens an over-full expert gets beyond its capacity, which a dropless
+dispatch does not, hence the fix names both. Info when the padding is not alive
+at the peak.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from snapforensics.analysis.context import DeviceAnalysis
+from snapforensics.analysis.diagnosis import Finding, Replay
+from snapforensics.analysis.evidence import human, lowers_peak, top_stacks
+from snapforensics.analysis.rule import Family, Rule
+from snapforensics.analysis.vocab import BACKWARD_PHASES, CAT_CODE, Category, Phase, Verdict
+
+FIX = """\
+# the MoE dispatch pads every expert's all-to-all slot to capacity = ceil(cf * tokens * k / E):
+# about {cf:.2f}x the routed rows; at cf = 1.0 only the remainder of tokens * k / E is padding
+capacity_factor = 1.0  # was {cf:.2f}; an over-full expert then drops the tokens beyond capacity
+# or a dropless (ragged) dispatch: all_to_all_single with the per-rank token counts as splits,
+# exchanged first (no padding, no dropped tokens)
+# Megatron-LM: --moe-expert-capacity-factor 1.0 (with --moe-pad-expert-input-to-capacity), or
+#   leave --moe-expert-capacity-factor unset for the dropless dispatcher
+# torchtitan: its AllToAllTokenDispatcher is dropless (no capacity factor); the HybridEP
+#   dispatcher's non_blocking_capacity_factor sizes its output buffer the same way
+"""
+
+
+def _calls(d: DeviceAnalysis) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(dispatch blocks, combine blocks) per MoE call in forward, in trace order."""
+    lt = d.lt
+    disp, comb = CAT_CODE[Category.MOE_DISPATCH], CAT_CODE[Category.MOE_COMBINE]
+    moe = np.flatnonzero(((d.category == disp) | (d.category == comb)) &
+                         (d.phase == Phase.FORWARD) & (lt.alloc_row >= 0))
+    moe = moe[np.argsort(lt.alloc_row[moe], kind="stable")]
+    is_disp = d.category[moe] == disp
+    calls, start = [], 0
+    for i in range(1, len(moe) + 1):
+        if i == len(moe) or (is_disp[i] and not is_disp[i - 1]):
+            blocks = moe[start:i]
+            calls.append((blocks[is_disp[start:i]], blocks[~is_disp[start:i]]))
+            start = i
+    return [c for c in calls if len(c[0]) and len(c[1])]
+
+
+def _padding(d: DeviceAnalysis) -> tuple[list[tuple[int, int, int]], list[int], list[float]]:
+    """The replay's (alloc, free, -bytes) intervals, the padded blocks, each padded call's r."""
+    lt = d.lt
+    extra, padded, ratios = [], [], []
+    ratio_of: list[float] = []
+    for disp, comb in _calls(d):
+        sizes = lt.size[disp]
+        big = int(sizes.max())
+        # the exchange: two blocks or more at the largest size (a send buffer and the received
+        # one: a static shape both ways; a dropless call receives one ragged buffer); the routed
+        # rows: the call's first token-row block, the permuted tokens (>= big / 4: cf up to 4;
+        # the int64 index tensors before it, 8 bytes a routed row, are 8 / (dim * itemsize) of
+        # a token buffer)
+        if int((sizes == big).sum()) < 2:
+            continue
+        r = float(sizes[np.argmax(sizes >= big / 4)]) / big
+        if r >= 1:
+            continue
+        shrink = [b for b in np.concatenate([disp, comb]).tolist() if lt.size[b] == big]
+        first, last = int(lt.alloc_row[disp].max()), int(lt.alloc_row[comb].min())
+        made = (lt.alloc_row > first) & (lt.alloc_row < last)
+        made &= d.category == CAT_CODE[Category.ACTIVATION]
+        shrink += np.flatnonzero(made).tolist()
+        for b in shrink:
+            cut = int(lt.size[b]) - int(round(int(lt.size[b]) * r))
+            if cut > 0:
+                extra.append((int(lt.alloc_row[b]), int(lt.free_row[b]), -cut))
+                padded.append(b)
+                ratio_of.append(r)
+        ratios.append(r)
+    if ratios:  # backward: the gradients of the padded tensors, at their sizes (a size that
+        # some forward block not padded has too could be its gradient's: left as it is)
+        sizes = {int(lt.size[b]): r for b, r in zip(padded, ratio_of)}
+        fwd = (d.phase == Phase.FORWARD) & (lt.alloc_row >= 0)
+        fwd[np.array(padded, np.int64)] = False
+        for s in np.intersect1d(lt.size[fwd], np.fromiter(sizes, np.int64)).tolist():
+            sizes.pop(int(s))
+        grads = np.flatnonzero(np.isin(d.phase, BACKWARD_PHASES) & (lt.alloc_row >= 0) &
+                               (d.category == CAT_CODE[Category.GRADIENT]) &
+                               np.isin(lt.size, np.fromiter(sizes, np.int64, len(sizes))))
+        for b in grads.tolist():
+            cut = int(lt.size[b]) - int(round(int(lt.size[b]) * sizes[int(lt.size[b])]))
+            extra.append((int(lt.alloc_row[b]), int(lt.free_row[b]), -cut))
+            padded.append(b)
+    return extra, padded, ratios
+
+
+def check(d: DeviceAnalysis) -> list[Finding]:
+    if d.peak_row < 0 or not d.mask(Category.MOE_DISPATCH).any():
+        return []
+    extra, padded, ratios = _padding(d)
+    if not ratios:
+        return []
+    lt, p = d.lt, d.peak_row
+    members = np.array(sorted(set(padded)), np.int64)
+    alive = members[lt.alive_at(p)[members]]
+    pad_at_peak = sum(-n for a, e, n in extra if a <= p < e)
+    predicted = max(int(lt.replay(extra=extra).max()), lt.baseline)
+    saving = d.peak_bytes - predicted
+    anomalous = lowers_peak(d, saving)
+    cf = 1 / min(ratios)
+    padded_bytes = int(lt.size[alive].sum())
+    evidence = {"capacity_factor_seen": round(cf, 3), "calls_padded": len(ratios),
+                "padded_blocks_at_peak": int(len(alive)), "padding_bytes_at_peak": pad_at_peak,
+                "padded_bytes_at_peak": padded_bytes,
+                "stacks": top_stacks(d, alive if len(alive) else members, 1)}
+    cause = (f"{len(ratios)} MoE call(s) exchange about {cf:.2f}x the routed token rows: each "
+             "expert's all-to-all slot is padded to its capacity, and the experts compute on "
+             f"the padding too. At the peak {human(pad_at_peak)} of "
+             f"{human(padded_bytes)} in those buffers hold no token.")
+    if not anomalous:
+        cause += " The padding does not raise this run's peak: a lower capacity would not lower it."
+    return [Finding(
+        rule=RULE.id, verdict=Verdict.ANOMALOUS if anomalous else Verdict.INFO,
+        title=f"MoE buffers padded to capacity (capacity factor about {cf:.2f})", cause=cause,
+        bytes=pad_at_peak, blocks=int(len(alive)), device=d.device,
+        fix=FIX.format(cf=cf) if anomalous else None,
+        predicted_peak_bytes=predicted if anomalous else None,
+        saving_bytes=saving if anomalous else None, evidence=evidence,
+        replay=Replay(extra=tuple(extra)) if anomalous else None, members=members)]
+
+
+RULE = Rule(
+    id="moe.capacity_padding", check=check, family=Family.PARALLELISM,
+    verdicts=frozenset({Verdict.ANOMALOUS, Verdict.INFO}), fix=FIX.format(cf=1.25))
