@@ -55,3 +55,21 @@ def test_gpipe_stage_is_the_schedule_defect():
     assert st["schedule"] == "gpipe" and st["verdict"] == "anomalous"
     assert st["stage"] in (0, 1) and "pipeline.all_forward_before_backward" in st["why"]
     assert any(r["rule"] == "pipeline.all_forward_before_backward" for r in f.anomalies)
+
+
+@pytest.mark.slow
+def test_without_stages_the_statement_names_the_rank_only():
+    """DDP ranks (examples/ddp.py) are no pipeline stages: the highest-peak rank is named, its
+    stage and schedule are not made up."""
+    from recordings import recorded_module
+
+    folder = recorded_module("snapforensics.examples.ddp", ("--bucket-view", "0", "--layers",
+                                                             "4", "--dim", "256"))
+    docs = parallel.run([folder / f"rank{r}.pickle" for r in (0, 1)], jobs=1, progress=False)
+    f = fleet(docs)
+    st = f.statement
+    assert all(d["framework"]["pipeline"] is None for d in docs)
+    assert st["stage"] is None and st["schedule"] is None
+    assert st["peak_bytes"] == max(r["peaks"]["overall_bytes"] for r in f.ranks)
+    assert st["verdict"] == ("anomalous" if f.spread["flagged"] else "info")
+    assert "do not say its pipeline stage" in report.statement(f)
