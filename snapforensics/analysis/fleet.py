@@ -6,6 +6,7 @@
     f.findings               # one row per rule: on every rank, or which ranks (rank-specific),
                              # its fix and the peak predicted after it on the worst such rank
     f.worst                  # the worst rank's Diagnosis: the plot the reports draw
+    f.statement              # which rank (pipeline stage) peaks highest and why (`_statement`)
 
 A finding present on every rank is one line (a configuration bug: every rank runs the same
 code); one present on some ranks only is called out with its ranks (data, sharding or a
@@ -14,6 +15,7 @@ rank-dependent code path). Figures are each rank's primary device, as in `compar
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +48,8 @@ class Fleet:
     # of separate runs (the same rank twice, unknown ranks, different folders and commands),
     # whose spread says nothing about balance
     mode: str = RANKS
+    # the rank with the highest peak and why (`_statement`); None with fewer than two ranks
+    statement: dict[str, Any] | None = None
     # the worst rank's diagnosis (ranks[0]), with its plot series: renderers draw its plot;
     # not in the JSON
     worst: Diagnosis | None = field(default=None, repr=False, compare=False)
@@ -57,7 +61,7 @@ class Fleet:
     def to_dict(self) -> dict[str, Any]:
         return {"schema": SCHEMA, "tool": self.tool, "mode": self.mode, "ranks": self.ranks,
                 "spread": self.spread, "findings": self.findings, "errors": self.errors,
-                "warnings": self.warnings}
+                "warnings": self.warnings, "statement": self.statement}
 
 
 def worst_key(doc: dict[str, Any]) -> tuple[int, int]:
@@ -118,7 +122,62 @@ def fleet(docs: list[dict[str, Any]]) -> Fleet:
     _predictions(findings, worst_first)
     return Fleet(ranks=ranks, spread=spread, findings=findings, errors=errors,
                  warnings=_warnings(diags, inputs, RANKS) if one_run else [],
-                 mode=RANKS if one_run else RUNS, worst=worst_first[0][1])
+                 mode=RANKS if one_run else RUNS, worst=worst_first[0][1],
+                 statement=_statement(inputs, diags, spread) if one_run else None)
+
+
+def _statement(inputs: list[dict], diags: list[Diagnosis],
+               spread: dict[str, Any]) -> dict[str, Any] | None:
+    """The rank with the highest peak, the category that puts it there (the one furthest above
+    the other ranks' median at their peaks) and whether that is a defect.
+
+    With every rank a pipeline stage (`framework.pipeline`, analysis/frameworks/detect.py):
+    under 1F1B stage s of S holds at most min(M, S - s) micro-batches' activations, so the
+    first stage peaking highest by its activations is the schedule working as designed
+    (`expected`, not an imbalance to fix); a later stage peaking highest, or the first by
+    anything but activations, is not what the schedule explains (`anomalous`); under GPipe
+    every stage holds all M, which pipeline.all_forward_before_backward reports. Without stage
+    information the rank is named and its spread verdict kept (`anomalous` when the spread
+    is flagged, else `info`): the files do not say its pipeline stage or TP rank."""
+    if len(inputs) < 2:
+        return None
+    w = min(range(len(inputs)), key=lambda i: (-inputs[i]["peaks"]["overall_bytes"],
+                                               inputs[i]["label"]))
+    wi, others = inputs[w], [x for i, x in enumerate(inputs) if i != w]
+    mine = wi["categories_at_peak"]
+    names = sorted(set(mine).union(*(o["categories_at_peak"] for o in others)))
+    extra = {c: int(mine.get(c, 0) - statistics.median(
+        o["categories_at_peak"].get(c, 0) for o in others)) for c in names}
+    cause = max(names, key=lambda c: (extra[c], c)) if names else None
+    peak = int(wi["peaks"]["overall_bytes"])
+    out: dict[str, Any] = {
+        "label": wi["label"], "rank": wi["rank"], "peak_bytes": peak,
+        "over_median_bytes": int(peak - spread["median_peak_bytes"]),
+        "category": str(cause) if cause else None,
+        "category_extra_bytes": extra[cause] if cause else 0,
+        "stage": None, "stages": None, "schedule": None}
+    pipes = [d.framework.get("pipeline") for d in diags]
+    stages = [p.get("stage") if p else None for p in pipes]
+    p = pipes[w]
+    if p and None not in stages and len(set(stages)) == len(stages):
+        out |= {"stage": p["stage"], "stages": p["stages"], "schedule": p["schedule"]}
+        if p["schedule"] == "gpipe":
+            out |= {"verdict": Verdict.ANOMALOUS, "why": (
+                "GPipe: every stage holds all micro-batches' activations until its backward "
+                "(pipeline.all_forward_before_backward)")}
+        elif p["stage"] == min(s for s in stages if s is not None) and cause == "activation":
+            out |= {"verdict": Verdict.EXPECTED, "why": (
+                f"1F1B: stage s of {p['stages']} holds at most min(M, {p['stages']} - s) "
+                "micro-batches' activations, so the first stage holds the most: by design, "
+                "not an imbalance to fix")}
+        else:
+            out |= {"verdict": Verdict.ANOMALOUS, "why": (
+                f"1F1B holds fewer micro-batches on later stages, so its schedule does not "
+                f"explain stage {p['stage']} peaking highest by {cause}")}
+    else:
+        out |= {"verdict": Verdict.ANOMALOUS if spread.get("flagged") else Verdict.INFO,
+                "why": "the files do not say its pipeline stage or tensor-parallel rank"}
+    return out
 
 
 def _predictions(rows: list[dict[str, Any]], worst_first: list[tuple[dict, Diagnosis]]) -> None:

@@ -36,7 +36,9 @@ def headline(f: Fleet) -> str:
         words = [f"{n} rank{'s' if n != 1 else ''}, worst {who(f.ranks[0])} "
                  f"peak {human(f.ranks[0]['peaks']['overall_bytes'])}",
                  f"median {human(s['median_peak_bytes'])}, spread {s['spread_pct']:.1f}%"
-                 + (" (IMBALANCED)" if s.get("flagged") else "")]
+                 + (" (expected: pipeline stages)" if s.get("flagged") and
+                    (f.statement or {}).get("verdict") == "expected"
+                    else " (IMBALANCED)" if s.get("flagged") else "")]
     an = f.anomalies
     if an:
         top = an[0]
@@ -47,6 +49,20 @@ def headline(f: Fleet) -> str:
     if f.errors:
         words.append(f"{len(f.errors)} unreadable")
     return "; ".join(words)
+
+
+def statement(f: Fleet) -> str | None:
+    """Which rank (pipeline stage) peaks highest, by what, and whether that is a defect."""
+    st = f.statement
+    if not st:
+        return None
+    where_ = st["label"] + (f" (rank {st['rank']})" if st.get("rank") is not None else "")
+    if st.get("stage") is not None:
+        where_ = f"pipeline stage {st['stage']} of {st['stages']}, {where_}"
+    by = (f", mostly {st['category']} (+{human(st['category_extra_bytes'])} over the other "
+          "ranks' median)" if st.get("category") and st["category_extra_bytes"] > 0 else "")
+    return (f"{st['verdict']}: {where_} peaks highest, {human(st['over_median_bytes'])} over "
+            f"the median{by}: {st['why']}")
 
 
 def who(r: dict[str, Any]) -> str:
@@ -102,6 +118,8 @@ def terminal(f: Fleet, screen: Screen = PLAIN) -> str:
     console = screen.console()
     console.print(t("snapforensics fleet", NAME, "bold"))
     console.print(t(headline(f), TEXT, "bold red" if f.anomalies else "bold green"))
+    if statement(f):
+        console.print(t(statement(f), TEXT))
     tab = Table(show_edge=False)
     for i, head in enumerate(RANK_HEAD):
         tab.add_column(head, justify="left" if i in (0, 5) else "right", overflow="fold")
@@ -175,6 +193,8 @@ def markdown(f: Fleet, screen: Screen = PLAIN, image: str | None = None) -> str:
     from snapforensics.report.pages import md_table
 
     out = ["# snapforensics fleet", "", f"**{md(headline(f), TEXT)}**", ""]
+    if statement(f):
+        out += [md(statement(f), TEXT), ""]
     if f.ranks:
         out += ["## Ranks, worst first", ""] + md_table(RANK_HEAD, rank_rows(f))
     if f.findings:
@@ -213,7 +233,7 @@ def html(f: Fleet, screen: Screen = PLAIN) -> str:
     from snapforensics.report.pages import lines, page, table
     from snapforensics.report.sanitize import html as h
 
-    body = []
+    body = [f"<p>{h(statement(f), TEXT)}</p>"] if statement(f) else []
     if f.ranks:
         body.append("<h2>Ranks, worst first</h2>" + table(RANK_HEAD, rank_rows(f)))
     if f.findings:

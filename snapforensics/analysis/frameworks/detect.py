@@ -80,6 +80,8 @@ class Framework:
     fsdp: str | None  # "FSDP2" | "FSDP1" | None
     layer: Layer = field(default_factory=lambda: Layer(None, None))
     evidence: tuple[str, ...] = ()
+    # the pipeline stage this file is (`pipeline`), None when it shows no pipeline schedule
+    pipeline: dict[str, Any] | None = None
 
     @property
     def hf_model(self) -> bool:
@@ -96,7 +98,8 @@ class Framework:
         return {"owner": self.owner, "label": self.label, "packages": list(self.packages),
                 "fsdp": self.fsdp, "layer_class": self.layer.cls,
                 "layer_container": self.layer.container,
-                "layer_indices": list(self.layer.indices), "evidence": list(self.evidence)}
+                "layer_indices": list(self.layer.indices), "evidence": list(self.evidence),
+                "pipeline": self.pipeline}
 
 
 _LABEL = {"torchtitan": "torchtitan", "lightning": "Lightning Trainer",
@@ -137,7 +140,31 @@ def detect(snapshot: Snapshot, analyses: list[DeviceAnalysis]) -> Framework:
     if fsdp:
         evidence.append(f"{fsdp}: FSDP's own frames")
     owner = next((p for p in seen if p != "transformers"), "torch")
-    return Framework(owner, tuple(seen), fsdp, _layer(analyses), tuple(evidence))
+    return Framework(owner, tuple(seen), fsdp, _layer(analyses), tuple(evidence),
+                     pipeline(snapshot, analyses))
+
+
+def pipeline(snapshot: Snapshot, analyses: list[DeviceAnalysis]) -> dict[str, Any] | None:
+    """The pipeline stage this file is, None when no frame comes from
+    `torch/distributed/pipelining/` (its stage and schedule code run every micro-batch):
+    `stage` / `stages` (the recorder's rank and world size, as pipeline.all_forward_before_backward
+    takes them: one stage per rank; None when the file has neither) and `schedule`: "gpipe" when
+    the ranges ScheduleGPipe alone opens (`Forward i` / `Backward i`) show every forward of each
+    step before its first backward, "1f1b" otherwise (Schedule1F1B and the interleaved schedules
+    open no such ranges and start backwards during the forwards). Under 1F1B stage s holds at
+    most min(M, S - s) micro-batches' activations: the first stage holds the most."""
+    from snapforensics.analysis.rules.pipeline_schedule import _all_forward_first, _steps
+
+    if not any("distributed/pipelining/" in f.filename.replace("\\", "/")
+               for f in snapshot.frames):
+        return None
+    steps = [st for d in analyses if d.lt.rows for st in _steps(d) if st]
+    prov = snapshot.provenance if isinstance(snapshot.provenance, dict) else {}
+    stage, stages = prov.get("rank"), prov.get("world_size")
+    ok = type(stage) is int and type(stages) is int and 0 <= stage < stages
+    return {"stage": stage if ok else None, "stages": stages if ok else None,
+            "schedule": "gpipe" if steps and all(_all_forward_first(st) for st in steps)
+            else "1f1b"}
 
 
 def _short(fn: str) -> str:
