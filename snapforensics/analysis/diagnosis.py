@@ -53,6 +53,11 @@ class Replay(NamedTuple):
     extra: tuple = ()
 
 
+# evidence["prediction"] of a finding whose replay can only free sooner than the fix would (the
+# file lacks what places the frees exactly): its predicted peak is a lower bound
+LOWER_BOUND = "lower_bound"
+
+
 @dataclass
 class Finding:
     rule: str  # stable id, e.g. fsdp.unsharded_params_not_resharded

@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from snapforensics.analysis.context import DeviceAnalysis
-from snapforensics.analysis.diagnosis import Finding, Replay
+from snapforensics.analysis.diagnosis import LOWER_BOUND, Finding, Replay
 from snapforensics.analysis.evidence import human, top_stacks
 from snapforensics.analysis.rule import Family, Rule
 from snapforensics.analysis.vocab import Category, Verdict
@@ -59,11 +59,10 @@ def _hook_rows(d: DeviceAnalysis) -> np.ndarray:
     return np.flatnonzero(np.isin(stacks, np.fromiter(hook, np.int64)))
 
 
-def _replay(d: DeviceAnalysis, copies: np.ndarray) -> Replay:
+def _replay(d: DeviceAnalysis, copies: np.ndarray, hook: np.ndarray) -> Replay:
     lt = d.lt
     fr = lt.free_row.copy()
     made = lt.alloc_row[copies]
-    hook = _hook_rows(d)
     view_free = made + 1
     if len(hook):
         at = np.searchsorted(hook, made, side="right")
@@ -83,13 +82,16 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     held_bytes = int(lt.size[held].sum())
     buckets = np.flatnonzero(d.mask(Category.DDP_BUCKET) & alive)
     bucket_bytes = int(lt.size[buckets].sum())
-    replay = _replay(d, copies)
+    hook = _hook_rows(d)
+    replay = _replay(d, copies, hook)
     predicted = max(int(lt.replay(free_row=replay.free_row).max()), lt.baseline)
     saving = d.peak_bytes - predicted
     anomalous = saving > 0
     evidence = {"copies_at_peak": int(len(held)), "copy_bytes_at_peak": held_bytes,
                 "bucket_bytes_at_peak": bucket_bytes, "copies": int(len(copies)),
                 "stacks": top_stacks(d, held if len(held) else copies, 1)}
+    if not len(hook):  # each copy freed the row after it was made: sooner than the hook ends
+        evidence["prediction"] = LOWER_BOUND
     title = "DDP keeps every gradient twice (gradient_as_bucket_view=False)"
     cause = (f"At the peak {len(held)} gradient(s), {human(held_bytes)}, are separate tensors "
              f"beside the Reducer's buckets ({human(bucket_bytes)} alive): each `.grad` is "
@@ -98,6 +100,9 @@ def check(d: DeviceAnalysis) -> list[Finding]:
              "slot.")
     if not anomalous:
         cause += " The copies do not raise this run's peak: the fix would not lower it."
+    elif not len(hook):
+        cause += (" The file has no C++ frames of the Reducer's hook (record with "
+                  "stacks=\"all\"): the predicted peak is a lower bound.")
     return [Finding(
         rule=RULE.id, verdict=Verdict.ANOMALOUS if anomalous else Verdict.INFO, title=title,
         cause=cause, bytes=held_bytes, blocks=int(len(held)), device=d.device,
