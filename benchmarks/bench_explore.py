@@ -3,7 +3,7 @@ torch's memory_viz, in one run. Prints a table; asserts nothing.
 
     python benchmarks/make_big.py /tmp/big.pickle --entries 6400000   # ~1 GB, a corpus trace
     python benchmarks/bench_explore.py /tmp/big.pickle [--torch] [--torch-timeout 900]
-        [--torch-as-limit GB]
+        [--torch-as-limit GB] [--big5 /work/big/big5g.pickle [--big5-as-limit 8]]
 
 Rows (each step its own process; times are whole-process wall times, start-up included):
   floor        `gc.disable(); pickle.load(f)`: time, peak RSS (bench_diagnose.run)
@@ -19,6 +19,9 @@ Rows (each step its own process; times are whole-process wall times, start-up in
   memory_viz   (with --torch) `python -m torch.cuda._memory_viz trace_plot FILE -o HTML`: time,
                peak RSS, HTML size; then that HTML opened in the same Chromium: time to its
                load event, what it drew or how it failed
+  5 GB         (with --big5 FILE, made by `make_big.py FILE --entries 32000000` when absent:
+               ~5 GB) `explore FILE` under an address-space cap (RLIMIT_AS, --big5-as-limit
+               GiB, default 8): first paint cold and warm, RSS, the whole-trace window
 Needs the `explore` extra, playwright and /usr/bin/chromium.
 """
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -52,12 +56,17 @@ def heap(cdp) -> int:
     return int(m.get("JSHeapUsedSize", 0))
 
 
-def explore(browser, path: Path, env: dict[str, str], zoom: bool) -> dict:
-    """One `explore` process: first paint, then (if `zoom`) every window of WINDOWS."""
+def explore(browser, path: Path, env: dict[str, str], zoom: bool, limit: int = 0) -> dict:
+    """One `explore` process (its address space capped at `limit` bytes, 0: none): first
+    paint, then (if `zoom`) every window of WINDOWS."""
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
     t0 = time.perf_counter()
     p = subprocess.Popen([sys.executable, "-m", "snapforensics", "explore", str(path),
                           "--no-browser"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=env)
+                         text=True, env=env, preexec_fn=cap if limit else None)
     out: dict = {}
     try:
         line = p.stdout.readline()
@@ -139,6 +148,9 @@ def main() -> None:
     ap.add_argument("--torch-timeout", type=float, default=900)
     ap.add_argument("--torch-as-limit", type=float, default=0,
                     help="cap trace_plot's address space at this many GiB")
+    ap.add_argument("--big5", type=Path, default=None,
+                    help="also open this ~5 GB file (made by make_big.py when absent)")
+    ap.add_argument("--big5-as-limit", type=float, default=8)
     args = ap.parse_args()
     from playwright.sync_api import sync_playwright
 
@@ -157,6 +169,14 @@ def main() -> None:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
         cold = explore(browser, path, env, zoom=True)
         warm = explore(browser, path, env, zoom=False)
+        big5 = None
+        if args.big5 is not None:
+            if not args.big5.exists():
+                subprocess.run([py, str(Path(__file__).parent / "make_big.py"), str(args.big5),
+                                "--entries", "32000000"], check=True)
+            lim = int(args.big5_as_limit * gib)
+            big5 = (explore(browser, args.big5, env, zoom=True, limit=lim),
+                    explore(browser, args.big5, env, zoom=False, limit=lim))
         mv = memory_viz(browser, path, tmp, args.torch_timeout,
                         int(args.torch_as_limit * gib)) if args.torch else None
         browser.close()
@@ -179,6 +199,17 @@ def main() -> None:
     if cold.get("windows"):
         row("server RSS after the zooms", f"{cold['rss_now'] / gib:.2f} GB",
             f"peak {cold['rss_peak'] / gib:.2f} GB")
+    if big5 is not None:
+        print(f"  {args.big5.name}: {args.big5.stat().st_size / 1e6:.0f} MB, address space capped "
+              f"at {args.big5_as_limit:g} GiB; load {os.getloadavg()[0]:.1f}")
+        for name, r in zip(("first paint, cold", "first paint, warm"), big5):
+            if "error" in r:
+                row(name, "failed", r["error"])
+                continue
+            row(name, f"{r['paint']:.2f} s", f"server RSS {r['rss_paint'] / gib:.2f} GB at "
+                f"paint, peak {r['rss_peak'] / gib:.2f} GB; JS heap {r['heap_max'] / 2**20:.1f} MB")
+        for name, n, ms, size, _h in big5[0].get("windows", []):
+            row(f"  {name}", f"{ms:.0f} ms", f"{n:,} rows, answer {size / 1024:.0f} KiB")
     if mv is not None:
         w, r, why = mv["make"]
         row("memory_viz trace_plot", f"{w:.2f} s {r / gib:.2f} GB" if not why else why,

@@ -81,11 +81,14 @@ def _vtag(variant: str = "", categories: tuple[str, ...] = ()) -> str:
 
 def report(path: str | os.PathLike, cache_on: bool = True) -> Any:
     """`sf.diagnose(path)` (a Report: the Diagnosis and the per-device analyses), the model
-    from the snapshot cache and each device's lifetimes (its allocs and frees paired, the
-    longest step of an analysis on a cached model: 1.9 s of 4.5 on a 1 GB file) from the entry
-    `<key>.<analysis>.lifetimes.npz` beside it, written on the first run. The rest of the
-    analysis (phases, classification, rules) runs again: what the explorer needs of it is
-    every block's, more than a document holds."""
+    from the snapshot cache and, from the entry `<key>.<analysis>.report-v{REPORT_SCHEMA}.npz`
+    beside it (written on the first run), each device's lifetimes (its allocs and frees
+    paired: 1.9 s of 4.5 on a 1 GB file) and the columns of its analysis that are not the
+    stacks' text (`context.columns`: the distinct (stack, ranges) keys, each block's index
+    into them, each row's phase and iteration: pairing the keys and assigning the phases
+    took 1.8 s more). The rest of the analysis (the classification of each distinct key,
+    the rules) runs again: what the explorer needs of it is every block's, more than a
+    document holds."""
     from snapforensics.analysis.engine import diagnose_devices
     from snapforensics.api import Report
 
@@ -97,41 +100,54 @@ def report(path: str | os.PathLike, cache_on: bool = True) -> Any:
         f.close()
     if k is None:
         return Report(*diagnose_devices(snap), snap)
-    name = f"{k}.{_vtag()}.lifetimes.npz"
+    name = f"{k}.{_vtag()}.report-v{REPORT_SCHEMA}.npz"
     got = cache.read(name, lambda e: _read_lifetimes(e, snap))
-    diagnosis, analyses = diagnose_devices(snap, lifetimes=got)
+    lts, cols = got if got is not None else (None, None)
+    diagnosis, analyses = diagnose_devices(snap, lifetimes=lts, columns=cols)
     if got is None:
-        cache.write(name, lambda out: _save_lifetimes([d.lt for d in analyses], out))
+        cache.write(name, lambda out: _save_lifetimes(analyses, out))
     return Report(diagnosis, analyses, snap)
 
 
+# the layout of the report entry: another is another name (version 1 held the lifetimes only)
+REPORT_SCHEMA = 2
 _LT_ARRAYS = (("addr", "u8"), ("size", "i8"), ("stack", "i4"), ("alloc_row", "i8"),
               ("free_row", "i8"), ("completed_row", "i8"), ("live", "i8"))
 _LT_COUNTS = ("rows", "baseline", "orphan_frees", "unseen_live", "reused_addresses")
+# `context.columns`: per distinct key, per block, per row, per row
+_COLUMNS = (("keys", "i8"), ("info", "i4"), ("phase", "i1"), ("iteration", "i4"))
 
 
-def _save_lifetimes(lts: list, out: IO[bytes]) -> None:
+def _save_lifetimes(analyses: list, out: IO[bytes]) -> None:
     import numpy as np
 
+    from snapforensics.analysis.context import columns
     from snapforensics.snapshot.npz import _NO_PICKLE
 
     a = {}
-    for lt in lts:
+    for d in analyses:
+        lt = d.lt
         p = f"d{lt.device}_"
         for col, dt in _LT_ARRAYS:
             a[p + col] = np.asarray(getattr(lt, col), dt)
         a[p + "counts"] = np.array([getattr(lt, c) for c in _LT_COUNTS], np.int64)
+        cols = columns(d)
+        for col, dt in _COLUMNS:
+            a[p + "c_" + col] = np.asarray(cols[col], dt)
     np.savez(out, **a, **_NO_PICKLE)
 
 
-def _read_lifetimes(entry: IO[bytes], snap: Any) -> dict[int, Any]:
-    """The lifetimes `_save_lifetimes` wrote for the traces of `snap`, each checked against its
-    trace (lengths, row and stack ranges, sizes): BadEntry for anything else."""
+def _read_lifetimes(entry: IO[bytes], snap: Any) -> tuple[dict[int, Any], dict[int, Any]]:
+    """The lifetimes and analysis columns `_save_lifetimes` wrote for the traces of `snap`,
+    each checked against its trace (lengths, row, stack, key and phase ranges, sizes):
+    BadEntry for anything else."""
     import zipfile
 
     import numpy as np
 
     from snapforensics.analysis.lifetimes import Lifetimes
+    from snapforensics.analysis.phases import range_context
+    from snapforensics.analysis.vocab import Phase
     from snapforensics.snapshot.npz import _arrays
 
     try:
@@ -139,9 +155,12 @@ def _read_lifetimes(entry: IO[bytes], snap: Any) -> dict[int, Any]:
     except (OSError, ValueError, zipfile.BadZipFile) as e:
         raise BadEntry(f"lifetimes: {type(e).__name__}: {e}") from None
     traces = snap.active_traces
-    if set(a) != {f"d{t.device}_{c}" for t in traces for c, _ in _LT_ARRAYS + (("counts", 0),)}:
+    names = [c for c, _ in _LT_ARRAYS] + ["counts"] + ["c_" + c for c, _ in _COLUMNS]
+    if set(a) != {f"d{t.device}_{c}" for t in traces for c in names}:
         raise BadEntry("lifetimes: not the devices of this snapshot")
-    out = {}
+    out, cols_out = {}, {}
+    known = np.zeros(256, bool)  # by int8 code + 128: the vocabulary's phases
+    known[[int(p) + 128 for p in Phase]] = True
     for t in traces:
         p = f"d{t.device}_"
         col = {c: a[p + c] for c, _ in _LT_ARRAYS}
@@ -162,7 +181,24 @@ def _read_lifetimes(entry: IO[bytes], snap: Any) -> dict[int, Any]:
             raise BadEntry("lifetimes: a row, stack or size out of range")
         out[t.device] = Lifetimes(t.device, rows, *(col[c] for c, _ in _LT_ARRAYS),
                                   *(int(x) for x in counts[1:]))
-    return out
+        cols = {c: a[p + "c_" + c] for c, _ in _COLUMNS}
+        if any(cols[c].dtype != np.dtype(dt) for c, dt in _COLUMNS):
+            raise BadEntry("analysis columns: a column of another type")
+        keys, info, ph, it = cols["keys"], cols["info"], cols["phase"], cols["iteration"]
+        n_ctx = max(len(range_context(snap.annotations, t.device, n)[1]), 1)
+        if len(info) != m or len(ph) != n or len(it) != n:
+            raise BadEntry("analysis columns: not this trace's lengths")
+        # keys: strictly increasing, each a stack id (or -1) and a ranges context; every
+        # block's index within them; phases of the vocabulary; iterations from -1 up by steps
+        # of at most 1 (each iteration one contiguous slice, as `phases.timeline` reads them)
+        if len(keys) and not (np.all(np.diff(keys) > 0) and keys[0] >= -n_ctx
+                              and keys[-1] < len(snap.stacks) * n_ctx) or \
+                m and not (info.min() >= 0 and info.max() < len(keys)) or \
+                n and not (known[ph.astype(np.int64) + 128].all() and -1 <= it[0] <= 0
+                           and (it[1:] - it[:-1] <= 1).all() and (it[1:] >= it[:-1]).all()):
+            raise BadEntry("analysis columns: a key, block, phase or iteration out of range")
+        cols_out[t.device] = cols
+    return out, cols_out
 
 
 def _rank(provenance: dict, source: str) -> int | None:

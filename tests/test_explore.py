@@ -442,7 +442,7 @@ def test_a_path_is_diagnosed_with_its_lifetimes_from_the_cache(tmp_path, monkeyp
     monkeypatch.setenv("SNAPFORENSICS_CACHE_DIR", str(tmp_path))
     want = report()
     first = queries.Sources([BUGGY])[0]
-    entry = next(tmp_path.glob("*.lifetimes.npz"))
+    entry = next(tmp_path.glob("*.report-v*.npz"))
     # the second run pairs nothing: the entry's lifetimes, the same report
     monkeypatch.setattr(lifetimes, "compute", lambda *a: pytest.fail("paired again"))
     again = queries.Sources([BUGGY])[0]
@@ -458,3 +458,44 @@ def test_a_path_is_diagnosed_with_its_lifetimes_from_the_cache(tmp_path, monkeyp
         np.savez(f, **a)
     assert doccache.report(BUGGY).to_dict() == want.to_dict()
     assert entry.exists() and dict(np.load(entry))["d0_free_row"].max() <= len(want.timeline)
+
+
+def _answers(rep: sf.Report) -> dict:
+    """Every query's answer the page and the MCP tools ask of one snapshot."""
+    out: dict = {"overview": queries.overview(rep), "blocks": rep.blocks.to_dict("list")}
+    for d in rep.analyses:
+        n = d.lt.rows
+        for lo, hi, width in ((0, n, 800), (max(d.peak_row - 300, 0), d.peak_row + 300, 97),
+                              (n // 3, n // 3 + 5, 13)):
+            out[f"window {d.device} {lo} {hi}"] = queries.window(rep, d.device, lo, hi, width)
+        for cat in d.category_names[:3]:
+            keep = queries.keep_mask(rep, d.device, category=cat, min_size=1)
+            out[f"filter {d.device} {cat}"] = queries.window(rep, d.device, 0, n, 200, keep)
+        out[f"segments {d.device}"] = queries.segments(rep, d.device, d.peak_row)
+    out["block"] = [queries.block(rep, i) for i in range(0, len(rep.blocks), 97)]
+    out["findings"] = [queries.finding(rep, i, 200) for i in range(len(rep.diagnosis.findings))]
+    return out
+
+
+@pytest.mark.parametrize("path", [BUGGY, FLEET[2]], ids=["fsdp2", "fsdp1"])
+def test_a_warm_load_answers_exactly_as_a_cold_one(path, tmp_path, monkeypatch):
+    """The report entry's analysis columns (each block's key index, each row's phase and
+    iteration) replace the pairing of the keys and the phases' assignment: the warm load
+    runs neither and every answer is the cold one's."""
+    from snapforensics import doccache
+    from snapforensics.analysis import context, phases
+
+    want = report(path).to_dict()  # no cache
+    monkeypatch.setenv("SNAPFORENSICS_CACHE_DIR", str(tmp_path))
+    cold = doccache.report(path)
+    assert len(list(tmp_path.glob("*.report-v*.npz"))) == 1
+    monkeypatch.setattr(phases, "assign", lambda *a: pytest.fail("phases assigned again"))
+    monkeypatch.setattr(context, "_distinct", lambda *a: pytest.fail("keys paired again"))
+    warm = doccache.report(path)
+    for a, b in zip(cold.analyses, warm.analyses):
+        for col in ("info", "category", "path", "phase", "iteration", "keys"):
+            assert np.array_equal(getattr(a, col), getattr(b, col)), col
+        assert np.array_equal(a.tl.phase, b.tl.phase) and a.tl.iterations == b.tl.iterations
+        assert a.block_module == b.block_module
+    assert json.dumps(_answers(warm), default=str) == json.dumps(_answers(cold), default=str)
+    assert warm.to_dict() == cold.to_dict() == want

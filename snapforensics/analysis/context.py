@@ -39,6 +39,8 @@ class DeviceAnalysis:
     # a block's FSDP unit where its stack does not say it (FSDP1 backward gathers, named by
     # `fsdp_units.name_fsdp1_backward`)
     block_module: dict[int, str] = field(default_factory=dict)
+    # the distinct (stack, ranges) keys `infos` classify (stack * contexts + context), in order
+    keys: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     # Facts several rules share, by family: each computed on first use, once per device.
     @cached_property
@@ -142,19 +144,26 @@ def _distinct(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.flatnonzero(seen) + lo, slot[keys - lo]
 
 
-def analyse(snapshot: Snapshot, trace: Trace, lt: lifetimes.Lifetimes | None = None
-            ) -> DeviceAnalysis:
+def analyse(snapshot: Snapshot, trace: Trace, lt: lifetimes.Lifetimes | None = None,
+            cols: dict[str, np.ndarray] | None = None) -> DeviceAnalysis:
     """The analysis of one device's trace; `lt`: its lifetimes already paired (the cache's,
-    `doccache.report`), else paired here."""
+    `doccache.report`), else paired here; `cols`: the columns `columns` gave of an earlier
+    analysis of this trace and these lifetimes (the cache's): the distinct (stack, ranges)
+    keys, each block's index into them and each row's phase and iteration, so that only the
+    classification of each key (the stacks' text) runs again."""
     lt = lifetimes.compute(snapshot, trace) if lt is None else lt
     ctx, contexts = phases.range_context(snapshot.annotations, trace.device, len(trace))
     # Classify each distinct (stack, ranges) pair once: rows first (phase hints), then blocks.
     n_ctx = max(len(contexts), 1)
-    row_key = trace.stack.astype(np.int64) * n_ctx + ctx
-    blk_ctx = np.where(lt.alloc_row >= 0, ctx[np.clip(lt.alloc_row, 0, max(len(ctx) - 1, 0))]
-                       if len(ctx) else 0, 0)
-    blk_key = lt.stack.astype(np.int64) * n_ctx + blk_ctx
-    keys, inverse = _distinct(np.concatenate([row_key, blk_key]))
+    if cols is None:
+        row_key = trace.stack.astype(np.int64) * n_ctx + ctx
+        blk_ctx = np.where(lt.alloc_row >= 0,
+                           ctx[np.clip(lt.alloc_row, 0, max(len(ctx) - 1, 0))]
+                           if len(ctx) else 0, 0)
+        blk_key = lt.stack.astype(np.int64) * n_ctx + blk_ctx
+        keys, inverse = _distinct(np.concatenate([row_key, blk_key]))
+    else:
+        keys = cols["keys"]
     infos = []
     for k in keys.tolist():
         stack_id, c = divmod(k, n_ctx)
@@ -166,12 +175,17 @@ def analyse(snapshot: Snapshot, trace: Trace, lt: lifetimes.Lifetimes | None = N
     # with stacks="all", none with "python")
     pyless = np.array([not i.has_frames for i in infos], bool)
     engine = np.array([i.autograd for i in infos], bool)
-    row_info = inverse[: len(row_key)]
-    blk_info = inverse[len(row_key):].astype(np.int32)
-    hints = hint_of[row_info]
-    # an allocation the autograd engine made (C++ frames) with no other hint is backward
-    hints[(hints == Phase.UNKNOWN) & engine[row_info] & (trace.action == ALLOC)] = Phase.BACKWARD
-    tl = phases.assign(trace, hints, lt.live, ctx, contexts, pyless[row_info])
+    if cols is None:
+        row_info = inverse[: len(row_key)]
+        blk_info = inverse[len(row_key):].astype(np.int32)
+        hints = hint_of[row_info]
+        # an allocation the autograd engine made (C++ frames) with no other hint is backward
+        hints[(hints == Phase.UNKNOWN) & engine[row_info] & (trace.action == ALLOC)] = \
+            Phase.BACKWARD
+        tl = phases.assign(trace, hints, lt.live, ctx, contexts, pyless[row_info])
+    else:
+        blk_info = cols["info"]
+        tl = phases.timeline(cols["phase"], cols["iteration"], lt.live, ctx, contexts)
 
     cat = np.array([CAT_CODE[i.category] for i in infos], np.int8)[blk_info] if len(infos) \
         else np.zeros(0, np.int8)
@@ -195,11 +209,18 @@ def analyse(snapshot: Snapshot, trace: Trace, lt: lifetimes.Lifetimes | None = N
     untraced = (lt.alloc_row < 0) & ((lt.free_row < lt.rows) | pyless[blk_info]) if len(infos) \
         else lt.alloc_row < 0
     cat[untraced] = CAT_CODE[Category.UNTRACED]
-    d = DeviceAnalysis(snapshot, trace, lt, tl, infos, blk_info, cat, path, phase, iteration)
+    d = DeviceAnalysis(snapshot, trace, lt, tl, infos, blk_info, cat, path, phase, iteration,
+                       keys=keys)
     _split_sharded_grads(d)
     _split_ddp_grad_copies(d)
     name_fsdp1_backward(d)
     return d
+
+
+def columns(d: DeviceAnalysis) -> dict[str, np.ndarray]:
+    """What `analyse(..., cols=)` takes again of `d` (its keys, each block's index into them,
+    each row's phase and iteration)."""
+    return {"keys": d.keys, "info": d.info, "phase": d.tl.phase, "iteration": d.tl.iteration}
 
 
 # DDP's forward is a record_function range (`DistributedDataParallel.forward`, in every CPU

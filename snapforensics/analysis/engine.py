@@ -25,14 +25,17 @@ def diagnose(snapshot: Snapshot, categories: dict[str, re.Pattern] | None = None
 
 
 def diagnose_devices(snapshot: Snapshot, categories: dict[str, re.Pattern] | None = None,
-                     lifetimes: dict[int, Lifetimes] | None = None
+                     lifetimes: dict[int, Lifetimes] | None = None,
+                     columns: dict[int, dict[str, np.ndarray]] | None = None
                      ) -> tuple[Diagnosis, list[DeviceAnalysis]]:
     """The Diagnosis and the per-device analyses it was made from (for the Python API).
 
     `categories`: user categories (name -> regex on stack frames and range names), applied
     after the rules ran (see `DeviceAnalysis.add_categories`). `lifetimes`: devices' lifetimes
-    already paired (by device; the cache's)."""
-    analyses = [analyse(snapshot, t, (lifetimes or {}).get(t.device))
+    already paired (by device; the cache's); `columns`: with them, each device's
+    `context.columns` of an earlier analysis (the cache's)."""
+    analyses = [analyse(snapshot, t, (lifetimes or {}).get(t.device),
+                        (columns or {}).get(t.device) if lifetimes else None)
                 for t in snapshot.active_traces]
     findings = [f for d in analyses for f in run_rules(d)]
     framework = frameworks.detect(snapshot, analyses)

@@ -118,6 +118,14 @@ def assign(trace: Trace, hints: np.ndarray, live: np.ndarray,
     after = np.isin(prev, [Phase.BACKWARD, Phase.RECOMPUTE, Phase.OPTIMIZER])
     starts = (phase == Phase.FORWARD) & (after | (rows == first_fwd))
     iteration = (np.cumsum(starts) - 1).astype(np.int32)
+    return timeline(phase, iteration, live, ctx, contexts)
+
+
+def timeline(phase: np.ndarray, iteration: np.ndarray, live: np.ndarray, ctx: np.ndarray,
+             contexts: list[tuple[str, ...]]) -> Timeline:
+    """The Timeline of per-row phases and iterations (`assign`'s, or the cache's: the
+    explorer's `doccache.report`): its iterations, their peaks and optimizer steps."""
+    n = len(phase)
     it = int(iteration[-1]) if n else -1
     iterations = []
     # iteration numbers only grow along the trace: each iteration is one contiguous slice

@@ -158,10 +158,25 @@ def _timed(d: DeviceAnalysis) -> bool:
 WINDOW_AXES = ("row", "time")
 
 
+def _memo(d: DeviceAnalysis, key: str, make) -> Any:
+    """`make()`, computed once per device analysis (what every window of it reads: the x of
+    each row, each block's clipped rows)."""
+    memo = d.__dict__.setdefault("_explore_memo", {})
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
+
+
 def _xs(d: DeviceAnalysis, axis: str) -> np.ndarray:
     """Each row's x on the window's `axis` and, last, where the trace ends (rows + 1 values,
     never decreasing): `row`, the row itself; `time`, seconds since the first row (as the
-    report's plot)."""
+    report's plot). Made once per device and axis."""
+    if axis not in WINDOW_AXES:
+        raise ValueError(f"axis {axis!r}: one of {', '.join(WINDOW_AXES)}")
+    return _memo(d, "x_" + axis, lambda: _make_xs(d, axis))
+
+
+def _make_xs(d: DeviceAnalysis, axis: str) -> np.ndarray:
     n = d.lt.rows
     if axis == "row":
         return np.arange(n + 1, dtype=np.float64)
@@ -184,7 +199,31 @@ def window(rep: Report, device: int, lo: int, hi: int, width: int,
     go to the "filtered out" band (grey), so the totals stay honest. With them: `live` (each
     column's max of the trace's live bytes), the phases of the rows shaded (`phases`), the
     iteration starts, the peak's column, and `moment` (the row each column's `live` is of: a
-    click asks for the allocator's state there)."""
+    click asks for the allocator's state there).
+
+    Unfiltered answers are kept (the WINDOWS_KEPT last asked, per device): the whole trace,
+    asked at first paint and on every zoom back out, is the costliest (every block and row:
+    0.4 s on a 1 GB file) and the same each time."""
+    if keep is not None:
+        return _window(rep, device, lo, hi, width, keep, axis, x0, x1)
+    d, _ = _device(rep, device)
+    kept = _memo(d, "windows", dict)
+    k = (int(lo), int(hi), int(width), axis, x0, x1)
+    if k not in kept:
+        if len(kept) >= WINDOWS_KEPT:
+            del kept[next(iter(kept))]
+        kept[k] = _window(rep, device, lo, hi, width, None, axis, x0, x1)
+    kept[k] = kept.pop(k)  # the most recently asked last
+    return kept[k]
+
+
+# unfiltered window answers kept per device (each O(width): a few hundred KiB at most)
+WINDOWS_KEPT = 8
+
+
+def _window(rep: Report, device: int, lo: int, hi: int, width: int,
+            keep: np.ndarray | None, axis: str, x0: float | None, x1: float | None
+            ) -> dict[str, Any]:
     d, off = _device(rep, device)
     lt = d.lt
     width = int(min(max(width, 1), MAX_WIDTH))
@@ -204,8 +243,8 @@ def window(rep: Report, device: int, lo: int, hi: int, width: int,
     def col(x: np.ndarray) -> np.ndarray:  # column position (float) of each x
         return (np.clip(x, x0, x1) - x0) / span * width
 
-    start = np.maximum(lt.alloc_row, 0)
-    end = np.minimum(lt.free_row, lt.rows)
+    start, end = _memo(d, "rows", lambda: (np.maximum(lt.alloc_row, 0),
+                                           np.minimum(lt.free_row, lt.rows)))
     vis = np.flatnonzero((start < hi) & (end > lo))
     a, b, size = np.maximum(start[vis], lo), np.minimum(end[vis], hi), lt.size[vis]
     ca, cb = col(X[a]), col(X[b])
@@ -238,10 +277,17 @@ def window(rep: Report, device: int, lo: int, hi: int, width: int,
             "live": top, "moment": moment, "bands": bands, "blocks": blocks,
             "merged_blocks": int(len(merged)),
             "phases": _phase_spans(d, lo, hi, X, col, width),
-            "iterations": [{"index": it.index, "row": it.start, "c": float(col(X[it.start]))}
-                           for it in d.tl.iterations if lo <= it.start < hi][:width],
+            "iterations": _iterations(d, lo, hi, X, col, width),
             "peak": {"row": peak, "bytes": d.peak_bytes,
                      "c": float(col(X[peak])) if lo <= peak < hi else None}}
+
+
+def _iterations(d: DeviceAnalysis, lo: int, hi: int, X: np.ndarray, col, width: int
+                ) -> list[dict[str, Any]]:
+    """The iterations starting in rows [lo, hi) (at most `width`), with their columns."""
+    its = [it for it in d.tl.iterations if lo <= it.start < hi][:width]
+    cs = col(X[np.array([it.start for it in its], np.int64)]).tolist() if its else []
+    return [{"index": it.index, "row": it.start, "c": float(c)} for it, c in zip(its, cs)]
 
 
 def _moments(live: np.ndarray, lo: int, hi: int, pos: np.ndarray, width: int
