@@ -31,7 +31,10 @@ def explore_command(snapshots: tuple[str, ...], port: int, no_browser: bool,
     from snapforensics.explore.queries import open_inputs
     from snapforensics.explore.server import app
 
-    web = app(*open_inputs(snapshots))
+    srcs, fleet = open_inputs(snapshots)
+    if fleet is None:  # the page's first question, read before any server thread runs: the
+        srcs[0]  # read's memory cap then holds this process alone (no child process)
+    web = app(srcs, fleet)
     sock = socket.socket()
     sock.bind(("127.0.0.1", port))
     url = f"http://127.0.0.1:{sock.getsockname()[1]}/?token={web.state.token}"
