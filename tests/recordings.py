@@ -66,6 +66,7 @@ S_FSDP1 = ("--layers", "4", "--dim", "256")  # small shapes: test_forecast's wor
 S_NOAC = ("--layers", "4", "--dim", "128")
 # activations over parameters (8 thin blocks, 8 x 256 tokens): checkpoint granularity sets the peak
 S_AC = ("--layers", "8", "--dim", "256", "--seq", "256", "--batch", "8")
+S_COMPILE = ("--layers", "2", "--dim", "128")  # test_compile: each block's mlp compiled
 Run = tuple[str, int, int, tuple[str, ...]]
 SUITE: tuple[Run, ...] = (
     *((v, 2, 3, ()) for v in (
@@ -76,6 +77,7 @@ SUITE: tuple[Run, ...] = (
     ("full_init", 1, 3, ()),
     ("ac_submodules", 2, 3, ()),
     *((v, 2, 3, S_AC) for v in ("ac_submodules", "fixed")),
+    *(("buggy", 2, 3, S_COMPILE + ("--compile", b)) for b in ("none", "aot_eager")),
 )
 FULL_SUITE: tuple[Run, ...] = (
     ("noac", 2, 3, ("--batch", "4")),
@@ -83,6 +85,7 @@ FULL_SUITE: tuple[Run, ...] = (
     ("fsdp1_shard_grad_op_fp32", 2, 2, S_FSDP1),
     ("fsdp1_no_prefetch", 2, 2, S_FSDP1),
     ("fixed", 4, 3, ()),
+    ("buggy", 2, 3, S_COMPILE + ("--compile", "inductor")),  # C++ compiles: ~40-80 s
 )
 CLI_SUITE = (("fixed", 2, 3, ()),)  # recorded through `snapforensics record` (test_record)
 

@@ -402,6 +402,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="sequences per micro-batch (default 2; noac: 8)")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", default="none", choices=("none", "aot_eager", "inductor"),
+                   help="torch.compile each block's mlp with this backend (inductor on CPU needs "
+                        "a C++ compiler); the FSDP hooks and checkpoint regions stay eager")
     return p.parse_args(argv)
 
 
@@ -415,19 +418,34 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _compile(model: Transformer, backend: str) -> None:
+    """`torch.compile` each block's mlp in place (`nn.Module.compile`: the module object stays,
+    so the layouts wrap and shard it as in eager). Allocations its graphs make run under the
+    profiler range "Torch-Compiled Region: F/C" that the recorder writes as `compile_context`."""
+    if backend == "none":
+        return
+    torch._dynamo.reset()  # a fresh cache per run: runs sharing a process stay under the
+    # recompile limit (each block's module is a new guard)
+    for block in _blocks(model):
+        block.mlp.compile(backend=backend)
+
+
 def train(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> None:
     """One run of `args` in the process group already initialized (several runs may share it:
     tests record the variants one after another in one job)."""
     torch.manual_seed(args.seed)
     mesh = init_device_mesh(device.type, (world,))
     apply = VARIANTS[args.variant]
+    compiled = getattr(args, "compile", "none")
     if args.variant == "full_init":
         with torch.device(device):
             model = Transformer(args.vocab, args.dim, args.layers, args.heads)
+        _compile(model, compiled)
         plan = apply(model, mesh)
     else:
         with torch.device("meta"):
             model = Transformer(args.vocab, args.dim, args.layers, args.heads)
+        _compile(model, compiled)
         plan = apply(model, mesh)
         if not plan.materialized:
             model.to_empty(device=device)

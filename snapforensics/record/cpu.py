@@ -54,6 +54,8 @@ _MODULE_PREFIX = "nn.Module: "
 INFERRED_FREE_FRAME = ("<snapforensics>", 0, "free_on_untraced_thread")
 UNRECORDED_FRAME = ("<snapforensics>", 0, "allocated_before_recording")
 UNDECODABLE_NAME = "<undecodable name>"
+COMPILED_REGION = "Torch-Compiled Region"  # Dynamo's range name; c10 matches this prefix
+NO_COMPILE_CONTEXT = "N/A"  # c10's value outside every compiled region
 # How late a collective's worker thread may drop its last reference and still be taken as that
 # collective's free: a runnable thread waits at most a few scheduler periods for a core (CFS:
 # 6-24 ms on a loaded machine); a tensor a thread holds on purpose is held far longer.
@@ -484,17 +486,33 @@ def _match(lost: list, taken: dict, at: int, nbytes: int, allocs: list[_Alloc]) 
     return []
 
 
+def _compile_context(frames: list, memo: dict) -> str:
+    """What CUDA's allocator writes as an entry's ``compile_context`` (``_record_memory_history(
+    compile_context=True)``): the innermost enclosing ``Torch-Compiled Region: F/C`` range (the
+    RecordFunction Dynamo's eval-frame opens around each compiled frame's cached code; c10 keeps
+    a per-thread stack of them), or ``"N/A"`` outside every compiled frame. The profiler makes that
+    range an ancestor ``<op>`` of the allocation, so it is read from the stack."""
+    got = memo.get(id(frames))
+    if got is None:
+        got = next((f["name"] for f in frames if f["name"].startswith(COMPILED_REGION)
+                    and f["filename"] in ("<op>", "<record_function>")), NO_COMPILE_CONTEXT)
+        memo[id(frames)] = got
+    return got
+
+
 def _build_trace(events: list) -> tuple[list, dict]:
     """The snapshot trace entries, and the blocks alive at the end: ``{ptr: (size, frames)}``."""
     trace: list[dict] = []
     live: dict[int, tuple[int, list]] = {}
     append = trace.append
+    memo: dict = {}
     for t_ns, _, ptr, size, frames, _inferred_size in events:
         t_us = t_ns / 1000.0
+        cc = _compile_context(frames, memo)
         if size is not None and size >= 0:
             live[ptr] = (size, frames)
             append({"action": "alloc", "addr": ptr, "size": size, "stream": 0,
-                    "time_us": t_us, "frames": frames})
+                    "time_us": t_us, "frames": frames, "compile_context": cc})
             continue
         prev = live.pop(ptr, None)
         if size is None:  # inferred free
@@ -504,9 +522,9 @@ def _build_trace(events: list) -> tuple[list, dict]:
         else:
             n = prev[0] if prev is not None else -size
         append({"action": "free_requested", "addr": ptr, "size": n, "stream": 0,
-                "time_us": t_us, "frames": frames})
+                "time_us": t_us, "frames": frames, "compile_context": cc})
         append({"action": "free_completed", "addr": ptr, "size": n, "stream": 0,
-                "time_us": t_us, "frames": frames})
+                "time_us": t_us, "frames": frames, "compile_context": cc})
     return trace, live
 
 

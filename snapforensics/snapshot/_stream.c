@@ -13,7 +13,8 @@
  *            distinct frames list of each row (-1: none or empty) in order of first appearance,
  *            `reps` one frames list per group (the same frame objects), `first` the first row
  *            of each group, `keys` the set of keys of the first and last 500 entries, `extras`
- *            {"device_free"|"stage"|"name": {row: value}} for the rows that have them.
+ *            {"device_free"|"stage"|"name"|"compile_context": {row: value}} for the rows that
+ *            have them (compile_context: only rows not "N/A").
  *   consumed the bytes read up to and including STOP.
  *   traces   1 when the root dict's device_traces were read as columns.
  *
@@ -62,11 +63,12 @@ typedef struct {
 } Val;
 
 enum { F_ACTION, F_ADDR, F_SIZE, F_STREAM, F_TIME, F_FRAMES, F_DEVICE_FREE, F_STAGE, F_NAME,
-       F_POOL, F_OTHER };
+       F_COMPILE, F_POOL, F_OTHER };
 static const char *FIELD_NAMES[] = {"action", "addr", "size", "stream", "time_us", "frames",
-                                    "device_free", "stage", "name", "pool_id"};
-#define N_NAMED 10
-#define N_EXTRA 3 /* device_free, stage, name */
+                                    "device_free", "stage", "name", "compile_context",
+                                    "pool_id"};
+#define N_NAMED 11
+#define N_EXTRA 4 /* device_free, stage, name, compile_context */
 
 typedef struct {
     PyObject *key; /* borrowed from the key table's own reference */
@@ -711,6 +713,14 @@ static int entry_item(R *r, Val *e, Val *k, Val *v) {
         }
         return local_group(r, ti, t, i, gid, rep);
     }
+    case F_COMPILE:
+        /* c10 writes "N/A" outside every compiled region: those rows are not kept (nor None) */
+        if (v->tag == T_NONE)
+            return 0;
+        if (v->tag == T_OBJ && PyUnicode_CheckExact(v->v.o) &&
+            PyUnicode_CompareWithASCIIString(v->v.o, "N/A") == 0)
+            return 0;
+        /* fall through: kept, type-checked by normalization */
     case F_DEVICE_FREE:
     case F_STAGE:
     case F_NAME: {
@@ -757,8 +767,9 @@ static PyObject *trace_tuple(R *r, int ti) {
             Py_DECREF(keys);
             return (decline(r, "Python error"), NULL);
         }
-    PyObject *ex = Py_BuildValue("{sOsOsO}", "device_free", t->extras[0], "stage",
-                                 t->extras[1], "name", t->extras[2]);
+    PyObject *ex = Py_BuildValue("{sOsOsOsO}", "device_free", t->extras[0], "stage",
+                                 t->extras[1], "name", t->extras[2], "compile_context",
+                                 t->extras[3]);
     PyObject *out = ex ? Py_BuildValue("(nOOOOOOOOOO)", t->n, t->c[0], t->c[1], t->c[2],
                                        t->c[3], t->c[4], t->c[5], t->reps, t->first, keys, ex)
                        : NULL;

@@ -91,6 +91,9 @@ class Trace:
     time_us: np.ndarray  # float64, NaN where the file has no time
     stack: np.ndarray  # int32 ids into Snapshot.stacks, NO_STACK when the entry had no frames
     device_free: dict[int, int] = field(default_factory=dict)  # row -> bytes free (oom rows)
+    # row -> the torch.compile region the entry happened in ("Torch-Compiled Region: F/C", the
+    # entry's `compile_context`); rows outside every compiled region (c10's "N/A") are absent
+    compile_context: dict[int, str] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.action)

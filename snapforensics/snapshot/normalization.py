@@ -171,13 +171,35 @@ def _finish_trace(entries: Any, device: int, cols: Columns, it: Interner,
         if df is not None:
             device_free[i] = check_int(df, f"{where_dev}[{i}]", "device_free", hi=MAX_BYTES)
 
+    compile_context = _compile_contexts(entries, where_dev)
     inline_rows = np.flatnonzero((action == A["user_defined"]) | (action == A["annotate"]))
     for i in inline_rows.tolist():
         # 2.4-era inline annotations: frames [{name: START|END, filename: <name>}]
         stack[i] = NO_STACK
         name, stage = _inline_annotation(row(i), f"{where_dev}[{i}]")
         inline_ann.append(Annotation(device, stage, name, float(time_us[i]), i))
-    return Trace(device, action, addr, size, stream, time_us, stack, device_free)
+    return Trace(device, action, addr, size, stream, time_us, stack, device_free, compile_context)
+
+
+NO_COMPILE_CONTEXT = "N/A"  # c10's compile_context outside every torch.compile region
+
+
+def _compile_contexts(entries: Any, where_dev: str) -> dict[int, str]:
+    """Each entry's `compile_context` (torch 2.8+, `_record_memory_history(compile_context=True)`;
+    the CPU recorder writes it too): c10 keeps a per-thread stack of the `Torch-Compiled Region:
+    F/C` RecordFunction ranges Dynamo opens around a compiled frame's code and writes the top, or
+    "N/A". Only rows inside a region are kept. The streaming reader hands over those rows."""
+    if type(entries) is StreamTrace:
+        col: Any = entries.extras.get("compile_context", {}).items()
+    else:  # every row, as the streaming reader reads them (not only the first and last 500)
+        col = [(i, v) for i, v in enumerate(column(entries, "compile_context"))
+               if v is not None and not (type(v) is str and v == NO_COMPILE_CONTEXT)]
+    out: dict[int, str] = {}
+    for i, v in col:
+        if type(v) is not str:
+            raise SnapError(f"{where_dev}[{i}]: compile_context must be a string, got {tname(v)}")
+        out[i] = clean_str(v)
+    return out
 
 
 Columns = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]

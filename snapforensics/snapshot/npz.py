@@ -35,7 +35,7 @@ from snapforensics.snapshot.model import (
 )
 from snapforensics.snapshot.tensors import KINDS, Identity, TensorTable
 
-SCHEMA = 2  # 2: the recorder's tensor names (snapshot/tensors.py)
+SCHEMA = 3  # 2: the recorder's tensor names (snapshot/tensors.py); 3: compile_context rows
 STATES = ("active_allocated", "active_pending_free", "inactive")
 STAGES = ("START", "END")
 _ALLOWED = {np.dtype(t) for t in ("i1", "i4", "i8", "u1", "u8", "f8", "?")}
@@ -64,6 +64,8 @@ def save(s: Snapshot, f) -> None:
             a[p + col] = getattr(t, col)
         a[p + "oom_row"] = np.array(list(t.device_free), np.int64)
         a[p + "oom_free"] = np.array(list(t.device_free.values()), np.int64)
+        a[p + "cc_row"] = np.array(list(t.compile_context), np.int64)
+        _strs(a, p + "cc", list(t.compile_context.values()))
     seg = s.segments
     a["seg_device"] = np.array([x.device for x in seg], np.int64)
     a["seg_address"] = np.array([x.address for x in seg], np.uint64)
@@ -217,12 +219,16 @@ def _build(a: dict, source: str) -> Snapshot:
         total += float(size.sum(dtype=np.float64))
         rows = _arr(a, p + "oom_row", "i8", None, 0, n - 1)
         free = _arr(a, p + "oom_free", "i8", len(rows), 0, lim)
+        cc_rows = _arr(a, p + "cc_row", "i8", None, 0, n - 1)
+        cc = _table(a, p + "cc")
+        if len(cc) != len(cc_rows):
+            raise BadEntry(p + "cc")
         traces.append(Trace(
             d, action, _arr(a, p + "addr", "u8", n), size,
             _arr(a, p + "stream", "i4", n, 0, len(streams) - 1),
             _arr(a, p + "time_us", "f8", n),
             _arr(a, p + "stack", "i4", n, -1, len(stacks) - 1),
-            dict(zip(rows.tolist(), free.tolist()))))
+            dict(zip(rows.tolist(), free.tolist())), dict(zip(cc_rows.tolist(), cc))))
     if total > MAX_TOTAL:
         raise BadEntry("trace sizes")
     segments = _segments(a, meta, len(stacks), len(streams))

@@ -1,0 +1,152 @@
+"""torch.compile runs (issue 29 item 3): each trace entry's `compile_context` is read into the
+model (`Trace.compile_context`: row -> "Torch-Compiled Region: F/C", the region Dynamo opened
+around a compiled frame's code; c10's "N/A" rows absent), by all three read paths alike, and a
+compiled run gets the eager run's verdicts and predictions.
+
+The recordings are the bundled example (`snapforensics/examples/fsdp_ckpt.py --compile B`: each
+block's `mlp` compiled with `nn.Module.compile(backend=B)`, FSDP and checkpointing eager) and its
+eager twin, 2 ranks, 2 blocks of dim 128, 3 steps. The test knows what it compiled (the `MLP`
+modules), so it checks the compiled rows against that, never against what the analyzer prints.
+aot_eager records in ~13 s; Inductor's C++ CPU backend compiles C++ for a minute or more on a
+2-core machine, so that run is `full`-marked.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+from differential import compare, disagreement
+from findings import near
+
+import snapforensics as sf
+from snapforensics.snapshot import load
+from snapforensics.snapshot.stream import read_info as stream_info
+
+slow = pytest.mark.slow
+REGION = "Torch-Compiled Region"
+
+
+def _paths(backend: str):
+    from recordings import S_COMPILE, recorded
+
+    return recorded("buggy", extra=(*S_COMPILE, "--compile", backend))
+
+
+def _entries(ctxs):
+    rows = []
+    for i, c in enumerate(ctxs):
+        frames = [{"filename": "m.py", "line": 3 + i % 2, "name": "forward"}]
+        e = {"action": "alloc", "addr": 4096 * (i + 1), "size": 512, "stream": 0,
+             "time_us": 1.0e15 + i, "frames": frames}
+        if c is not ...:
+            e["compile_context"] = c
+        rows.append(e)
+    return rows
+
+
+@pytest.fixture(autouse=True)
+def _no_cache(monkeypatch):
+    monkeypatch.setenv("SNAPFORENSICS_NO_CACHE", "1")
+
+
+def test_three_read_paths_read_compile_context_alike():
+    """The streaming reader (C), the native column reader and the pure-Python reader give the
+    same rows: "N/A", None and a missing key are outside every region; a region name is kept."""
+    ctxs = ["N/A", "Torch-Compiled Region: 0/0", ..., None, "Torch-Compiled Region: 1/0", "N/A"]
+    data = pickle.dumps({"segments": [], "device_traces": [_entries(ctxs)]})
+    got = compare(data, "compile.pickle")
+    assert not disagreement(got), got
+    assert all(kind == "ok" for kind, _ in got.values()), got
+    import tempfile
+    from pathlib import Path
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "c.pickle"
+        p.write_bytes(data)
+        t = load(p).traces[0]
+        with open(p, "rb") as f:  # the streaming reader read it as columns (did not decline)
+            got_stream = stream_info(p, f)
+    assert got_stream is not None
+    root = got_stream[0]
+    assert root["device_traces"][0].extras["compile_context"] == {
+        1: "Torch-Compiled Region: 0/0", 4: "Torch-Compiled Region: 1/0"}
+    assert t.compile_context == {1: "Torch-Compiled Region: 0/0", 4: "Torch-Compiled Region: 1/0"}
+
+
+def test_a_compile_context_that_is_not_a_string_is_refused_alike():
+    data = pickle.dumps({"segments": [], "device_traces": [_entries(["N/A", 7])]})
+    got = compare(data, "compile_bad.pickle")
+    assert not disagreement(got), got
+    assert {kind for kind, _ in got.values()} == {"refused"}, got
+    assert all("compile_context must be a string" in v[1] for _, v in got.values()), got
+
+
+def _compiled_rows_are_the_compiled_modules(paths):
+    """Every row inside a compiled region was made under a compiled module (the test compiled each
+    block's `MLP`, nothing else), and every compiled module call made some."""
+    for p in paths:
+        s = load(p)
+        t = s.active_traces[0]
+        assert t.compile_context, p  # without compile_context reading: no row (fails)
+        regions = set(t.compile_context.values())
+        assert all(r.startswith(REGION + ": ") for r in regions), regions
+        for row in t.compile_context:
+            frames = s.stack_frames(int(t.stack[row]))
+            mods = [f.name for f in frames if f.filename == "<nn.Module>"]
+            assert any(m.startswith("MLP") for m in mods), (row, mods)
+        # Outside the regions compiled code runs only as AOTAutograd's backward: the autograd
+        # engine calls it (CompiledFunctionBackward), not Dynamo's frame, so c10 has no region
+        # open there (CUDA writes "N/A" for those rows too).
+        backward = 0
+        for row in range(len(t)):
+            if row in t.compile_context or int(t.stack[row]) < 0:
+                continue
+            frames = s.stack_frames(int(t.stack[row]))
+            if any(f.filename.startswith("<eval_with_key>") or "torchinductor" in f.filename
+                   for f in frames):
+                assert any(f.name == "CompiledFunctionBackward" for f in frames), row
+                backward += 1
+        assert backward, p
+
+
+def _same_findings(eager, compiled):
+    """Rule by rule: the same verdicts, predicted peaks and savings within 5%."""
+    out = []
+    for pe, pc in zip(eager, compiled):
+        fe = {f.rule: f for f in sf.diagnose(pe).diagnosis.findings}
+        fc = {f.rule: f for f in sf.diagnose(pc).diagnosis.findings}
+        assert fe, pe
+        assert set(fe) == set(fc), (sorted(fe), sorted(fc))
+        for rule, a in fe.items():
+            b = fc[rule]
+            assert a.verdict == b.verdict, (rule, a.verdict, b.verdict)
+            for attr in ("predicted_peak_bytes", "saving_bytes"):
+                x, y = getattr(a, attr), getattr(b, attr)
+                assert (x is None) == (y is None), (rule, attr, x, y)
+                if x:
+                    assert near(y, x, 0.05), (rule, attr, x, y)
+            out.append((rule, a.verdict, a.predicted_peak_bytes, b.predicted_peak_bytes))
+    return out
+
+
+@slow
+def test_eager_twin_has_no_compiled_rows():
+    for p in _paths("none"):
+        assert not load(p).active_traces[0].compile_context
+
+
+@slow
+def test_aot_eager_rows_are_attributed_to_the_compiled_modules():
+    _compiled_rows_are_the_compiled_modules(_paths("aot_eager"))
+
+
+@slow
+def test_aot_eager_gets_the_eager_verdicts_and_predictions():
+    print(_same_findings(_paths("none"), _paths("aot_eager")))
+
+
+@pytest.mark.full
+def test_inductor_cpu_gets_the_eager_verdicts_and_attribution():
+    paths = _paths("inductor")
+    _compiled_rows_are_the_compiled_modules(paths)
+    print(_same_findings(_paths("none"), paths))
