@@ -27,13 +27,13 @@ the measurement; its twin run is the other one).
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
+
+from snapforensics.examples.common import parser, write_truth
 
 
 class Block(nn.Module):
@@ -86,17 +86,11 @@ def _truth(ddp: DistributedDataParallel, a: argparse.Namespace, rank: int, world
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser()
+    p = parser(layers=4, dim=256, batch=8, seq=16, steps=3)
     p.add_argument("--bucket-view", type=int, choices=(0, 1), default=0)
     p.add_argument("--bucket-cap-mb", type=float, default=1.0)
     p.add_argument("--static-graph", action="store_true")
     p.add_argument("--find-unused", action="store_true")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=16)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--truth", type=Path)
     a = p.parse_args(argv)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -125,8 +119,7 @@ def main(argv: list[str] | None = None) -> None:
             truth[key] = [int(s) for s in str(text).split(",") if s.strip()]
         truth["bucket_count"] = len(truth["buckets"])
         truth["bucket_bytes"] = sum(truth["buckets"])
-        a.truth.mkdir(parents=True, exist_ok=True)
-        (a.truth / f"truth.rank{rank}.json").write_text(json.dumps(truth))
+        write_truth(a.truth, rank, truth)
     dist.destroy_process_group()
 
 

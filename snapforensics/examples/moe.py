@@ -28,13 +28,13 @@ CPU process has no allocator counter (the recording is the measurement; the twin
 from __future__ import annotations
 
 import argparse
-import json
 import math
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from snapforensics.examples.common import parser, write_truth
 
 
 class _AllToAll(torch.autograd.Function):
@@ -190,19 +190,13 @@ class Model(nn.Module):
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser()
+    p = parser(layers=2, dim=128, batch=8, seq=64, steps=2)
     p.add_argument("--capacity-factor", type=float, default=1.5,
                    help="0: dropless (ragged all-to-all, no padding)")
     p.add_argument("--experts", type=int, default=4)
     p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--dim", type=int, default=128)
     p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--steps", type=int, default=2)
     p.add_argument("--fsdp", action="store_true")
-    p.add_argument("--truth", type=Path)
     a = p.parse_args(argv)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -236,12 +230,10 @@ def main(argv: list[str] | None = None) -> None:
         model(x).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-    if a.truth:
-        a.truth.mkdir(parents=True, exist_ok=True)
-        (a.truth / f"truth.rank{rank}.json").write_text(json.dumps({
-            "rank": rank, "world": world, "capacity_factor": a.capacity_factor,
-            "experts": a.experts, "top_k": a.top_k, "tokens": a.batch * a.seq, "fsdp": a.fsdp,
-            "calls": [c for m in moes for c in m.calls]}))
+    write_truth(a.truth, rank, {
+        "rank": rank, "world": world, "capacity_factor": a.capacity_factor,
+        "experts": a.experts, "top_k": a.top_k, "tokens": a.batch * a.seq, "fsdp": a.fsdp,
+        "calls": [c for m in moes for c in m.calls]})
     dist.destroy_process_group()
 
 

@@ -12,14 +12,12 @@ by wrapping the stage's own ``forward_one_chunk``/``backward_one_chunk``.
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from snapforensics.examples.common import parser, write_truth
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -53,15 +51,9 @@ def _count_in_flight(stage: PipelineStage, held: list[int]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser()
+    p = parser(layers=4, dim=256, batch=32, seq=64, steps=2)
     p.add_argument("--schedule", choices=sorted(SCHEDULES), default="gpipe")
     p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--truth", type=Path)
     a = p.parse_args(argv)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -86,11 +78,8 @@ def main(argv: list[str] | None = None) -> None:
             schedule.step()
         opt.step()
         opt.zero_grad()
-    if a.truth:
-        a.truth.mkdir(parents=True, exist_ok=True)
-        (a.truth / f"truth.rank{rank}.json").write_text(json.dumps({
-            "schedule": a.schedule, "stage": rank, "stages": world,
-            "microbatches": a.microbatches, "held_per_step": held}))
+    write_truth(a.truth, rank, {"schedule": a.schedule, "stage": rank, "stages": world,
+                                "microbatches": a.microbatches, "held_per_step": held})
     dist.destroy_process_group()
 
 
