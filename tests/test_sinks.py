@@ -31,7 +31,7 @@ from snapforensics.analysis.gate import compare_runs
 from snapforensics.analysis.rules import fsdp_reshard
 from snapforensics.report import plot, render
 from snapforensics.report.registry import RENDERERS, Screen, formats
-from snapforensics.snapshot import load, normalize, read_raw
+from snapforensics.snapshot import load, normalize, read_raw, tensors
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "fixtures" / "fsdp2_ckpt_buggy_rank0.pickle.gz"
@@ -74,7 +74,20 @@ def _edit(raw: dict) -> int:
         a["name"] = a["name"].replace("(layers.0)", f"({MODULE})")
     raw["snapforensics"].update(command=["python", HOSTILE, "--lr", MARKUP], stacks=HOSTILE,
                                 hostname=HOSTILE, torch_version=ESCAPES)
+    raw[tensors.KEY] = _names(raw["device_traces"][0])
     return n
+
+
+def _names(trace: list) -> dict:
+    """The recorder's tensor names, hostile (tensor, module, dtype): every block of device 0
+    named at its allocation, as a saved activation or a parameter (both tables render)."""
+    ids = [[f"layers.0.{MODULE}.weight", "parameter", MODULE, [4, 4], HOSTILE, 0],
+           [None, "saved_for_backward", f"layers.0.{MODULE}", [8], HOSTILE, 0]]
+    allocs = [e for e in trace if e.get("action") == "alloc" and "time_us" in e]
+    return {"format": tensors.FORMAT, "clock": "epoch_us", "kinds": list(tensors.KINDS),
+            "identities": ids, "ptr": [e["addr"] for e in allocs], "offset": [0] * len(allocs),
+            "nbytes": [e["size"] for e in allocs], "time_us": [e["time_us"] for e in allocs],
+            "identity": [i % 2 for i in range(len(allocs))]}
 
 
 @cache
@@ -104,6 +117,10 @@ def test_the_strings_reached_the_diagnosis():
     assert MODULE in {m["module"] for m in f.evidence["modules"]}
     assert HOSTILE in d.devices[0].top_stacks_at_peak[0]["stack"][0]
     assert any(SITE in line for s in d.devices[0].top_stacks_at_peak for line in s["stack"])
+    names = d.devices[0].tensors
+    assert names.get("recorded") is True and names.get("saved_by_layer"), names.keys()
+    assert any(MODULE in m[0] for r in names["saved_by_layer"] for m in r["modules"])
+    assert any(HOSTILE == r["dtype"] for r in names["largest_at_peak"])
 
 
 # ------------------------------------------------------------------------------- terminal
