@@ -3,8 +3,9 @@ micro-batch sizes, checked against runs actually recorded that way.
 
 Slow tests record the bundled example with the project's recorder (CPU, gloo) and forecast one
 recording from another: world size 2 <-> 4 for three model shapes (FSDP2 with checkpointing,
-FSDP1, FSDP2 without checkpointing), reshard_after_forward True <-> False (FSDP2), FULL_SHARD
-<-> SHARD_GRAD_OP (FSDP1), checkpointing on <-> off, micro-batch x2, and a run with an anomaly.
+FSDP1, FSDP2 without checkpointing) and 2 <-> 8 for the last, reshard_after_forward
+True <-> False (FSDP2), FULL_SHARD <-> SHARD_GRAD_OP (FSDP1), checkpointing on <-> off,
+micro-batch x2, and a run with an anomaly.
 The default-shape recordings are the ones other test modules make (session cache). Run with
 `-s` to see the validation table. Fast tests use the committed fixtures and the corpus.
 """
