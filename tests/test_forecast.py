@@ -300,6 +300,32 @@ def test_world_size_four_times(rec):
     _check("noac 4 x 128: W=2 from W=8", eight, two, 0.05)
 
 
+PIPELINE = ("--layers", "4", "--dim", "256")
+
+
+@slow
+@pytest.mark.parametrize("m", [8, 4])
+def test_pipeline_schedule_forecast(m):
+    """GPipe -> 1F1B at M micro-batches (the pipeline rule's replay, applied as the scenario's
+    fix) forecast per stage from the GPipe recording, against the 1F1B recording of the same
+    run; the worst stage forecast is the worst stage recorded."""
+    from recordings import recorded_module
+
+    from snapforensics.analysis.rules.pipeline_schedule import RULE as PIPE
+
+    def stages(schedule):
+        folder = recorded_module("snapforensics.examples.pipeline",
+                                 ("--schedule", schedule, "--microbatches", str(m), *PIPELINE))
+        return [_fx(folder / f"rank{r}.pickle") for r in (0, 1)]
+
+    gpipe, one_f_one_b = stages("gpipe"), stages("1f1b")
+    for s, (g, t) in enumerate(zip(gpipe, one_f_one_b)):
+        _check(f"pipeline GPipe -> 1F1B, {m} micro-batches, stage {s}", g, t, 0.05, fix=PIPE.id)
+    worst_forecast = max(range(2), key=lambda s: gpipe[s].predict(
+        replace(gpipe[s].baseline(), fix=PIPE.id)).predicted_peak_bytes)
+    assert worst_forecast == max(range(2), key=lambda s: one_f_one_b[s].d.peak_bytes)
+
+
 @slow
 def test_fsdp2_reshard_after_forward_both_ways(rec):
     true, false = rec("fixed"), rec("reshard_after_forward_false")

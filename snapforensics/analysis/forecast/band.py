@@ -39,13 +39,19 @@ PAIRS: tuple[tuple[str, str, float, float], ...] = (
     ("micro_batch", "micro-batch x2 (no checkpointing, batch 4 -> 8)", 267.17, 267.18),
     ("micro_batch", "micro-batch x1/2 (no checkpointing, batch 8 -> 4)", 220.61, 220.61),
     ("fix", "buggy (reshard_after_backward=False) with the rule's fix, vs fixed", 194.82, 194.82),
+    # GPipe -> 1F1B (pipeline.all_forward_before_backward's replay) vs the 1F1B recording, 2
+    # stages of 4 x 256 (tests/test_forecast.py::test_pipeline_schedule_forecast)
+    ("fix", "pipeline GPipe -> 1F1B, 8 micro-batches, stage 0", 29.53, 29.28),
+    ("fix", "pipeline GPipe -> 1F1B, 8 micro-batches, stage 1", 26.78, 26.78),
+    ("fix", "pipeline GPipe -> 1F1B, 4 micro-batches, stage 0", 39.03, 39.53),
+    ("fix", "pipeline GPipe -> 1F1B, 4 micro-batches, stage 1", 32.53, 32.53),
 )
 
 # What the pairs span: world size ratios (forecast W / recorded W), strategy changes, scales.
 WORLD_RATIOS = (0.25, 4.0)  # the 2 <-> 8 pair: 1/4x and 4x
 STRATEGY_CHANGES = frozenset({("full_shard", "shard_grad_op"), ("shard_grad_op", "full_shard")})
 SCALES = (0.25, 4.0)
-FIXES = ("fsdp.unsharded_params_not_resharded",)
+FIXES = ("fsdp.unsharded_params_not_resharded", "pipeline.all_forward_before_backward")
 # changes recorded together in one pair (the rest are summed from their single-change bands)
 COMBINED = ({"checkpointing", "micro_batch"},)
 # The MiB figures above are rounded to 0.005 MiB each: the band is widened by what that can
