@@ -17,8 +17,9 @@ checkpointing with micro-batch (a combination is given the sum of its changes' b
 
 from __future__ import annotations
 
-SOURCE = ("tests/test_forecast.py, slow tests: the bundled example recorded on CPU (gloo), "
-          "rank 0, one setting changed between the two recordings of each pair")
+SOURCE = ("tests/test_forecast.py, slow tests: the bundled examples (FSDP: rank 0; pipeline: "
+          "each stage) recorded on CPU (gloo), one setting changed between the two recordings "
+          "of each pair")
 
 # (kind of change, pair, forecast MiB, recorded MiB), as the slow tests printed them (`-s`).
 PAIRS: tuple[tuple[str, str, float, float], ...] = (
