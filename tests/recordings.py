@@ -78,10 +78,12 @@ SUITE: tuple[Run, ...] = (
     ("ac_submodules", 2, 3, ()),
     *((v, 2, 3, S_AC) for v in ("ac_submodules", "fixed")),
     *(("buggy", 2, 3, S_COMPILE + ("--compile", b)) for b in ("none", "aot_eager")),
+    *(("noac", w, 2, S_NOAC) for w in (2, 4)),  # test_forecast's cheap 2 <-> 4 pair
 )
 FULL_SUITE: tuple[Run, ...] = (
     ("noac", 2, 3, ("--batch", "4")),
-    *((v, w, 2, shape) for w in (2, 4) for v, shape in (("fsdp1", S_FSDP1), ("noac", S_NOAC))),
+    *((v, w, 2, shape) for w in (2, 4) for v, shape in (("fsdp1", S_FSDP1),)),
+    ("noac", 8, 2, S_NOAC),  # the 4x world-size pair (test_forecast: W=8 from W=2)
     ("fsdp1_shard_grad_op_fp32", 2, 2, S_FSDP1),
     ("fsdp1_no_prefetch", 2, 2, S_FSDP1),
     ("fixed", 4, 3, ()),

@@ -3,8 +3,9 @@ micro-batch sizes, checked against runs actually recorded that way.
 
 Slow tests record the bundled example with the project's recorder (CPU, gloo) and forecast one
 recording from another: world size 2 <-> 4 for three model shapes (FSDP2 with checkpointing,
-FSDP1, FSDP2 without checkpointing), reshard_after_forward True <-> False (FSDP2), FULL_SHARD
-<-> SHARD_GRAD_OP (FSDP1), checkpointing on <-> off, micro-batch x2, and a run with an anomaly.
+FSDP1, FSDP2 without checkpointing) and 2 <-> 8 for the last, reshard_after_forward
+True <-> False (FSDP2), FULL_SHARD <-> SHARD_GRAD_OP (FSDP1), checkpointing on <-> off,
+micro-batch x2, and a run with an anomaly.
 The default-shape recordings are the ones other test modules make (session cache). Run with
 `-s` to see the validation table. Fast tests use the committed fixtures and the corpus.
 """
@@ -32,9 +33,10 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 BUGGY = FIXTURES / "fsdp2_ckpt_buggy_rank0.pickle.gz"
 FIXED = FIXTURES / "fsdp2_ckpt_fixed_rank0.pickle.gz"
 slow = pytest.mark.slow
-# the pairs recorded for the forecast alone (world sizes 2 <-> 4 on three models, FSDP1's two
-# strategies, micro-batch x2): `make test-full`; `make test` checks the forecast on the pairs
-# the rules' tests record anyway (strategy, checkpointing with micro-batch, the fix)
+# the pairs recorded for the forecast alone (world sizes 2 <-> 4 on two models, 2 <-> 8 on the
+# smallest, FSDP1's two strategies, micro-batch x2): `make test-full`; `make test` checks the
+# forecast on the pairs the rules' tests record anyway (strategy, checkpointing with
+# micro-batch, the fix) and on the smallest model's 2 <-> 4 pair (FSDP2, 4 x 128, 2 steps)
 full = pytest.mark.full
 
 # Model shapes (the example's flags); () is the default 6 blocks of dim 512.
@@ -277,14 +279,51 @@ def test_every_format_renders_the_same_scenarios(tmp_path):
 
 
 @slow
-@full
-@pytest.mark.parametrize("variant,shape", [("fixed", S1), ("fsdp1", S2), ("noac", S3)],
-                         ids=["fsdp2-ckpt-6x512", "fsdp1-4x256", "fsdp2-noac-4x128"])
+@pytest.mark.parametrize("variant,shape", [
+    pytest.param("fixed", S1, marks=full), pytest.param("fsdp1", S2, marks=full), ("noac", S3)],
+    ids=["fsdp2-ckpt-6x512", "fsdp1-4x256", "fsdp2-noac-4x128"])
 def test_world_size_both_ways(rec, variant, shape):
     two, four = rec(variant, 2, shape), rec(variant, 4, shape)
     assert (two.w0, four.w0) == (2, 4)
     _check(f"{variant} {shape or 'default'}: W=4 from W=2", two, four, 0.05)
     _check(f"{variant} {shape or 'default'}: W=2 from W=4", four, two, 0.05)
+
+
+@slow
+@full
+def test_world_size_four_times(rec):
+    """The 4x pair (FSDP2, 4 x 128, 2 steps): W=8 forecast from the 2-rank recording and back,
+    against the 8-rank run recorded (what lets the band call 1/4x..4x validated)."""
+    two, eight = rec("noac", 2, S3), rec("noac", 8, S3)
+    assert (two.w0, eight.w0) == (2, 8)
+    _check("noac 4 x 128: W=8 from W=2", two, eight, 0.05)
+    _check("noac 4 x 128: W=2 from W=8", eight, two, 0.05)
+
+
+PIPELINE = ("--layers", "4", "--dim", "256")
+
+
+@slow
+@pytest.mark.parametrize("m", [8, 4])
+def test_pipeline_schedule_forecast(m):
+    """GPipe -> 1F1B at M micro-batches (the pipeline rule's replay, applied as the scenario's
+    fix) forecast per stage from the GPipe recording, against the 1F1B recording of the same
+    run; the worst stage forecast is the worst stage recorded."""
+    from recordings import recorded_module
+
+    from snapforensics.analysis.rules.pipeline_schedule import RULE as PIPE
+
+    def stages(schedule):
+        folder = recorded_module("snapforensics.examples.pipeline",
+                                 ("--schedule", schedule, "--microbatches", str(m), *PIPELINE))
+        return [_fx(folder / f"rank{r}.pickle") for r in (0, 1)]
+
+    gpipe, one_f_one_b = stages("gpipe"), stages("1f1b")
+    for s, (g, t) in enumerate(zip(gpipe, one_f_one_b)):
+        _check(f"pipeline GPipe -> 1F1B, {m} micro-batches, stage {s}", g, t, 0.05, fix=PIPE.id)
+    worst_forecast = max(range(2), key=lambda s: gpipe[s].predict(
+        replace(gpipe[s].baseline(), fix=PIPE.id)).predicted_peak_bytes)
+    assert worst_forecast == max(range(2), key=lambda s: one_f_one_b[s].d.peak_bytes)
 
 
 @slow
@@ -390,13 +429,16 @@ def test_every_scenario_carries_its_error_band_and_says_what_was_never_validated
     from snapforensics.analysis.forecast import band as forecast_band
     from snapforensics.report.registry import render
 
-    f = forecast(load(recording("fixed")), world_sizes=[2, 4, 64],
+    f = forecast(load(recording("fixed")), world_sizes=[2, 4, 8, 16, 64],
                  strategies=["full_shard", "hsdp:2"])
     by = {(p.scenario.world_size, p.scenario.strategy): p.error_band for p in f.scenarios}
     assert by[(2, "full_shard")] == {"low": 0, "high": 0, "pairs": 0, "changes": [],
                                      "validated": True, "not_validated": []}
     w4 = by[(4, "full_shard")]
     assert w4["validated"] and w4["pairs"] >= 2 and w4["low"] <= 0 <= w4["high"]
+    assert by[(8, "full_shard")]["validated"]  # 4x: the 2 <-> 8 pair
+    assert not by[(16, "full_shard")]["validated"]
+    assert "8x the recorded 2" in by[(16, "full_shard")]["not_validated"][0]
     assert not by[(64, "full_shard")]["validated"]
     assert "32x the recorded 2" in by[(64, "full_shard")]["not_validated"][0]
     assert not by[(4, "hsdp:2")]["validated"]

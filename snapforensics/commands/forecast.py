@@ -78,9 +78,9 @@ allocator's headroom (reserved - allocated in `diagnose`) on CUDA.
 \b
 Error band: every scenario shows the error measured on recorded pairs (the
 bundled example recorded twice on CPU with one setting changed: world size
-2<->4, full_shard<->shard_grad_op, checkpointing with micro-batch, micro-batch
+2<->4 and 2<->8, full_shard<->shard_grad_op, checkpointing with micro-batch, micro-batch
 x2, a fix). "NOT VALIDATED" marks a scenario outside those pairs (world sizes
-beyond 2x the recorded one, hsdp/no_shard, micro-batch beyond x1/4..x4, several
+beyond 4x the recorded one, hsdp/no_shard, micro-batch beyond x1/4..x4, several
 changes at once, CUDA/NPU recordings); the lines under the table say why.
 
 \b

@@ -112,9 +112,10 @@ class Forecaster:
         if sc.world_size != base.world_size:
             changes.append("world_size")
             r = sc.world_size / base.world_size
-            if not band_data.WORLD_RATIOS[0] <= r <= band_data.WORLD_RATIOS[1]:
+            lo, hi = band_data.WORLD_RATIOS
+            if not lo <= r <= hi:
                 outside.append(f"world size {sc.world_size} is {r:g}x the recorded "
-                               f"{base.world_size} (checked: 1/2x to 2x)")
+                               f"{base.world_size} (checked: 1/{1 / lo:g}x to {hi:g}x)")
         if sc.strategy != base.strategy:
             changes.append("strategy")
             if (base.strategy, sc.strategy) not in band_data.STRATEGY_CHANGES:
