@@ -325,3 +325,20 @@ def test_names_from_the_file_are_neutralized_in_every_report():
     assert "<script>" not in md.split("```")[0]
     page = render_text(d, "html")
     assert "Saved for backward, by layer" in page and "<script>alert(1)" not in page
+
+
+def test_untimed_trace_names_only_addresses_that_held_one_block(tmp_path):
+    """torch_npu's snapshot has no `time_us`: an observation cannot be placed in the trace, so
+    a reused address (two blocks at 4096) stays unnamed, and an address that held one block
+    only is named."""
+    p = _named_file(tmp_path, _key([(4096, 15.0, 0), (8192, 15.0, 1)]))
+    snap = pickle.loads(p.read_bytes())
+    trace = snap["device_traces"][0]
+    trace.append({"action": "alloc", "addr": 8192, "size": 1024, "stream": 0,
+                  "frames": trace[0]["frames"]})
+    for e in trace:
+        e.pop("time_us", None)
+    p.write_bytes(pickle.dumps(snap, protocol=4))
+    b = sf.diagnose(p).blocks.sort_values("alloc_row")
+    assert list(b.address) == [4096, 4096, 8192]
+    assert list(b.tensor.fillna("-")) == ["-", "-", "b.weight.exp_avg"]
