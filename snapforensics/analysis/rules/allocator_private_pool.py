@@ -7,8 +7,9 @@ where NCCL user buffers and custom allocators live). The caching allocator never
 private pool's segments to the regular pool, and `empty_cache()` keeps them while a graph (or the
 `MemPool`) holds the pool: a replay writes into the addresses its capture used, freed blocks
 included, so the whole pool stays reserved until the graph is destroyed (`del graph` /
-`graph.reset()`) — c10 `CUDACachingAllocator` `releaseCachedBlocks` skips pools whose
-`use_count` is not 0, `releasePool` frees them at the graph's end.
+`graph.reset()`): c10 `CUDACachingAllocator`'s `releasePool` (the graph's end) drops the pool's
+use count, a pool at 0 becomes freeable (`graph_pools_freeable`), and only then does
+`release_cached_blocks` (`empty_cache()`, or a failed allocation's retry) return its segments.
 
 What that costs is a mechanism, not a threshold: graphs captured each into its own pool keep one
 pool each although graphs that replay one after another can share one (their intermediates
