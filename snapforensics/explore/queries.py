@@ -524,7 +524,8 @@ def allocator_at(rep: Report, device: int, row: int) -> dict[str, Any]:
     n = d.lt.rows
     row = min(max(int(row), 0), max(n - 1, 0))
     # [start, end, stream] sorted by start; the pool of each range: the dump segment's that
-    # holds its start (a range freed before the dump: the regular pool's, unknown otherwise)
+    # holds its start. A range freed before the dump is shown in the regular pool (0, 0): the
+    # trace's segment rows this reader keeps carry no pool id, so its pool is not known
     segs = sorted([int(s.address), int(s.address) + int(s.total_size), int(s.stream)]
                   for s in d.allocator.segments)
     pool_at = sorted((int(s.address), int(s.address) + int(s.total_size), _pool_key(s.pool_id))
