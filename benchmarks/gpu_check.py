@@ -1,6 +1,7 @@
 """The prepared GPU check (issue 16): one script, one GPU, at most ~10 minutes.
 
-    python benchmarks/gpu_check.py [--out DIR] [--keep-fixtures DIR]
+    python benchmarks/gpu_check.py [--out DIR] [--keep-fixtures DIR] [--only NAME,...]
+    python benchmarks/gpu_check.py --dry-run     # no GPU: the CPU-side parts, CUDA ones skipped
 
 Runs ``snapforensics record`` for real on CUDA and prints what it finds, one line per check,
 then ``gpu_check: N passed, M failed`` (exit 1 when any failed). Nothing here has run on a GPU
@@ -20,7 +21,27 @@ in this repository's history until a line saying so is committed with its output
 5. stacks_all: the fixed run with ``--stacks all``: finishes within 120 s (fast symbolization,
    TORCH_SYMBOLIZE_MODE=fast), C++ frames present, same anomalous rules as ``--stacks python``.
 
+6. names: a tiny model trained 2 steps (Adam): every parameter's block (the last one allocated
+   at its storage's data pointer, which the script reads at its end) carries its
+   ``named_parameters()`` name, kind ``parameter`` and shape; its ``.grad`` and ``.exp_avg``
+   blocks theirs (the script writes the truth).
+7. graph_pools: two ``torch.cuda.CUDAGraph`` captures without ``pool=``, each with a 64 MiB
+   intermediate: the snapshot has segments whose ``segment_pool_id`` is each graph's
+   ``g.pool()``, the analyzer lists them as CUDA graph private pools apart from the regular one
+   (``allocator.private_pool`` anomalous, saving >= 40 MiB; explorer ``segments`` pools), then
+   the same two captures sharing ``torch.cuda.graph_pool_handle()``: one user pool, info.
+8. device_memory: ``--steps 1:3`` on CUDA (recording starts and stops inside optimizer step
+   hooks): exit 0, the recorder's ``device_memory`` samples at start, steps 2 and 3, end, each
+   with the device's used bytes >= the allocator's reserved bytes, and the finding
+   ``runtime.memory_outside_allocator`` (issue 29 item 5: sampled at step boundaries with
+   ``torch.cuda.mem_get_info``; NVML is not read, ``cudaMemGetInfo`` already gives the whole
+   device).
+
 ``--keep-fixtures DIR`` copies the small CUDA recordings there (to commit as fixtures).
+``--dry-run`` runs what needs no GPU (checks 6 and 8 recorded on the CPU, their verification
+code included; the analyzer side of 7 on a torch-format file with two graph pools) and marks
+the CUDA-only checks SKIP: it proves the script imports and its checking code runs. A table of
+every check ends the output; exit 1 when any failed.
 """
 
 from __future__ import annotations
@@ -37,12 +58,23 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = ["-m", "snapforensics.examples.fsdp_ckpt", "--", "--steps", "3"]
-results: list[tuple[str, bool, str]] = []
+results: list[tuple[str, bool | None, str]] = []  # None: skipped
 
 
-def say(name: str, ok: bool, detail: str) -> None:
+def say(name: str, ok: bool | None, detail: str) -> None:
     results.append((name, ok, detail))
-    print(f"{'PASS' if ok else 'FAIL'} {name}: {detail}", flush=True)
+    print(f"{_word(ok)} {name}: {detail}", flush=True)
+
+
+def _word(ok: bool | None) -> str:
+    return "SKIP" if ok is None else "PASS" if ok else "FAIL"
+
+
+def table() -> str:
+    w = max([len(n) for n, _, _ in results] + [5])
+    lines = [f"{'check':<{w}}  result  detail", f"{'-' * w}  ------  ------"]
+    lines += [f"{n:<{w}}  {_word(ok):<6}  {d[:160]}" for n, ok, d in results]
+    return "\n".join(lines)
 
 
 def record(out: Path, args: list[str], device: str = "cuda", stacks: str = "python",
@@ -188,25 +220,237 @@ def stacks_all(work: Path) -> None:
         f"all {sorted(a2)}")
 
 
+NAMES = """
+    import json, sys, torch
+    dev = sys.argv[2]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 8)).to(dev)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        model(torch.randn(4, 32, device=dev)).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    truth = []
+    for n, p in model.named_parameters():
+        truth.append([n, "parameter", p.untyped_storage().data_ptr(), list(p.shape)])
+        truth.append([n + ".grad", "gradient", p.grad.untyped_storage().data_ptr(),
+                      list(p.shape)])
+        st = opt.state[p]["exp_avg"]
+        truth.append([n + ".exp_avg", "optimizer_state", st.untyped_storage().data_ptr(),
+                      list(p.shape)])
+    json.dump(truth, open(sys.argv[1], "w"))
+"""
+
+
+def names(work: Path, device: str = "cuda") -> None:
+    """The recorder's tensor names against the running model's own named_parameters()."""
+    import json
+
+    s = script(work, "names", NAMES)
+    out, truth = work / f"names-{device}", work / f"names-{device}.truth.json"
+    p = record(out, [str(s), str(truth), device], device=device)
+    if p.returncode or not truth.is_file():
+        say(f"names[{device}]", False, f"exit {p.returncode}: {p.stderr.strip()[-300:]}")
+        return
+    sys.path.insert(0, str(REPO))
+    import snapforensics
+
+    b = snapforensics.diagnose(str(out / "rank0.pickle")).blocks
+    wrong = []
+    rows = json.loads(truth.read_text())
+    for name, kind, ptr, shape in rows:
+        # the storage lives at the script's end: the last block allocated at its address
+        at = b[b.address == ptr].sort_values("alloc_row").tail(1)
+        got = [(r.tensor, r.tensor_kind, list(r.shape) if r.shape is not None else None)
+               for r in at.itertuples()]
+        if (name, kind, shape) not in got:
+            wrong.append(f"{name}: {got[:2]}")
+    say(f"names[{device}]", not wrong,
+        f"{len(rows) - len(wrong)}/{len(rows)} parameters, grads, exp_avg named as "
+        f"named_parameters(){'; wrong: ' + '; '.join(wrong[:3]) if wrong else ''}")
+
+
+GRAPHS = """
+    import json, sys, torch
+    shared = sys.argv[2] == "shared"
+    model = torch.nn.Linear(256, 256, device="cuda")
+    x = torch.randn(64, 256, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                 # warm-up before capture, as torch's docs do
+        for _ in range(3):
+            model(x)
+    torch.cuda.current_stream().wait_stream(side)
+    pool = torch.cuda.graph_pool_handle() if shared else None
+    graphs, outs = [], []
+    for _ in range(2):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool):
+            tmp = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # 64 MiB scratch
+            tmp.fill_(1)
+            y = model(x) + tmp[:1].float()
+            del tmp
+        graphs.append(g)
+        outs.append(y)
+    for g in graphs:
+        g.replay()
+    torch.cuda.synchronize()
+    json.dump({"pools": [list(g.pool()) for g in graphs]}, open(sys.argv[1], "w"))
+"""
+
+
+def graph_pools(work: Path) -> None:
+    """Blocks of two CUDA graph captures land in their own pools, shown apart, with the rule."""
+    import json
+    import pickle
+
+    sys.path.insert(0, str(REPO))
+    import snapforensics
+    from snapforensics.explore import queries
+
+    s = script(work, "graphs", GRAPHS)
+    for mode, verdict in (("own", "anomalous"), ("shared", "info")):
+        out, truth = work / f"graphs-{mode}", work / f"graphs-{mode}.json"
+        p = record(out, [str(s), str(truth), mode])
+        if p.returncode or not truth.is_file():
+            say(f"graph_pools[{mode}]", False, f"exit {p.returncode}: {p.stderr.strip()[-300:]}")
+            continue
+        want = {tuple(x) for x in json.loads(truth.read_text())["pools"]}
+        raw = pickle.loads((out / "rank0.pickle").read_bytes())
+        seen = {tuple(sg.get("segment_pool_id", (0, 0))) for sg in raw["segments"]} - {(0, 0)}
+        rep = snapforensics.diagnose(str(out / "rank0.pickle"))
+        f = rep.findings
+        row = f[f["rule"] == "allocator.private_pool"]
+        api = {tuple(x["pool"]) for x in queries.segments(rep, 0)["pools"]} - {(0, 0)}
+        got = row.iloc[0]["verdict"] if len(row) else None
+        saving = int(row.iloc[0]["saving_bytes"]) if len(row) and \
+            row.iloc[0]["saving_bytes"] == row.iloc[0]["saving_bytes"] else 0
+        owners = {x["owner"].split(" (")[0] for x in queries.segments(rep, 0)["pools"]}
+        ok = seen == want and api == want and got == verdict and (
+            verdict != "anomalous" or saving >= 40 << 20)
+        say(f"graph_pools[{mode}]", ok,
+            f"g.pool() {sorted(want)}, snapshot segments' pools {sorted(seen)}, explorer "
+            f"{sorted(api)} {sorted(owners)}; allocator.private_pool {got} "
+            f"(want {verdict}), saving {saving >> 20} MiB")
+
+
+def graph_pools_dry() -> None:
+    """No GPU: the analyzer side of check 7 on a torch-format file with two graphs' pools."""
+    import pickle
+
+    sys.path.insert(0, str(REPO))
+    import snapforensics
+    from snapforensics.explore import queries
+
+    mib = 1 << 20
+    segs, trace = [], []
+    for k, pid in enumerate([(1, 0), (2, 0), (0, 0)]):
+        addr = 0x7F0000000000 + k * (1 << 30)
+        segs.append({"device": 0, "address": addr, "total_size": 64 * mib,
+                     "allocated_size": 64 * mib, "active_size": 64 * mib,
+                     "requested_size": 64 * mib, "stream": 0, "segment_type": "large",
+                     "segment_pool_id": pid, "is_expandable": False, "frames": [],
+                     "blocks": [{"address": addr, "size": 64 * mib, "requested_size": 64 * mib,
+                                 "state": "active_allocated", "frames": []}]})
+        trace += [{"action": "segment_alloc", "addr": addr, "size": 64 * mib, "stream": 0,
+                   "time_us": 1.0 + k, "frames": []},
+                  {"action": "alloc", "addr": addr, "size": 64 * mib, "stream": 0,
+                   "time_us": 1.5 + k, "frames": []}]
+    path = Path(tempfile.mkdtemp(prefix="gpu-check-dry-")) / "graphs.pickle"
+    path.write_bytes(pickle.dumps({"segments": segs, "device_traces": [trace]}, protocol=4))
+    rep = snapforensics.diagnose(str(path))
+    f = rep.findings
+    row = f[f["rule"] == "allocator.private_pool"]
+    pools = queries.segments(rep, 0)["pools"]
+    ok = len(row) == 1 and row.iloc[0]["verdict"] == "anomalous" and \
+        [tuple(x["pool"]) for x in pools] == [(0, 0), (1, 0), (2, 0)]
+    say("graph_pools[analyzer only]", ok, f"pools {[x['pool'] for x in pools]}, verdict "
+        f"{row.iloc[0]['verdict'] if len(row) else None}")
+
+
+STEPS = """
+    import torch, sys
+    dev = sys.argv[1]
+    model = torch.nn.Linear(64, 64).to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(4):
+        model(torch.randn(8, 64, device=dev)).sum().backward()
+        opt.step()
+"""
+
+
+def device_memory(work: Path, device: str = "cuda") -> None:
+    """``--steps 1:3``: recording starts and stops inside step hooks; device memory samples."""
+    import pickle
+
+    s = script(work, "steps", STEPS)
+    out = work / f"steps-{device}"
+    p = record(out, ["--steps", "1:3", str(s), device], device=device)
+    if p.returncode or not (out / "rank0.pickle").is_file():
+        say(f"device_memory[{device}]", False, f"exit {p.returncode}: {p.stderr.strip()[-300:]}")
+        return
+    snap = pickle.loads((out / "rank0.pickle").read_bytes())
+    if device == "cpu":  # no device beside the allocator: the window alone
+        say("device_memory[cpu]", "device_memory" not in snap.get("snapforensics", {}),
+            "--steps 1:3 recorded on the CPU, exit 0 (no device memory there)")
+        return
+    dm = snap["snapforensics"].get("device_memory") or {}
+    steps = [x["step"] for x in dm.get("samples", [])]
+    sane = all(x["used_bytes"] >= x["reserved_bytes"] for x in dm.get("samples", []))
+    sys.path.insert(0, str(REPO))
+    import snapforensics
+
+    f = snapforensics.diagnose(str(out / "rank0.pickle")).findings
+    has = "runtime.memory_outside_allocator" in set(f["rule"])
+    say("device_memory[cuda]", steps == ["start", 2, 3, "end"] and sane and has
+        and dm.get("error") is None,
+        f"samples at {steps}, used >= reserved: {sane}, error {dm.get('error')}, "
+        f"runtime.memory_outside_allocator: {has}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--keep-fixtures", type=Path, default=None)
+    ap.add_argument("--only", default="", help="comma-separated check names")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="no GPU: run the CPU-side parts, skip the CUDA checks")
     a = ap.parse_args()
     work = a.out or Path(tempfile.mkdtemp(prefix="gpu-check-"))
     work.mkdir(parents=True, exist_ok=True)
     if a.keep_fixtures:
         a.keep_fixtures.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    for check in (lambda: nccl_vs_cpu(work, a.keep_fixtures), lambda: oom(work, a.keep_fixtures),
-                  lambda: own_history(work), lambda: visible_devices(work),
-                  lambda: stacks_all(work)):
+    keep = a.keep_fixtures
+    cuda = {"nccl_vs_cpu": lambda: nccl_vs_cpu(work, keep), "oom": lambda: oom(work, keep),
+            "own_history": lambda: own_history(work),
+            "visible_devices": lambda: visible_devices(work),
+            "stacks_all": lambda: stacks_all(work), "names": lambda: names(work),
+            "graph_pools": lambda: graph_pools(work),
+            "device_memory": lambda: device_memory(work)}
+    dry = {"names": lambda: names(work, "cpu"), "graph_pools": graph_pools_dry,
+           "device_memory": lambda: device_memory(work, "cpu")}
+    only = {x.strip() for x in a.only.split(",") if x.strip()}
+    if only - set(cuda):
+        ap.error(f"unknown check(s) {sorted(only - set(cuda))}; known: {sorted(cuda)}")
+    for name, check in cuda.items():
+        if only and name not in only:
+            continue
+        if a.dry_run:
+            if name not in dry:
+                say(name, None, "needs CUDA (--dry-run)")
+                continue
+            check = dry[name]
         try:
             check()
         except Exception as e:  # one broken check does not hide the others
-            say(getattr(check, "__name__", "check"), False, f"{type(e).__name__}: {e}")
-    failed = sum(not ok for _, ok, _ in results)
-    print(f"gpu_check: {len(results) - failed} passed, {failed} failed in "
+            say(name, False, f"{type(e).__name__}: {e}")
+    print(table())
+    failed = sum(ok is False for _, ok, _ in results)
+    skipped = sum(ok is None for _, ok, _ in results)
+    print(f"gpu_check: {len(results) - failed - skipped} passed, {failed} failed, "
+          f"{skipped} skipped in "
           f"{time.time() - t0:.0f} s ({work})")
     return 1 if failed else 0
 

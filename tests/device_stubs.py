@@ -26,7 +26,10 @@ pytorch 2.13 sources):
   ``recordHistory(enabled.has_value(), recorder, max_entries, when)``, and
   ``torch_npu/csrc/core/npu/NPUCachingAllocator.cpp`` ``recordHistory`` (lines 1038-1051; v2.1
   lines 1219-1230) ends with ``alloc_trace->clear()`` unconditionally: EVERY CALL CLEARS.
-- snapshots: torch's ``_cuda_memorySnapshot(None)`` entries carry ``time_us``; torch_npu's
+- snapshots: torch's ``_cuda_memorySnapshot(None)`` entries carry ``time_us``, epoch
+  microseconds (memory_snapshot.cpp ``_memory_snapshot_pickled``: ``tsc_to_us(
+  te.time_.approx_t_) / 1000``, the ``ApproximateClockToUnixTimeConverter`` of c10's
+  ``getTime()``, the system clock), the clock the recorder's names use; torch_npu's
   ``THNPModule_memorySnapshot`` (Module.cpp lines 1274-1460) writes only ``action``,
   ``addr``/``device_free``, ``size``, ``stream``, ``pool_id`` (no time, no annotations) and
   prepends the workspace allocator's segments and trace. It is ``METH_O`` (called with ``None``)
@@ -52,6 +55,7 @@ import os
 import subprocess
 import sys
 import sysconfig
+import time
 import types
 import zipfile
 from pathlib import Path
@@ -86,7 +90,7 @@ class StubAllocator:
         self.init_env: str | None = "<not initialized>"
         self.count_calls_before_init = 0
         self.next_addr = 0x7F0000000000
-        self.clock = 1.7e15
+        self.clock = 0.0  # the last time_us written (the system clock, never backwards)
         self.live = 0  # allocated_bytes.all.current
         self.reserved = 0  # reserved_bytes.all.current: cached segments are kept
         self.context = 0  # device bytes outside the allocator (CUDA context, NCCL, ...)
@@ -116,7 +120,7 @@ class StubAllocator:
         if not self.record_history:
             return
         if not self.npu:
-            self.clock += 1.0
+            self.clock = max(self.clock + 1.0, time.time_ns() / 1000.0)
             entry["time_us"] = self.clock
         entry.setdefault("frames", [{"filename": "train.py", "line": 7, "name": "step"}])
         self.trace.append(entry)
@@ -130,6 +134,16 @@ class StubAllocator:
         self.next_addr += 1 << 20
         self._append({"action": "alloc", "addr": self.next_addr, "size": size, "stream": 0})
         return self.next_addr
+
+    def tensor(self, t) -> None:
+        """The allocation of ``t``'s storage, as the caching allocator's ``malloc`` records it
+        when a device tensor is made (the block's address is the storage's data pointer)."""
+        st = t.untyped_storage()
+        self.allocated += 1
+        self.live += st.nbytes()
+        self.reserved = max(self.reserved, self.live)
+        self._append({"action": "alloc", "addr": st.data_ptr(), "size": st.nbytes(),
+                      "stream": 0})
 
     def free(self, addr: int, size: int) -> None:
         self.live -= size

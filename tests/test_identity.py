@@ -325,3 +325,56 @@ def test_names_from_the_file_are_neutralized_in_every_report():
     assert "<script>" not in md.split("```")[0]
     page = render_text(d, "html")
     assert "Saved for backward, by layer" in page and "<script>alert(1)" not in page
+
+
+def test_untimed_trace_names_only_addresses_that_held_one_block(tmp_path):
+    """torch_npu's snapshot has no `time_us`: an observation cannot be placed in the trace, so
+    a reused address (two blocks at 4096) stays unnamed, and an address that held one block
+    only is named."""
+    p = _named_file(tmp_path, _key([(4096, 15.0, 0), (8192, 15.0, 1)]))
+    snap = pickle.loads(p.read_bytes())
+    trace = snap["device_traces"][0]
+    trace.append({"action": "alloc", "addr": 8192, "size": 1024, "stream": 0,
+                  "frames": trace[0]["frames"]})
+    for e in trace:
+        e.pop("time_us", None)
+    p.write_bytes(pickle.dumps(snap, protocol=4))
+    b = sf.diagnose(p).blocks.sort_values("alloc_row")
+    assert list(b.address) == [4096, 4096, 8192]
+    assert list(b.tensor.fillna("-")) == ["-", "-", "b.weight.exp_avg"]
+
+
+def fsdp1_units_from_names(path: Path, tmp_path: Path) -> None:
+    """FSDP1's units on a CUDA-shaped copy of a CPU recording (its module frames cut, as a
+    CUDA trace has none): the recorder's names of the unsharded flat parameters give each
+    unshard its unit, one for one with the units the module frames give the original."""
+    import copy
+
+    import numpy as np
+    from edits import cuda_shaped
+
+    raw = pickle.loads(path.read_bytes())
+    orig = sf.diagnose(path).analyses[0]
+    flat = np.flatnonzero(orig.fsdp.fsdp1_flat)
+    assert len(flat) >= 3
+    shaped = tmp_path / "cuda_shaped.pickle"
+    shaped.write_bytes(pickle.dumps(cuda_shaped(copy.deepcopy(raw)), protocol=4))
+    cuda = sf.diagnose(shaped).analyses[0]
+    assert np.array_equal(np.flatnonzero(cuda.fsdp.fsdp1_flat), flat)
+    pairs = {(orig.module_of(b), cuda.module_of(b)) for b in flat.tolist()}
+    by_frames = {a for a, _ in pairs}
+    by_names = {b for _, b in pairs}
+    assert None not in by_frames and None not in by_names, pairs
+    assert len(pairs) == len(by_frames) == len(by_names), pairs  # one for one
+    layers = len(by_names) - 1
+    assert by_names == {"(root)"} | {f"layers.{i}" for i in range(layers)}, by_names
+    # without the names the CUDA-shaped copy has no units: the names named them
+    bare = cuda_shaped(copy.deepcopy(raw))
+    bare.pop(KEY)
+    shaped.write_bytes(pickle.dumps(bare, protocol=4))
+    d = sf.diagnose(shaped).analyses[0]
+    assert all(d.module_of(b) is None for b in flat.tolist())
+
+
+def test_fsdp1_units_named_by_the_names_where_frames_have_no_modules(recording, tmp_path):
+    fsdp1_units_from_names(recording("fsdp1"), tmp_path)

@@ -295,3 +295,115 @@ def test_cuda_device_memory_sampled_at_each_step_beside_the_reserved_bytes(monke
     assert all(s["reserved_bytes"] == 64 << 20 for s in dm["samples"][1:])
     assert dm["samples"][1]["allocated_bytes"] == 64 << 20  # sampled inside the step
 
+
+
+# ------------------------------------------------------- tensor names on CUDA / NPU (issue 29 #1)
+
+NAMES_SCRIPT = """
+    import builtins, json, sys, torch
+    {init}
+    dev = builtins._sf_dev
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    for p in model.parameters():
+        dev.tensor(p)                     # the parameters' blocks (made on the device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    truth = []
+    for step in range(2):
+        model(torch.randn(3, 8)).sum().backward()
+        if step == 0:
+            for p in model.parameters():
+                dev.tensor(p.grad)        # the gradients' blocks, made by the first backward
+        opt.step()
+    truth = [[n, p.untyped_storage().data_ptr(), list(p.shape)]
+             for n, p in model.named_parameters()]
+    json.dump(truth, open(sys.argv[1], "w"))
+"""
+
+
+def _names_of(path):
+    import snapforensics as sf
+
+    blocks = sf.diagnose(path).blocks
+    return {int(r.address): (r.tensor, r.tensor_kind, r.module) for r in blocks.itertuples()}
+
+
+def _check_names(status, out, truth_path):
+    import json
+
+    assert status["exit_code"] == 0 and status["error"] is None, status
+    snap = load_strict(out / "rank0.pickle")
+    key = snap["snapforensics_tensors"]
+    assert not key["errors"] and key["observations_made"] > 0, key
+    named = _names_of(out / "rank0.pickle")
+    truth = json.loads(truth_path.read_text())
+    assert len(truth) == 4
+    for name, ptr, _shape in truth:  # each parameter's block carries its named_parameters() name
+        assert named[ptr] == (name, "parameter", name.rpartition(".")[0]), (name, named.get(ptr))
+    grads = [v for v in named.values() if v[1] == "gradient"]
+    assert sorted(g[0] for g in grads) == sorted(n + ".grad" for n, _, _ in truth)
+
+
+def test_cuda_recording_names_parameters_and_gradients(monkeypatch, tmp_path):
+    """torch's real CUDA path: the names start with the backend (before the script's first
+    CUDA use), are attached to the CUDA snapshot at the stop, and join to its blocks on the
+    trace's epoch clock."""
+    import torch._dynamo  # noqa: F401  (the optimizer imports it: before the CUDA stubs)
+
+    a = cuda_allocator(monkeypatch)
+    monkeypatch.setattr(builtins, "_sf_dev", a, raising=False)
+    script = tmp_path / "s.py"
+    script.write_text(textwrap.dedent(NAMES_SCRIPT.format(init="torch.cuda.init()")))
+    status = _bootstrap.run_recorded({"out": str(tmp_path / "out"), "device": "cuda",
+                                      "stacks": "python"}, str(script), [str(tmp_path / "t")])
+    _check_names(status, tmp_path / "out", tmp_path / "t")
+
+
+@pytest.mark.parametrize("version", NPU_VERSIONS)
+def test_npu_recording_names_parameters_and_gradients(version, monkeypatch, tmp_path):
+    """torch_npu's snapshot entries carry no time (Module.cpp ``THNPModule_memorySnapshot``):
+    the names still join, by the address where one block only ever lived there."""
+    import torch._dynamo  # noqa: F401
+
+    memory, a = torch_npu_memory(version, monkeypatch)
+    monkeypatch.setattr(builtins, "_sf_dev", a, raising=False)
+    script = tmp_path / "s.py"
+    script.write_text(textwrap.dedent(NAMES_SCRIPT.format(
+        init="import torch_npu; torch_npu.npu.init()")))
+    status = _bootstrap.run_recorded({"out": str(tmp_path / "out"), "device": "npu",
+                                      "stacks": "python"}, str(script), [str(tmp_path / "t")])
+    snap = load_strict(tmp_path / "out" / "rank0.pickle")
+    assert not any("time_us" in e for t in snap["device_traces"] for e in t)
+    _check_names(status, tmp_path / "out", tmp_path / "t")
+
+
+def test_steps_window_on_cuda_starts_and_stops_inside_step_hooks(monkeypatch, tmp_path):
+    """``--steps 1:3`` on CUDA: recording starts in step 0's post hook and stops in step 2's.
+    The device memory samples ride on the recorder's one step hook (registered before the
+    script): registering one at the start inside torch's iteration over its post hooks was
+    the script's "OrderedDict mutated during iteration"."""
+    import torch._dynamo  # noqa: F401
+
+    a = cuda_allocator(monkeypatch)
+    monkeypatch.setattr(builtins, "_sf_dev", a, raising=False)
+    script = tmp_path / "s.py"
+    script.write_text(textwrap.dedent("""
+        import builtins, torch
+        torch.cuda.init()
+        class Opt(torch.optim.Optimizer):
+            def step(self, closure=None):
+                pass
+        opt = Opt([torch.nn.Parameter(torch.zeros(4))], {})
+        for i in range(4):
+            x = builtins._sf_dev.alloc((i + 1) << 20)
+            opt.step()
+            builtins._sf_dev.free(x, (i + 1) << 20)
+    """))
+    out = tmp_path / "out"
+    status = _bootstrap.run_recorded({"out": str(out), "device": "cuda", "stacks": "python",
+                                      "steps": [1, 3]}, str(script), [])
+    assert status["exit_code"] == 0 and status["error"] is None, status
+    snap, entries = _entries(out / "rank0.pickle")
+    assert [e["size"] for e in entries if e["action"] == "alloc"] == [2 << 20, 3 << 20]
+    dm = snap["snapforensics"]["device_memory"]
+    assert [s["step"] for s in dm["samples"]] == ["start", 2, 3, "end"]
+    assert dm["error"] is None

@@ -37,6 +37,35 @@ if TYPE_CHECKING:
 LARGE_SEGMENT = 20 << 20
 
 
+def pool_owner(pool_id: tuple) -> str:
+    """Who made a memory pool, from its id alone (c10 ``MemPool``/``generate_mempool_id``: a
+    pool made by torch for a CUDA graph captured without ``pool=`` is ``(n, 0)``, one a user
+    made is ``(0, n)``: ``torch.cuda.graph_pool_handle()`` shared by captures, or
+    ``torch.cuda.MemPool``, the kind NCCL user buffers and custom allocators such as
+    ``ncclMemAlloc`` live in; ``(0, 0)`` is the regular pool)."""
+    a, b = (tuple(pool_id) + (0, 0))[:2]
+    if (a, b) == (0, 0):
+        return "regular pool"
+    if b == 0:
+        return f"CUDA graph private pool #{a} (a capture without pool=)"
+    if a == 0:
+        return (f"user pool #{b} (torch.cuda.graph_pool_handle() shared by captures, or "
+                "torch.cuda.MemPool: NCCL user buffers, a custom allocator)")
+    return f"pool {a}/{b}"
+
+
+class Pool(NamedTuple):
+    """The segments of one memory pool at dump."""
+
+    pool_id: tuple[int, int]
+    owner: str
+    segments: int
+    reserved: int  # the segments' total_size
+    allocated: int  # bytes in blocks handed out (active)
+    across_peak: int  # reserved bytes of segments already there at the peak row
+    graph: bool  # a CUDA graph's own pool ((n, 0))
+
+
 class AllocConf(NamedTuple):
     var: str  # the env var of this file's backend (PYTORCH_CUDA_ALLOC_CONF, ..._NPU_...)
     value: str  # its value when the file was recorded ("" when unknown)
@@ -81,6 +110,34 @@ class Allocator:
         if len(live) and (reserved - live).min() < -0.01 * max(int(live.max()), 1):
             return None
         return reserved
+
+    @cached_property
+    def pools(self) -> list[Pool]:
+        """Each memory pool with segments at dump, the regular pool first, then by id.
+
+        A private pool (a CUDA graph's, a ``MemPool``) keeps its segments for itself: the
+        regular pool never allocates from them, and ``empty_cache()`` does not release them
+        while a graph or ``MemPool`` holds the pool. ``across_peak``: the bytes of its segments
+        reserved at the peak row (their ``segment_alloc`` row at or before it, or before the
+        trace: no row for their address)."""
+        d = self._d
+        act = d.trace.action
+        seg_rows = np.flatnonzero((act == SEGMENT_ALLOC) | (act == SEGMENT_MAP))
+        first: dict[int, int] = {}
+        for r in seg_rows[::-1].tolist():
+            first[int(d.trace.addr[r])] = r
+        peak = d.peak_row
+        by: dict[tuple[int, int], list[int]] = {}
+        for s in self.segments:
+            key = tuple((tuple(s.pool_id) + (0, 0))[:2])
+            e = by.setdefault(key, [0, 0, 0, 0])
+            e[0] += 1
+            e[1] += int(s.total_size)
+            e[2] += int(s.allocated_size)
+            if first.get(int(s.address), -1) <= peak:
+                e[3] += int(s.total_size)
+        return [Pool(k, pool_owner(k), e[0], e[1], e[2], e[3], k != (0, 0) and k[1] == 0)
+                for k, e in sorted(by.items(), key=lambda kv: (kv[0] != (0, 0), kv[0]))]
 
     @cached_property
     def conf(self) -> AllocConf:

@@ -14,7 +14,12 @@ import numpy as np
 from snapforensics.analysis import identity, lifetimes, phases
 from snapforensics.analysis.allocator import Allocator
 from snapforensics.analysis.classify import PATHS, StackInfo, classify
-from snapforensics.analysis.fsdp.units import FsdpUnits, name_fsdp1_backward, name_fsdp1_units
+from snapforensics.analysis.fsdp.units import (
+    FsdpUnits,
+    name_fsdp1_backward,
+    name_fsdp1_from_names,
+    name_fsdp1_units,
+)
 from snapforensics.analysis.identity import BlockNames
 from snapforensics.analysis.stacks import is_native, is_noise
 from snapforensics.analysis.vocab import BACKWARD_PHASES, CAT_CODE, CATEGORIES, Category, Phase
@@ -213,6 +218,7 @@ def analyse(snapshot: Snapshot, trace: Trace, lt: lifetimes.Lifetimes | None = N
                        keys=keys)
     _split_sharded_grads(d)
     _split_ddp_grad_copies(d)
+    name_fsdp1_from_names(d)
     name_fsdp1_backward(d)
     return d
 

@@ -5,6 +5,9 @@ alive at the trace row the time falls in (the last row at or before `t`): an add
 allocator hands out again later is another block, and the observation of one never names the
 other. Where no block at `ptr` is alive at that row (the device clock and the recorder's differ
 by some microseconds on CUDA), the block at `ptr` allocated within `SKEW_US` after it is taken.
+A trace without times (torch_npu's snapshot writes none: `THNPModule_memorySnapshot`) cannot
+place an observation in it: there an observation names the block at `ptr` only when `ptr` held
+one block in the whole trace (no reuse to confuse), and addresses reused stay unnamed.
 
 A block seen under several identities (FSDP2's reduce-scatter output holds a unit's sharded
 gradients, one view each) gets all their names in offset order; its kind is the strongest
@@ -107,12 +110,22 @@ def join(table: TensorTable, lt, trace) -> BlockNames:
     mine = np.flatnonzero(dev[table.identity] == lt.device) if len(table) else np.zeros(0, int)
     empty = BlockNames(table, ident, saver, {}, 0, len(mine))
     t = trace.time_us
-    if not len(mine) or not nblocks or not len(t) or np.isnan(t).any() or (np.diff(t) < 0).any():
+    if not len(mine) or not nblocks or not len(t):
+        return empty
+    uniq, addr_rank, per_addr = np.unique(lt.addr, return_inverse=True, return_counts=True)
+    if np.isnan(t).all():  # untimed (torch_npu): addresses that held one block only
+        ptr = table.ptr[mine]
+        g = np.searchsorted(uniq, ptr)
+        gc = np.clip(g, 0, len(uniq) - 1)
+        single = (g < len(uniq)) & (uniq[gc] == ptr) & (per_addr[gc] == 1)
+        first_at = np.full(len(uniq), -1, np.int64)
+        first_at[addr_rank[::-1]] = np.arange(nblocks)[::-1]
+        return _named(table, mine, np.where(single, first_at[gc], -1), ident, saver)
+    if np.isnan(t).any() or (np.diff(t) < 0).any():
         return empty
     ptr, when = table.ptr[mine], table.time_us[mine]
     row = np.searchsorted(t, when, side="right") - 1  # -1: before the first row
     # blocks by (address, alloc row): the block at ptr alive at row, by one search
-    uniq, addr_rank = np.unique(lt.addr, return_inverse=True)
     span = np.int64(lt.rows + 2)
     bkey = addr_rank.astype(np.int64) * span + (lt.alloc_row + 1)
     order = np.argsort(bkey, kind="stable")
@@ -129,7 +142,12 @@ def join(table: TensorTable, lt, trace) -> BlockNames:
     alloc_t = t[np.clip(lt.alloc_row[nxt], 0, len(t) - 1)]
     late = ~hit & known & (pos + 1 < len(order)) & (addr_rank[nxt] == g) & \
         (lt.alloc_row[nxt] > row) & (alloc_t - when <= SKEW_US)
-    block = np.where(hit, cand, np.where(late, nxt, -1))
+    return _named(table, mine, np.where(hit, cand, np.where(late, nxt, -1)), ident, saver)
+
+
+def _named(table: TensorTable, mine: np.ndarray, block: np.ndarray, ident: np.ndarray,
+           saver: np.ndarray) -> BlockNames:
+    """The names from the observations `mine`, each of the block `block` (-1: none)."""
     ok = block >= 0
     obs = mine[ok]
     block = block[ok]

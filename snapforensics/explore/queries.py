@@ -513,12 +513,30 @@ def segments(rep: Report, device: int, row: int | None = None) -> dict[str, Any]
     if row is not None:
         return allocator_at(rep, device, row)
     segs = sorted((s for s in snap.segments if s.device == device), key=lambda s: s.address)
+    try:
+        pools = _pools(_device(rep, device)[0])
+    except KeyError:  # segments but no trace for this device
+        pools = []
     return {"device": device, "caching_allocator": True, "at": "dump", "statement": None,
+            "pools": pools,
             "segments": [{"address": s.address, "total_size": s.total_size,
                           "allocated_size": s.allocated_size, "stream": s.stream,
+                          "pool": list(_pool_key(s.pool_id)),
                           "reserved_unused": s.total_size - s.allocated_size,
                           "blocks": [{"address": int(b.address), "size": int(b.size),
                                       "state": _text(b.state)} for b in s.blocks]} for s in segs]}
+
+
+def _pool_key(pool_id: tuple) -> tuple[int, int]:
+    return tuple((tuple(pool_id) + (0, 0))[:2])  # type: ignore[return-value]
+
+
+def _pools(d) -> list[dict[str, Any]]:
+    """The device's memory pools at dump, each with its owner (`Allocator.pools`): a private
+    pool (CUDA graph, MemPool) apart from the regular one."""
+    return [{"pool": list(p.pool_id), "owner": p.owner, "segments": p.segments,
+             "reserved_bytes": p.reserved, "allocated_bytes": p.allocated,
+             "reserved_across_peak_bytes": p.across_peak} for p in d.allocator.pools]
 
 
 # the caching allocator splits a block only when what remains is at least this big: less stays
@@ -551,9 +569,13 @@ def allocator_at(rep: Report, device: int, row: int) -> dict[str, Any]:
     d, off = _device(rep, device)
     n = d.lt.rows
     row = min(max(int(row), 0), max(n - 1, 0))
-    # [start, end, stream] sorted by start
+    # [start, end, stream] sorted by start; the pool of each range: the dump segment's that
+    # holds its start. A range freed before the dump is shown in the regular pool (0, 0): the
+    # trace's segment rows this reader keeps carry no pool id, so its pool is not known
     segs = sorted([int(s.address), int(s.address) + int(s.total_size), int(s.stream)]
                   for s in d.allocator.segments)
+    pool_at = sorted((int(s.address), int(s.address) + int(s.total_size), _pool_key(s.pool_id))
+                     for s in d.allocator.segments)
     act = d.trace.action
     later = np.flatnonzero(((act == SEGMENT_ALLOC) | (act == SEGMENT_FREE) | (act == SEGMENT_MAP)
                             | (act == SEGMENT_UNMAP)) & (np.arange(len(act)) > row))
@@ -605,7 +627,10 @@ def allocator_at(rep: Report, device: int, row: int) -> dict[str, Any]:
         tail = (g > 0) & (gap < (SMALL_SPLIT if z - a <= SMALL_SEGMENT else LARGE_SPLIT))
         g, gap = g[~tail], gap[~tail]
         live = int(bs.sum())
+        i = bisect_right(pool_at, (a, float("inf"))) - 1
+        pool = pool_at[i][2] if i >= 0 and pool_at[i][0] <= a < pool_at[i][1] else (0, 0)
         out.append({"address": a, "total_size": z - a, "stream": stream, "allocated_size": live,
+                    "pool": list(pool),
                     "tail_bytes": z - a - live - int(gap.sum()), "reserved_unused": z - a - live,
                     "blocks_count": len(k), "gaps_count": len(g), "gap_bytes": int(gap.sum()),
                     "largest_gap": int(gap.max()) if len(g) else 0,
@@ -618,7 +643,7 @@ def allocator_at(rep: Report, device: int, row: int) -> dict[str, Any]:
     reserved = int(ends.sum() - starts.sum()) if len(segs) else 0
     allocated = sum(x["allocated_size"] for x in out)
     return {"device": device, "caching_allocator": True, "at": "row", "row": row,
-            "statement": None, "segments": out, "reserved_bytes": reserved,
+            "statement": None, "pools": _pools(d), "segments": out, "reserved_bytes": reserved,
             "allocated_bytes": allocated, "reserved_unused": reserved - allocated,
             "live_bytes": int(d.lt.live[row]) if n else 0,
             "unplaced": int((~placed).sum())}

@@ -254,7 +254,10 @@ class _StepWindow:
 
     A step ends when any ``torch.optim.Optimizer.step`` returns (torch's global post hook), so
     recording starts right after step A-1's ``optimizer.step()`` and stops right after step
-    B-1's. Without a window, recording covers the whole script.
+    B-1's. Without a window, recording covers the whole script. The one post hook is
+    registered here, before the script runs, and tells the backend of each step's end while
+    recording (``backend.step_ended``: the device memory samples); nothing registers or
+    removes a step hook inside one (torch iterates over its hook dict there).
     """
 
     def __init__(self, backend: Any, steps: list | None) -> None:
@@ -266,12 +269,11 @@ class _StepWindow:
         self._hook = None
 
     def install(self) -> None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook  # torch >= 2.0
+
         if self.first == 0:
             self._start()
-        if self.first > 0 or self.stop is not None:
-            from torch.optim.optimizer import register_optimizer_step_post_hook
-
-            self._hook = register_optimizer_step_post_hook(self._after_step)
+        self._hook = register_optimizer_step_post_hook(self._after_step)
 
     def _start(self) -> None:
         self.backend.start()
@@ -281,6 +283,8 @@ class _StepWindow:
         if self.stopped:
             return
         self.done += 1
+        if self.started:
+            self.backend.step_ended(self.done)
         if self.done == self.first:
             self._start()
         if self.stop is not None and self.done == self.stop:

@@ -215,12 +215,18 @@ def _caller() -> str:
 
 class DeviceMemory:
     """What the device itself says is in use, beside what the caching allocator reserved, at
-    the start, after every optimizer step (torch's global post hook) and at the stop: the gap
-    is memory PyTorch's allocator cannot see (the CUDA/CANN context, NCCL/HCCL communicators'
-    buffers, cuBLAS/cuDNN workspaces, other processes on the device). ``mem_get_info`` is
+    the start, after every optimizer step and at the stop: the gap is memory PyTorch's
+    allocator cannot see (the CUDA/CANN context, NCCL/HCCL communicators' buffers,
+    cuBLAS/cuDNN workspaces, other processes on the device). ``mem_get_info`` is
     ``cudaMemGetInfo`` (torch/csrc/cuda/shared/cudart.cpp: free and total of the whole device,
     every process), ``memory_reserved`` the allocator's ``reserved_bytes.all.current``. At most
-    MAX samples (a long run keeps its first ones and the last); a failing call is said once."""
+    MAX samples (a long run keeps its first ones and the last); a failing call is said once.
+
+    The step boundaries come from the recorder's own optimizer post hook (``_StepWindow``,
+    registered before the script runs, calling ``step_ended``): a hook registered here, at the
+    start, would be added to torch's hook dict while torch iterates over it when ``--steps A:B``
+    starts recording in step A-1's post hook ("OrderedDict mutated during iteration", the
+    script's error), and removed from it the same way at step B-1."""
 
     MAX = 4096
 
@@ -228,21 +234,15 @@ class DeviceMemory:
         self.backend = backend
         self.samples: list[dict] = []
         self.error: str | None = None
-        self.steps = 0
-        self._hook = None
+        self.on = False
 
     def start(self) -> None:
+        self.on = True
         self.sample("start")
-        try:
-            from torch.optim.optimizer import register_optimizer_step_post_hook
 
-            self._hook = register_optimizer_step_post_hook(self._after_step)
-        except Exception as e:  # an old torch: start and end only
-            self.error = self.error or f"no optimizer step hook: {type(e).__name__}: {e}"
-
-    def _after_step(self, optimizer, args, kwargs) -> None:
-        self.steps += 1
-        self.sample(self.steps)
+    def step_ended(self, step: int) -> None:
+        if self.on:
+            self.sample(step)
 
     def sample(self, step: int | str) -> None:
         if self.error is not None and not self.samples:
@@ -262,10 +262,9 @@ class DeviceMemory:
             self.samples.append(row)
 
     def stop(self) -> dict:
-        if self._hook is not None:
+        if self.on:
             self.sample("end")
-            self._hook.remove()
-            self._hook = None
+            self.on = False
         return {"samples": self.samples, "error": self.error}
 
 
@@ -369,6 +368,11 @@ class CudaBackend:
         snap, self._taken = self._taken, None
         assert snap is not None
         return snap
+
+    def step_ended(self, step: int) -> None:
+        """An optimizer step ended (the recorder's post hook; ``step`` counts from the
+        script's start)."""
+        self.device_memory.step_ended(step)
 
     def allocations(self) -> int | None:
         """How many blocks the allocator handed out in this process (its own counter, which no
@@ -518,6 +522,9 @@ class CpuBackend:
 
     def attach_oom(self, callback: Callable[[dict], None]) -> bool:
         return False
+
+    def step_ended(self, step: int) -> None:
+        pass  # no device beside the allocator to sample
 
     def allocations(self) -> int | None:
         return None

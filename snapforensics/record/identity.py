@@ -15,6 +15,11 @@ clock) and an identity: the tensor's name, kind, owning module, shape and dtype.
   before their reduce-scatter (``unsharded_gradient``), through ``FSDPParamGroup``'s own
   ``wait_for_unshard`` / ``post_backward`` (wrapped while recording). The sharded parameter is
   the DTensor's local tensor, named as a parameter.
+- FSDP1 (``FullyShardedDataParallel``): the padded unsharded flat parameter (the all-gather
+  output, ``unsharded_parameter`` named ``<unit>._flat_param``, its module the unit: the module
+  path of the handle's ``_fully_sharded_module``) each time ``FlatParamHandle.
+  _use_unsharded_flat_param`` switches to it, after its all-gather. A CUDA trace has no module
+  frames: these names are what gives its FSDP1 units (``analysis/fsdp/units.py``).
 - tensors saved for backward: a ``saved_tensors_hooks`` pair on the recording thread (its pack
   hook returns ``t.detach()``: returning ``t`` itself would keep an op's saved output alive in
   a reference cycle until the garbage collector runs, and so move the run's peak), each owned
@@ -107,6 +112,7 @@ class TensorNames:
         self._want_step_hooks = True
         self.active = True
         self._patch_fsdp2()
+        self._patch_fsdp1()
         torch._C._autograd._push_saved_tensors_default_hooks(self._pack, _unpack)
         self._hooks_pushed = True
         self._thread = threading.get_ident()
@@ -327,6 +333,32 @@ class TensorNames:
 
         wrap("wait_for_unshard", gather_buffer, unsharded)
         wrap("post_backward", unsharded_grads, None)
+
+    # -- FSDP1
+    def _patch_fsdp1(self) -> None:
+        try:
+            from torch.distributed.fsdp._flat_param import FlatParamHandle
+        except Exception:
+            return
+        orig = getattr(FlatParamHandle, "_use_unsharded_flat_param", None)
+        if orig is None:
+            return
+        names = self
+
+        def _use_unsharded_flat_param(handle: Any, padded: Any, *args: Any, **kw: Any) -> Any:
+            out = orig(handle, padded, *args, **kw)
+            try:
+                module = getattr(handle, "_fully_sharded_module", None)
+                unit = names.module_names.get(module) if module is not None else None
+                if unit is not None:
+                    names._note(padded, f"{unit}._flat_param", "unsharded_parameter", unit)
+            except Exception:
+                pass
+            return out
+
+        _use_unsharded_flat_param.__wrapped__ = orig  # type: ignore[attr-defined]
+        self._patched.append((FlatParamHandle, "_use_unsharded_flat_param", orig))
+        FlatParamHandle._use_unsharded_flat_param = _use_unsharded_flat_param  # type: ignore
 
     # -- output
     def data(self) -> dict:

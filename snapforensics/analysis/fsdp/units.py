@@ -425,6 +425,31 @@ def name_fsdp1_units(snapshot, infos: list, stack_ids: list[int]) -> list:
     return out
 
 
+def name_fsdp1_from_names(d: DeviceAnalysis) -> None:
+    """FSDP1 unshards named by the recorder's names (`record/identity.py`) where no module
+    frame names any of them (CUDA traces have none; where frames name some,
+    `name_fsdp1_units` / `name_fsdp1_backward` name them all, in their scheme): the padded
+    unsharded flat parameter is observed after its all-gather as the unit's
+    (`<unit>._flat_param`, module the path of the handle's module). The path's FSDP wrapper
+    segments are dropped (`_fsdp_wrapped_module`): the outermost unit, whose module is the
+    root's, is "(root)"."""
+    from snapforensics.analysis.identity import WRAPPERS
+
+    names = d.names
+    if names is None or not names.matched:
+        return
+    flat = np.flatnonzero(d.fsdp.fsdp1_flat)
+    if any(d.module_of(b) is not None for b in flat.tolist()):
+        return  # module frames name the units (CPU recordings): one naming, theirs
+    for b in flat.tolist():
+        if names.kind(b) != "unsharded_parameter":
+            continue
+        module = names.module(b)
+        if module is None:
+            continue
+        d.block_module[b] = WRAPPERS.sub("", module).strip(".") or ROOT
+
+
 def name_fsdp1_backward(d: DeviceAnalysis) -> None:
     """FSDP1 gathers made for backward on the autograd thread carry no module frame: each is
     named after the unit it gathers, so that a unit's gathers are named alike in forward and
