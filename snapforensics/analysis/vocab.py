@@ -53,6 +53,11 @@ class Category(StrEnum):
     # DDP (`torch.nn.parallel.DistributedDataParallel`, and `replicate` which wraps it)
     DDP_BUCKET = "ddp.bucket"  # the Reducer's flat gradient buckets (and its per-param maps)
     DDP_GRAD_COPY = "ddp.grad_copy"  # a `.grad` kept beside its bucket slice (not a view of it)
+    # Tensor parallelism: DTensor's redistribute (`torch/distributed/tensor/placement_types.py`),
+    # called by the parallel styles' hooks and by DTensor ops, forward and backward
+    TP_ALL_GATHER = "tp.all_gather"  # Shard -> Replicate (SequenceParallel's gathered sequence)
+    TP_REDUCE_SCATTER = "tp.reduce_scatter"  # Partial -> Shard (RowwiseParallel output, SP on)
+    TP_ALL_REDUCE = "tp.all_reduce"  # Partial -> Replicate (RowwiseParallel output, SP off)
 
 
 CATEGORIES = tuple(Category)
@@ -61,6 +66,8 @@ FSDP_CATEGORIES = frozenset({Category.ALL_GATHER, Category.UNSHARDED_PARAM,
                              Category.REDUCE_SCATTER, Category.SHARDED_GRAD,
                              Category.UNSHARDED_GRAD, Category.SHARDED_PARAM})
 DDP_CATEGORIES = frozenset({Category.DDP_BUCKET, Category.DDP_GRAD_COPY})
+TP_CATEGORIES = frozenset({Category.TP_ALL_GATHER, Category.TP_REDUCE_SCATTER,
+                           Category.TP_ALL_REDUCE})
 
 
 class Verdict(StrEnum):
