@@ -10,8 +10,9 @@ sits on a 2-D mesh (dp_shard x tp) and ``fully_shard`` shards it on the dp subme
 
 ``--truth DIR`` writes ``DIR/truth.rank{R}.json`` from the running state: the tp and dp degrees
 (from the mesh), whether SP is on, and per block the bytes autograd saved for backward in the
-first step's forward (``saved_tensors_hooks``), split into tensors sharded along the sequence
-(shape[1] == seq / tp) and the rest.
+first step's forward (``saved_tensors_hooks``, storage bytes of each local tensor), split into
+tensors sharded along the sequence (shape[1] == seq / tp, SP on), tensors holding the full
+sequence (shape[1] == seq: the same on every TP rank unless sharded on another dim) and the rest.
 """
 
 from __future__ import annotations
@@ -26,9 +27,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                               RowwiseParallel, SequenceParallel,
-                                               parallelize_module)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 
 class Attention(nn.Module):
@@ -78,7 +83,8 @@ def plan(sp: bool) -> dict:
         "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=seq),
         "feed_forward": PrepareModuleInput(input_layouts=(seq,),
                                            desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=seq),
     }
     if sp:
         p["attention_norm"] = SequenceParallel()
@@ -119,7 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     def pack(t: torch.Tensor):
         local = t.to_local() if hasattr(t, "to_local") else t
         n = local.untyped_storage().nbytes()
-        key = "seq_sharded" if a.sp and local.dim() >= 2 and local.shape[1] == local_seq else "other"
+        s1 = local.shape[1] if local.dim() >= 2 else -1
+        key = "seq_sharded" if a.sp and s1 == local_seq else "full_seq" if s1 == a.seq else "other"
         saved[-1][key] += n
         return t
 
@@ -130,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         h = x
         for b in blocks:
             if step == 0:
-                saved.append({"seq_sharded": 0, "other": 0})
+                saved.append({"seq_sharded": 0, "full_seq": 0, "other": 0})
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     h = b(h)
             else:

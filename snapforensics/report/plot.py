@@ -52,6 +52,9 @@ CATEGORY_COLORS = {
     "untraced": "#e8e8e8",
     "ddp.bucket": "#e377c2",
     "ddp.grad_copy": "#ffbb78",
+    "tp.all_gather": "#9edae5",
+    "tp.reduce_scatter": "#dbdb8d",
+    "tp.all_reduce": "#c49c94",
 }
 _PALETTE = ("#393b79", "#e7ba52", "#843c39", "#637939", "#7b4173", "#3182bd", "#e6550d")
 PHASE_ALPHA = 0.13  # the shading's opacity, the same in the key
