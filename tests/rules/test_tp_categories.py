@@ -78,3 +78,45 @@ def test_fsdp2_on_a_2d_mesh_keeps_fsdp_and_tp_apart():
         assert len(_blocks(d, Category.TP_REDUCE_SCATTER, Phase.FORWARD)) > 0
         assert len(_blocks(d, Category.ALL_GATHER)) + len(_blocks(d, Category.UNSHARDED_PARAM)) > 0
         assert len(_blocks(d, Category.REDUCE_SCATTER)) > 0
+
+
+def _finding(path):
+    import snapforensics as sf
+    from snapforensics.analysis.rules.tp_sequence_parallel import RULE
+
+    report = sf.diagnose(path)
+    return next((f for f in report.diagnosis.findings if f.rule == RULE.id), None), report
+
+
+# the layout the replay was built on (the example's defaults) and a held-out one (SMALL)
+PAIRS = ((), ("--layers", "3", "--dim", "96", "--seq", "96", "--batch", "3"))
+
+
+@slow
+@pytest.mark.parametrize("args", PAIRS, ids=("tuned", "held_out"))
+def test_sequence_parallel_off_predicts_the_sp_twins_peak(args):
+    from recordings import recorded_module
+
+    off = recorded_module(MODULE, args)
+    on = recorded_module(MODULE, (*args, "--sp"))
+    for r in (0, 1):
+        t_off = json.loads((off / f"truth.rank{r}.json").read_text())
+        t_on = json.loads((on / f"truth.rank{r}.json").read_text())
+        assert not t_off["sp"] and t_on["sp"]
+        # the truth: without SP every saved tensor holds the full sequence, with SP some are
+        # sequence shards
+        assert sum(b["seq_sharded"] for b in t_off["saved_per_block"]) == 0
+        assert sum(b["seq_sharded"] for b in t_on["saved_per_block"]) > 0
+        f, rep = _finding(off / f"rank{r}.pickle")
+        assert f is not None and f.verdict == "anomalous"
+        twin = sf_peak(on / f"rank{r}.pickle")
+        assert twin < sf_peak(off / f"rank{r}.pickle")  # SP lowers this run's peak
+        assert abs(f.predicted_peak_bytes - twin) / twin < 0.05, (f.predicted_peak_bytes, twin)
+        assert "SequenceParallel()" in f.fix and "enable_sequence_parallel" in f.fix
+        # the SP twin gets no finding
+        assert _finding(on / f"rank{r}.pickle")[0] is None
+
+
+def sf_peak(path) -> int:
+    snap = load(path)
+    return analyse(snap, snap.active_traces[0]).peak_bytes

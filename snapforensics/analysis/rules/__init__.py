@@ -30,6 +30,7 @@ from snapforensics.analysis.rules import (
     oom_report,
     pipeline_schedule,
     runtime_outside_allocator,
+    tp_sequence_parallel,
 )
 from snapforensics.analysis.vocab import CATEGORIES
 
@@ -52,6 +53,7 @@ RULES: tuple[Rule, ...] = tuple(m.RULE for m in (
     fsdp_grad_sync_off,
     pipeline_schedule,
     ddp_bucket_view,
+    tp_sequence_parallel,
     runtime_outside_allocator,
 ))
 BY_ID = {r.id: r for r in RULES}
