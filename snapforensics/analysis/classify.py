@@ -124,6 +124,34 @@ def _moe_category(frames: list[Frame]) -> Category | None:
     return Category.MOE_DISPATCH if a2a else None
 
 
+# Tensor parallelism (DTensor): a redistribution's output is made by one of the placements'
+# collective methods in `torch/distributed/tensor/placement_types.py` (the innermost DTensor
+# frame; under it only `funcol`/c10d calls): `Shard._to_replicate_tensor` all-gathers,
+# `Partial._reduce_shard_tensor` reduce-scatters, `Partial._reduce_value` all-reduces. They run
+# under the parallel styles' hooks (`style.py`), `DTensor.redistribute`/`full_tensor` and its
+# backward (`_redistribute.py`), or a DTensor op (`_dispatch.py`). The same methods under
+# `parallelize_module`/`distribute_tensor` shard parameters at init (`parameter`), and FSDP2's
+# own collectives never go through them (their frames are FSDP's: checked first for safety).
+_TP_FILE = "distributed/tensor/placement_types.py"
+_TP_FUNCS = {"_to_replicate_tensor": Category.TP_ALL_GATHER,
+             "_reduce_shard_tensor": Category.TP_REDUCE_SCATTER,
+             "_reduce_value": Category.TP_ALL_REDUCE}
+_TP_INIT_FUNCS = {"parallelize_module", "distribute_tensor", "distribute_module"}
+
+
+def _tp_category(frames: list[Frame], nameset: set[str]) -> Category | None:
+    """The TP collective that made the row, if its innermost DTensor frame is one (not init)."""
+    if nameset & _TP_INIT_FUNCS:
+        return None
+    for f in frames:  # innermost first
+        fn = f.filename.replace("\\", "/")
+        if "distributed/tensor/" in fn:
+            return _TP_FUNCS.get(f.name) if fn.endswith(_TP_FILE) else None
+        if _is_fsdp_file(f):
+            return None
+    return None
+
+
 # Ranges FSDP2 names `KIND (fqn)`; the root unit's have no fqn.
 _PER_UNIT_RANGES = {"pre_forward", "post_forward", "pre_backward", "all_gather",
                     "all_gather_copy_out", "post_backward_accumulate", "post_backward_reshard",
@@ -229,10 +257,13 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
         phase = Phase.UNKNOWN
 
     path = None
+    tp = _tp_category(frames, nameset)
     inner = next((f for f in frames if not f.filename.startswith("<")), None)
     if inner is not None and inner.name in _DDP_BUCKET_FUNCS and \
             inner.filename.replace("\\", "/").endswith(_DDP_FILE):
         category = Category.DDP_BUCKET
+    elif tp is not None:
+        category = tp
     elif nameset & _DDP_INIT_COLLECTIVES and not any(_is_fsdp_file(f) for f in frames):
         category = Category.PARAMETER
     elif nameset & _UNSHARDED_FUNCS or "all_gather_copy_out" in rfkinds:

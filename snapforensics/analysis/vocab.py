@@ -57,6 +57,11 @@ class Category(StrEnum):
     # the experts' ranks (permuted tokens, the all-to-all's send and receive buffers) and back
     MOE_DISPATCH = "moe.dispatch_buffer"
     MOE_COMBINE = "moe.combine_buffer"
+    # Tensor parallelism: DTensor's redistribute (`torch/distributed/tensor/placement_types.py`),
+    # called by the parallel styles' hooks and by DTensor ops, forward and backward
+    TP_ALL_GATHER = "tp.all_gather"  # Shard -> Replicate (SequenceParallel's gathered sequence)
+    TP_REDUCE_SCATTER = "tp.reduce_scatter"  # Partial -> Shard (RowwiseParallel output, SP on)
+    TP_ALL_REDUCE = "tp.all_reduce"  # Partial -> Replicate (RowwiseParallel output, SP off)
 
 
 CATEGORIES = tuple(Category)
@@ -66,6 +71,8 @@ FSDP_CATEGORIES = frozenset({Category.ALL_GATHER, Category.UNSHARDED_PARAM,
                              Category.UNSHARDED_GRAD, Category.SHARDED_PARAM})
 DDP_CATEGORIES = frozenset({Category.DDP_BUCKET, Category.DDP_GRAD_COPY})
 MOE_CATEGORIES = frozenset({Category.MOE_DISPATCH, Category.MOE_COMBINE})
+TP_CATEGORIES = frozenset({Category.TP_ALL_GATHER, Category.TP_REDUCE_SCATTER,
+                           Category.TP_ALL_REDUCE})
 
 
 class Verdict(StrEnum):

@@ -32,6 +32,7 @@ from snapforensics.analysis.rules import (
     oom_report,
     pipeline_schedule,
     runtime_outside_allocator,
+    tp_sequence_parallel,
 )
 from snapforensics.analysis.vocab import CATEGORIES
 
@@ -56,6 +57,7 @@ RULES: tuple[Rule, ...] = tuple(m.RULE for m in (
     pipeline_schedule,
     ddp_bucket_view,
     moe_capacity_padding,
+    tp_sequence_parallel,
     runtime_outside_allocator,
 ))
 BY_ID = {r.id: r for r in RULES}

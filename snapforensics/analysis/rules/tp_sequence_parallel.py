@@ -1,0 +1,125 @@
+"""Tensor parallelism without SequenceParallel: every TP rank holds the same full-sequence
+activations outside the parallelized attention/MLP (the norms' inputs and internals, the
+residual stream, the loss), because `RowwiseParallel`'s output is all-reduced to `Replicate`
+(`tp.all_reduce` blocks in forward) instead of reduce-scattered along the sequence
+(`output_layouts=Shard(1)`). `SequenceParallel()` on the norms shards those along the sequence:
+each is 1/tp of its bytes; what the next `ColwiseParallel` reads is all-gathered back (a
+full-size `tp.all_gather` block that replaces the norm's full output, the same bytes).
+
+Seen by: forward `tp.all_reduce` blocks and no forward `tp.reduce_scatter` (SP off). F, the
+full activation, is the all-reduce's output size; the TP modules are the parents of the
+modules that made those all-reduces (the `<nn.Module>` frames: `Attention_0`, `MLP_0`). The
+threshold is the mechanism: anomalous when the replay lowers this run's peak (SP costs no extra
+communication: an all-reduce is a reduce-scatter plus an all-gather), info otherwise.
+
+The replay (sizes, not rows): every block of F bytes made outside the TP modules shrinks to
+F / tp, except a forward one made right before a block inside a TP module (the norm's output the
+TP module reads: under SP the all-gathered copy of the same size takes its place). A recording
+without `<nn.Module>` frames gets the finding without a prediction.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from snapforensics.analysis.context import DeviceAnalysis
+from snapforensics.analysis.diagnosis import Finding, Replay
+from snapforensics.analysis.evidence import human, top_stacks
+from snapforensics.analysis.rule import Family, Rule
+from snapforensics.analysis.vocab import CAT_CODE, Category, Phase, Verdict
+
+FIX = """\
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module)
+
+# per transformer block: shard the norms along the sequence, reduce-scatter the row-wise
+# outputs into sequence shards and gather them back before the column-wise projections
+parallelize_module(block, tp_mesh, {
+    "attention_norm": SequenceParallel(),
+    "attention": PrepareModuleInput(input_layouts=(Shard(1),),
+                                    desired_input_layouts=(Replicate(),)),
+    "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+    "attention.wv": ColwiseParallel(),
+    "attention.wo": RowwiseParallel(output_layouts=Shard(1)),  # was Replicate()
+    "ffn_norm": SequenceParallel(),
+    "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                       desired_input_layouts=(Replicate(),)),
+    "feed_forward.w1": ColwiseParallel(),
+    "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+})
+# and the block's input arrives sequence-sharded (the embedding's
+# RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)))
+# torchtitan: parallelism.enable_sequence_parallel = true (ParallelismConfig; the default)
+"""
+
+
+def _modules(d: DeviceAnalysis, b: int) -> list[str]:
+    sid = int(d.lt.stack[b])
+    if sid < 0:
+        return []
+    return [f.name for f in d.snapshot.stack_frames(sid) if f.filename == "<nn.Module>"]
+
+
+def check(d: DeviceAnalysis) -> list[Finding]:
+    lt = d.lt
+    fwd = d.phase == Phase.FORWARD
+    ar = np.flatnonzero((d.category == CAT_CODE[Category.TP_ALL_REDUCE]) & fwd)
+    if not len(ar) or ((d.category == CAT_CODE[Category.TP_REDUCE_SCATTER]) & fwd).any() \
+            or d.peak_row < 0:
+        return []
+    full = int(np.bincount(lt.size[ar]).argmax())
+    tp_mods = {m for b in ar.tolist() for m in _modules(d, b)[1:2]}
+    tp = d.snapshot.provenance.get("world_size")
+    alive = lt.alive_at(d.peak_row)
+    replicated = (lt.size == full) & (lt.alloc_row >= 0)
+    inside = np.zeros(len(lt), bool)
+    for b in np.flatnonzero(replicated).tolist():
+        inside[b] = bool(set(_modules(d, b)) & tp_mods)
+    shrink = replicated & ~inside
+    # a forward block made right before one inside a TP module: the TP module's input
+    order = np.argsort(lt.alloc_row, kind="stable")
+    nxt = np.full(len(lt), -1, np.int64)
+    nxt[order[:-1]] = order[1:]
+    for b in np.flatnonzero(shrink & fwd).tolist():
+        n = int(nxt[b])
+        if n >= 0 and set(_modules(d, n)) & tp_mods:
+            shrink[b] = False
+    held = alive & shrink
+    held_bytes = int(lt.size[held].sum())
+    evidence = {"full_activation_bytes": full, "all_reduces": len(ar), "tp_modules":
+                sorted(tp_mods), "replicated_at_peak": held_bytes,
+                "stacks": top_stacks(d, np.flatnonzero(held), 1)}
+    title = "Tensor-parallel activations replicated on every TP rank (no SequenceParallel)"
+    cause = (f"RowwiseParallel outputs are all-reduced to Replicate ({len(ar)} forward all-reduces "
+             f"of {human(full)}): at the peak {human(held_bytes)} of full-sequence activations "
+             "outside the parallelized modules (norms, residual stream) are the same on every "
+             "TP rank; SequenceParallel would shard them along the sequence.")
+    if not tp_mods or not (type(tp) is int and tp > 1):
+        return [Finding(rule=RULE.id, verdict=Verdict.INFO, title=title, bytes=held_bytes,
+                        cause=cause + " The TP degree or the module frames are not in this file "
+                        "(record with `snapforensics record` for the saving).",
+                        blocks=int(held.sum()), device=d.device, evidence=evidence,
+                        members=np.flatnonzero(held))]
+    # a TP-only run: the TP degree is the world size (a 2-D mesh's is not in the file)
+    cut = np.flatnonzero(shrink)
+    extra = tuple((int(lt.alloc_row[b]), int(lt.free_row[b]), -(full - full // tp))
+                  for b in cut.tolist())
+    size = lt.size.copy()
+    size[cut] = full // tp
+    predicted = max(int(lt.replay(size=size).max()), lt.baseline)
+    saving = d.peak_bytes - predicted
+    evidence["tp_degree_assumed"] = tp
+    anomalous = saving > 0
+    return [Finding(
+        rule=RULE.id, verdict=Verdict.ANOMALOUS if anomalous else Verdict.INFO, title=title,
+        cause=cause + f" TP degree taken as the world size ({tp}).", bytes=held_bytes,
+        blocks=int(held.sum()), device=d.device, fix=FIX if anomalous else None,
+        predicted_peak_bytes=predicted if anomalous else None,
+        saving_bytes=saving if anomalous else None, evidence=evidence,
+        replay=Replay(extra=extra) if anomalous else None, members=np.flatnonzero(held))]
+
+
+RULE = Rule(
+    id="tp.sequence_parallel_off", check=check, family=Family.PARALLELISM,
+    verdicts=frozenset({Verdict.ANOMALOUS, Verdict.INFO}), fix=FIX)
