@@ -79,3 +79,39 @@ def test_the_child_is_still_capped(monkeypatch, tmp_path):
         normalization.load(huge_length_bytearray(tmp_path))
     assert w.seen == resource.RLIM_INFINITY, "the read capped the whole process"
     assert "SNAPFORENSICS_LOAD_MEMORY" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_streams_decline_comes_back_from_the_child(monkeypatch, tmp_path):
+    """Why the stream declined a file is the same whether it read in this process or in a
+    child (test_stream compares the read paths by it, in workers other tests leave threads in)."""
+    import pickle
+
+    from test_native import _raw
+
+    from snapforensics.snapshot import stream
+
+    if stream.reader() is None:
+        pytest.skip("the streaming reader is not built")
+    monkeypatch.delenv("SNAPFORENSICS_LOAD_MEMORY", raising=False)
+    data = pickle.dumps(_raw(), protocol=4)
+    p = tmp_path / "cut.pickle"
+    p.write_bytes(data[: len(data) * 2 // 3])
+    said = []
+    for threads in (False, True):
+        stream.last_decline = ""
+        with (Watcher() if threads else _Nothing()), pytest.raises(SnapError) as e:
+            normalization.load(p)
+        said.append((stream.last_decline, str(e.value)))
+    assert said[0] == said[1] and said[0][0].startswith("truncated pickle")
+    stream.last_decline = ""
+    with Watcher():
+        normalization.load(FIXTURE)  # a file it reads clears it, in the child too
+    assert stream.last_decline == ""
+
+
+class _Nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass

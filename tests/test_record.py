@@ -554,6 +554,32 @@ def test_allocator_total_races_between_threads_do_not_invent_frees():
     assert n == 0  # read in time order, 0xC's total looks like 0xD and 0xB were freed
 
 
+
+def test_a_drop_of_two_blocks_frees_the_two_that_were_freed():
+    """Seen in an MoE run under FSDP2 (examples/moe.py --fsdp): gloo's worker dropped two
+    768 KiB blocks between two events; the oldest blocks that fit were three 512 KiB parameters
+    made before the step (no free anywhere, alive at the end). The blocks whose address is handed
+    out again (certainly freed) are the ones taken, and the parameters stay alive."""
+    from snapforensics.record.cpu import _Alloc, _build_trace, _recover_lost_frees
+
+    frames, f = _one_stack()
+    P, A = 512 << 10, 768 << 10
+    allocs = [_Alloc(10 + k, k, 0x100 + k, P, f, 1, [], P * (k + 1)) for k in range(3)]
+    base = 3 * P
+    allocs += [_Alloc(20, 3, 0xA, A, f, 1, [], base + A),       # lost: its free unseen
+               _Alloc(21, 4, 0xB, A, f, 1, [], base + 2 * A),   # lost
+               _Alloc(30, 5, 0xC, 8, f, 1, [], base + 8),       # both dropped before this
+               _Alloc(40, 6, 0xA, A, f, 1, [], base + 8 + A),   # their addresses reused
+               _Alloc(41, 7, 0xB, A, f, 1, [], base + 8 + 2 * A)]
+    events, n = _recover_lost_frees(allocs, frames)
+    assert n == 2
+    trace, live = _build_trace(events)
+    assert {0x100, 0x101, 0x102} <= set(live)  # the parameters alive at the end
+    freed = [e for e in trace if e["action"] == "free_completed" and e["addr"] in (0xA, 0xB)]
+    c = next(i for i, e in enumerate(trace) if e["addr"] == 0xC)
+    assert len(freed) == 2 and all(trace.index(e) < c for e in freed)  # where the drop was
+
+
 # ----------------------------------------------------------------------------- plumbing
 
 

@@ -470,19 +470,27 @@ class _Collectives:
 
 def _match(lost: list, taken: dict, at: int, nbytes: int, allocs: list[_Alloc]) -> list[int]:
     """Lost blocks alive before event ``at`` whose sizes add up to ``nbytes``: one block of that
-    size (the oldest), else the oldest blocks that fit exactly; [] when none add up."""
-    alive = [idx for idx, deadline in lost if idx < at and idx not in taken
+    size (the oldest), else the oldest blocks that fit exactly; [] when none add up.
+
+    Blocks whose address is handed out again later (a deadline) are tried first: they were
+    certainly freed, only when is unknown. A block with no deadline may still be alive at the
+    end (a parameter made before the first step), and taking it for part of a drop of several
+    blocks (two 768 KiB activations freed together) would free it in the trace while the
+    allocator still holds it, and leave the blocks that were freed alive until their deadlines.
+    """
+    alive = [(idx, deadline) for idx, deadline in lost if idx < at and idx not in taken
              and (deadline is None or deadline >= at)]
-    for idx in alive:
-        if allocs[idx].size == nbytes:
-            return [idx]
-    picked, left = [], nbytes
-    for idx in alive:
-        if allocs[idx].size <= left:
-            picked.append(idx)
-            left -= allocs[idx].size
-            if left == 0:
-                return picked
+    for tier in ([i for i, d in alive if d is not None], [i for i, _ in alive]):
+        for idx in tier:
+            if allocs[idx].size == nbytes:
+                return [idx]
+        picked, left = [], nbytes
+        for idx in tier:
+            if allocs[idx].size <= left:
+                picked.append(idx)
+                left -= allocs[idx].size
+                if left == 0:
+                    return picked
     return []
 
 

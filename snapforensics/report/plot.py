@@ -54,9 +54,9 @@ CATEGORY_COLORS = {
     "ddp.grad_copy": "#ffbb78",
     "moe.dispatch_buffer": "#98df8a",
     "moe.combine_buffer": "#c49c94",
-    "tp.all_gather": "#9edae5",
+    "tp.all_gather": "#9c9ede",
     "tp.reduce_scatter": "#dbdb8d",
-    "tp.all_reduce": "#c5b0d5",
+    "tp.all_reduce": "#8c6d31",
 }
 _PALETTE = ("#393b79", "#e7ba52", "#843c39", "#637939", "#7b4173", "#3182bd", "#e6550d")
 PHASE_ALPHA = 0.13  # the shading's opacity, the same in the key

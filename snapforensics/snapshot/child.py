@@ -4,8 +4,9 @@ The cap (`unpickle.memory_guard`, RLIMIT_AS) is the whole process's: while a fil
 it, a server's request threads or a Dask worker's comms fail to allocate too. A forked child has
 only the forking thread, so the cap there bounds the read alone; the child hands its model back
 as the snapshot cache's own entry format (`npz`: plain numeric arrays, validated on reading, no
-pickle), its one-line error as JSON. Costs the entry's write and read: 0.5 s + 0.6 s for the
-211 MB model of a 1 GB file (the read itself: 5.8 s), paid only where other threads run.
+pickle), its one-line error and the stream's `last_decline` as JSON. Costs the entry's write and
+read: 0.5 s + 0.6 s for the 211 MB model of a 1 GB file (the read itself: 5.8 s), paid only where
+other threads run.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any, Callable
 import orjson
 
 from snapforensics.errors import SnapError
-from snapforensics.snapshot import npz
+from snapforensics.snapshot import npz, stream
 from snapforensics.snapshot.model import Snapshot
 
 
@@ -32,7 +33,7 @@ def in_child(read: Callable[[], Snapshot], path: Any, on_killed: str) -> Snapsho
             warnings.simplefilter("ignore", DeprecationWarning)  # runs only this module's code
             pid = os.fork()
         if pid == 0:  # the child: never returns
-            code = 1
+            code, said = 1, dict[str, object]()
             try:
                 os.close(r)
                 snap = read()
@@ -40,27 +41,29 @@ def in_child(read: Callable[[], Snapshot], path: Any, on_killed: str) -> Snapsho
                 out.flush()
                 code = 0
             except SnapError as e:
-                os.write(w, orjson.dumps({"error": str(e), "code": e.exit_code}))
+                said = {"error": str(e), "code": e.exit_code}
             except BaseException as e:  # noqa: BLE001 - a bug: said in one line, not lost
-                os.write(w, orjson.dumps({"error": f"{path}: {type(e).__name__}: {e}",
-                                          "code": 1}))
+                said = {"error": f"{path}: {type(e).__name__}: {e}", "code": 1}
             finally:
-                os._exit(code)
+                try:
+                    os.write(w, orjson.dumps(dict(said, decline=stream.last_decline)))
+                finally:
+                    os._exit(code)
         os.close(w)
         reaped = False
         try:
-            with os.fdopen(r, "rb") as said:
-                message = said.read(1 << 16)
+            with os.fdopen(r, "rb") as pipe:
+                message = orjson.loads(pipe.read(1 << 16) or b"{}")
             _, status = os.waitpid(pid, 0)
             reaped = True
         finally:
             if not reaped:  # interrupted (Ctrl-C): the child goes with us
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
+        stream.last_decline = str(message.get("decline", ""))  # as an in-process read leaves it
         if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
             out.seek(0)
             return npz.read(out, str(path))
-    if message:
-        err = orjson.loads(message)
-        raise SnapError(str(err["error"]), int(err["code"]))
+    if "error" in message:
+        raise SnapError(str(message["error"]), int(message["code"]))
     raise SnapError(on_killed)

@@ -69,9 +69,16 @@ def test_categories_name_the_dispatch_and_combine_buffers(cf, extra):
             if d.phase[b] == Phase.FORWARD and names & {"dispatch", "combine"}:
                 assert d.category_names[d.category[b]].startswith("moe."), frames[:4]
         # `other` at the peak: the step's input batch (made in main(), outside any forward)
-        # and the device mesh's few bytes, nothing born in a forward
+        # and the device mesh's few bytes, nothing born in a forward. Not counted: the CPU
+        # recorder's `allocated_before_recording` remainder (the allocator's total minus the
+        # trace's live blocks), nonzero when a drop gloo's worker made unseen was matched to
+        # the wrong blocks of the same sizes (record/cpu.py `_match`): no frames to classify.
         other = np.flatnonzero(d.lt.alive_at(d.peak_row) &
                                (d.category == CAT_CODE[Category.OTHER]))
+        other = np.array([b for b in other.tolist() if not any(
+            f.name == "allocated_before_recording"
+            for f in (snap.stack_frames(int(d.lt.stack[b])) if d.lt.stack[b] >= 0 else []))],
+            dtype=np.int64)
         assert int(d.lt.size[other].max()) == truth["tokens"] * truth["calls"][0]["dim"] * 4
         assert not np.isin(d.phase[other], (Phase.FORWARD, Phase.BACKWARD)).any()
 
