@@ -469,29 +469,49 @@ class _Collectives:
 
 
 def _match(lost: list, taken: dict, at: int, nbytes: int, allocs: list[_Alloc]) -> list[int]:
-    """Lost blocks alive before event ``at`` whose sizes add up to ``nbytes``: one block of that
-    size (the oldest), else the oldest blocks that fit exactly; [] when none add up.
+    """Lost blocks alive before event ``at`` whose sizes add up to ``nbytes``: the fewest blocks
+    that do (one of that size, else two, ... up to ``_MOST_IN_A_DROP``), the oldest first; []
+    when none add up.
 
     Blocks whose address is handed out again later (a deadline) are tried first: they were
     certainly freed, only when is unknown. A block with no deadline may still be alive at the
     end (a parameter made before the first step), and taking it for part of a drop of several
     blocks (two 768 KiB activations freed together) would free it in the trace while the
     allocator still holds it, and leave the blocks that were freed alive until their deadlines.
+    Not the oldest blocks that fit one after the other: an 8-byte block made first (the device
+    mesh's) then fits every drop, and the two blocks the drop was are no longer found.
     """
     alive = [(idx, deadline) for idx, deadline in lost if idx < at and idx not in taken
              and (deadline is None or deadline >= at)]
     for tier in ([i for i, d in alive if d is not None], [i for i, _ in alive]):
-        for idx in tier:
-            if allocs[idx].size == nbytes:
-                return [idx]
-        picked, left = [], nbytes
-        for idx in tier:
-            if allocs[idx].size <= left:
-                picked.append(idx)
-                left -= allocs[idx].size
-                if left == 0:
-                    return picked
+        sizes = [allocs[i].size for i in tier]
+        for k in range(1, _MOST_IN_A_DROP + 1):
+            got = _subset(sizes, nbytes, k, [_SEARCH_STEPS])
+            if got is not None:
+                return [tier[j] for j in got]
     return []
+
+
+_MOST_IN_A_DROP = 4  # blocks one unseen drop may be (a work's tensors, dropped with it)
+_SEARCH_STEPS = 20_000  # per search: bounded whatever the number of lost blocks
+
+
+def _subset(sizes: list[int], target: int, k: int, steps: list[int],
+            start: int = 0) -> list[int] | None:
+    """Indices of ``k`` of ``sizes`` (from ``start``, in order) adding up to ``target``, the
+    earliest such; None when none do or the search ran out of ``steps``."""
+    for j in range(start, len(sizes)):
+        steps[0] -= 1
+        if steps[0] < 0:
+            return None
+        if k == 1:
+            if sizes[j] == target:
+                return [j]
+        elif sizes[j] < target:
+            rest = _subset(sizes, target - sizes[j], k - 1, steps, j + 1)
+            if rest is not None:
+                return [j, *rest]
+    return None
 
 
 def _compile_context(frames: list, memo: dict) -> str:
