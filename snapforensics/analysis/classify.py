@@ -25,14 +25,17 @@ PATHS = ("forward", "backward_pre_hook", "recompute", "prefetch", "explicit")
 # with mixed precision `_use_low_precision_shard` makes the `_mp_shard` (all-gather input).
 _ALL_GATHER_FUNCS = {"foreach_all_gather", "all_gather_copy_in", "all_gather_copy_in_cuda",
                      "all_gather_copy_in_npu", "_all_gather_flat_param",
-                     "_use_low_precision_shard",
-                     "c10d::_allgather_base_", "c10d::allgather_", "c10d::all_gather_into_tensor"}
+                     "_use_low_precision_shard"}
 _UNSHARDED_FUNCS = {"foreach_all_gather_copy_out", "init_all_gather_outputs",
                     "alloc_all_gather_outputs", "alloc_storage", "init_unsharded_param",
                     "_alloc_padded_unsharded_flat_param", "_use_unsharded_flat_param",
                     "init_flat_param_attributes"}
 _REDUCE_FUNCS = {"foreach_reduce", "foreach_reduce_scatter_copy_in", "_reduce_grad",
-                 "_reduce_grad_no_shard", "c10d::reduce_scatter_", "c10d::_reduce_scatter_base_",
+                 "_reduce_grad_no_shard"}
+# c10d's operators (the CPU recorder's `<op>` frames) are FSDP's only under FSDP's code or ranges:
+# Megatron's TP, an `all_gather_object` or the user's own collective make the same ones.
+_C10D_GATHER = {"c10d::_allgather_base_", "c10d::allgather_", "c10d::all_gather_into_tensor"}
+_C10D_SCATTER = {"c10d::_reduce_scatter_base_", "c10d::reduce_scatter_",
                  "c10d::reduce_scatter_tensor_coalesced_"}
 # FSDP1's post-backward hook casts the unsharded grad to reduce_dtype before `_reduce_grad`.
 _FSDP1_REDUCE_HOOKS = {"_post_backward_hook"}
@@ -152,6 +155,58 @@ def _tp_category(frames: list[Frame], nameset: set[str]) -> Category | None:
     return None
 
 
+# Megatron-Core (`megatron/core/`, read from megatron-core 0.16.1), by its innermost frame:
+# - `distributed/param_and_grad_buffer.py`: `_ParamAndGradBuffer.__init__` allocates the DDP
+#   wrapper's contiguous `grad_data` (and `param_data` under the distributed optimizer), every
+#   parameter and `main_grad` a view into them, alive for the whole run; its other functions
+#   (`start_param_sync` / `start_grad_sync` / `finish_*`) are the buckets' all-gather and
+#   reduce-scatter / all-reduce, whose temporaries are `megatron.bucket_comm`.
+# - `optimizer/distrib_optimizer.py` `_build_model_and_main_param_groups`: the distributed
+#   optimizer's fp32 main-parameter shards of bf16/fp16 parameters (`clone().float()`).
+# - `tensor_parallel/mappings.py`: the TP/SP collectives (`_gather_along_*_dim` all-gather,
+#   `_reduce_scatter_along_*_dim` reduce-scatter, `_reduce` all-reduce), the same meaning as
+#   DTensor's; `tensor_parallel/layers.py`'s linear (`LinearWithGradAccumulationAndAsync
+#   Communication`) all-gathers its sequence-parallel input into the global memory buffer
+#   (`utils.py` `get_tensor`) or, in backward, straight through a c10d all-gather, and
+#   reduce-scatters its input grad.
+# - `tensor_parallel/random.py`: its activation checkpointing (`CheckpointFunction.backward`,
+#   `CheckpointWithoutOutput._recompute`) recomputes there (the phase, below).
+# Checked before FSDP's names: Megatron's collectives are c10d's too (`c10d::_allgather_base_`).
+_MEGATRON = "megatron/core/"
+_MEGATRON_CKPT = "megatron/core/tensor_parallel/random.py"
+_MEGATRON_OPTIM = "megatron/core/optimizer/"
+_MEGATRON_TP = {"_gather_along_first_dim": Category.TP_ALL_GATHER,
+                "_gather_along_last_dim": Category.TP_ALL_GATHER,
+                "_reduce_scatter_along_first_dim": Category.TP_REDUCE_SCATTER,
+                "_reduce_scatter_along_last_dim": Category.TP_REDUCE_SCATTER,
+                "_reduce": Category.TP_ALL_REDUCE}
+
+
+def _megatron_category(frames: list[Frame], nameset: set[str]) -> Category | None:
+    """The Megatron-Core buffer or TP collective that made the row, by its innermost
+    `megatron/core/` frame (with the one after it for the global memory buffer)."""
+    mframes = [(f.name, fn.split(_MEGATRON, 1)[1]) for f in frames
+               if _MEGATRON in (fn := f.filename.replace("\\", "/"))]
+    if not mframes:
+        return None
+    name, rel = mframes[0]
+    if rel == "distributed/param_and_grad_buffer.py":
+        return Category.MEGATRON_BUFFER if name == "__init__" else Category.MEGATRON_BUCKET_COMM
+    if rel == "optimizer/distrib_optimizer.py" and name == "_build_model_and_main_param_groups":
+        return Category.MEGATRON_MAIN_PARAM
+    if rel == "tensor_parallel/mappings.py":
+        return _MEGATRON_TP.get(name)
+    if rel == "utils.py" and name == "get_tensor" and len(mframes) > 1 and \
+            mframes[1][1] == "tensor_parallel/layers.py":
+        return Category.TP_ALL_GATHER
+    if rel == "tensor_parallel/layers.py" and name in ("forward", "backward"):
+        if nameset & _C10D_GATHER:
+            return Category.TP_ALL_GATHER
+        if nameset & _C10D_SCATTER:
+            return Category.TP_REDUCE_SCATTER
+    return None
+
+
 # Ranges FSDP2 names `KIND (fqn)`; the root unit's have no fqn.
 _PER_UNIT_RANGES = {"pre_forward", "post_forward", "pre_backward", "all_gather",
                     "all_gather_copy_out", "post_backward_accumulate", "post_backward_reshard",
@@ -219,7 +274,8 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
     # autograd thread's stack starts there: no `CheckpointFunctionBackward` op frame).
     in_recompute = bool(nameset & _RECOMPUTE_FUNCS) or (
         "backward" in nameset and "CheckpointFunction" in " ".join(names)) or any(
-        n == "backward" and p.endswith("utils/checkpoint.py") for n, p in zip(names, files))
+        n == "backward" and p.endswith(("utils/checkpoint.py", _MEGATRON_CKPT)) or
+        n == "_recompute" and p.endswith(_MEGATRON_CKPT) for n, p in zip(names, files))
     # torch.compile's backward: AOTAutograd's `CompiledFunction.backward` runs the compiled
     # backward graph, whose frames map back to the user's `forward` source lines.
     in_backward = in_recompute or bool(nameset & _BACKWARD_FUNCS) or any(
@@ -227,8 +283,8 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
         or n in ("backward", "_backward_impl") and "_functorch/_aot_autograd/" in p
         for n, p in zip(names, files)) or "pre_backward" in rfkinds or any(
         k.startswith("post_backward") for k in rfkinds) or "root_post_backward_callback" in rfkinds
-    in_optim = any(p.startswith("torch/optim/") or "/torch/optim/" in p for p in files) or \
-        "Optimizer." in rftext
+    in_optim = any(p.startswith("torch/optim/") or "/torch/optim/" in p or _MEGATRON_OPTIM in p
+                   for p in files) or "Optimizer." in rftext
     in_forward = any(n in ("_call_impl", "_wrapped_call_impl") for n in names) or \
         "pre_forward" in rfkinds or "forward" in nameset
     in_init = bool(nameset & _INIT_FUNCS) or bool(nameset & _SHARDED_INIT_FUNCS) or \
@@ -257,7 +313,8 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
         phase = Phase.UNKNOWN
 
     path = None
-    tp = _tp_category(frames, nameset)
+    fsdp_here = bool(rfkinds or fsdp1kinds) or any(_is_fsdp_file(f) for f in frames)
+    tp = _megatron_category(frames, nameset) or _tp_category(frames, nameset)
     inner = next((f for f in frames if not f.filename.startswith("<")), None)
     if inner is not None and inner.name in _DDP_BUCKET_FUNCS and \
             inner.filename.replace("\\", "/").endswith(_DDP_FILE):
@@ -268,11 +325,13 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
         category = Category.PARAMETER
     elif nameset & _UNSHARDED_FUNCS or "all_gather_copy_out" in rfkinds:
         category = Category.UNSHARDED_PARAM
-    elif nameset & _ALL_GATHER_FUNCS or "all_gather" in rfkinds:
+    elif nameset & _ALL_GATHER_FUNCS or "all_gather" in rfkinds or \
+            nameset & _C10D_GATHER and fsdp_here:
         category = Category.ALL_GATHER
     elif nameset & _UNSHARDED_GRAD_FUNCS or "post_backward_accumulate" in rfkinds:
         category = Category.UNSHARDED_GRAD
     elif nameset & _REDUCE_FUNCS or "post_backward_reduce" in rfkinds or \
+            nameset & _C10D_SCATTER and fsdp_here or \
             "post_backward_hook" in fsdp1kinds or any(
                 f.name in _FSDP1_REDUCE_HOOKS and _is_fsdp_file(f) for f in frames):
         category = Category.REDUCE_SCATTER

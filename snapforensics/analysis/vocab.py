@@ -62,6 +62,11 @@ class Category(StrEnum):
     TP_ALL_GATHER = "tp.all_gather"  # Shard -> Replicate (SequenceParallel's gathered sequence)
     TP_REDUCE_SCATTER = "tp.reduce_scatter"  # Partial -> Shard (RowwiseParallel output, SP on)
     TP_ALL_REDUCE = "tp.all_reduce"  # Partial -> Replicate (RowwiseParallel output, SP off)
+    # Megatron-Core (`megatron/core/`): its DDP's contiguous buffers, the distributed optimizer's
+    # fp32 main parameters, what the buffers' param all-gather / grad reduce-scatter allocate
+    MEGATRON_BUFFER = "megatron.param_grad_buffer"
+    MEGATRON_MAIN_PARAM = "megatron.main_param"
+    MEGATRON_BUCKET_COMM = "megatron.bucket_comm"
 
 
 CATEGORIES = tuple(Category)

@@ -57,6 +57,9 @@ CATEGORY_COLORS = {
     "tp.all_gather": "#9c9ede",
     "tp.reduce_scatter": "#dbdb8d",
     "tp.all_reduce": "#8c6d31",
+    "megatron.param_grad_buffer": "#008866",
+    "megatron.main_param": "#225500",
+    "megatron.bucket_comm": "#990044",
 }
 _PALETTE = ("#393b79", "#e7ba52", "#843c39", "#637939", "#7b4173", "#3182bd", "#e6550d")
 PHASE_ALPHA = 0.13  # the shading's opacity, the same in the key

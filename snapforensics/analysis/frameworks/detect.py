@@ -8,7 +8,8 @@ framework and the fix text (`analysis/frameworks/fixes.py`) speaks it.
 Recognized from what the file shows, never guessed from one name alone:
 - the package of the frames on the stacks (`transformers/`, `transformers/trainer.py`,
   `accelerate/`, `lightning/pytorch/` / `pytorch_lightning/`, `lightning/fabric/` /
-  `lightning_fabric/`, `torchtitan/`), and the recorder's command line (`-m torchtitan.train`);
+  `lightning_fabric/`, `torchtitan/`, `megatron/core/` (Megatron-LM and NeMo train through
+  Megatron-Core)), and the recorder's command line (`-m torchtitan.train`);
 - the FSDP generation from FSDP's own files (`fsdp/_fully_shard/` is FSDP2,
   `fully_sharded_data_parallel.py` / `_flat_param.py` / `_runtime_utils.py` FSDP1) and the
   CPU recorder's module frames (`FullyShardedDataParallel_N` FSDP1, `FSDP<Class>_N` FSDP2);
@@ -16,7 +17,7 @@ Recognized from what the file shows, never guessed from one name alone:
   dynamic `FSDPLlamaDecoderLayer_3`), its path from the FSDP units' names (`model.layers.3`,
   FSDP2's ranges; FSDP1 units named from the module frames, see `fsdp_units`).
 
-The framework the user configures FSDP through ("owner") is the outermost one: torchtitan,
+The framework the user configures FSDP through ("owner") is the outermost one: Megatron, torchtitan,
 else Lightning, else the HF Trainer (which drives accelerate), else accelerate, else plain
 torch (an HF model under the user's own `fully_shard` is "torch" for the FSDP calls, with
 `transformers` as the model library).
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 
 # (name, path fragments of its frames): a frame's normalized filename containing one of them
 _PACKAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("megatron", ("megatron/core/", "megatron/training/", "megatron/legacy/")),
     ("torchtitan", ("torchtitan/",)),
     ("lightning", ("lightning/pytorch/", "pytorch_lightning/")),
     ("fabric", ("lightning/fabric/", "lightning_fabric/")),
@@ -75,7 +77,7 @@ class Layer:
 
 @dataclass(frozen=True)
 class Framework:
-    owner: str  # torchtitan | lightning | fabric | hf_trainer | accelerate | torch
+    owner: str  # megatron | torchtitan | lightning | fabric | hf_trainer | accelerate | torch
     packages: tuple[str, ...]  # every framework package seen, outermost first
     fsdp: str | None  # "FSDP2" | "FSDP1" | None
     layer: Layer = field(default_factory=lambda: Layer(None, None))
@@ -102,7 +104,7 @@ class Framework:
                 "pipeline": self.pipeline}
 
 
-_LABEL = {"torchtitan": "torchtitan", "lightning": "Lightning Trainer",
+_LABEL = {"megatron": "Megatron-Core", "torchtitan": "torchtitan", "lightning": "Lightning Trainer",
           "fabric": "Lightning Fabric", "hf_trainer": "HF Trainer", "accelerate": "accelerate",
           "transformers": "transformers", "torch": "plain torch"}
 

@@ -9,7 +9,7 @@ user's layer class and module path as the run shows them. Where the framework ha
 the change, it says so and gives the call to make after the framework has wrapped the model.
 
 API names are those of the versions this was checked against (read from their source):
-transformers 5.23.0, accelerate 1.15.0, lightning 2.6.6, torchtitan 0.3.0.
+transformers 5.23.0, accelerate 1.15.0, lightning 2.6.6, torchtitan 0.3.0, megatron-core 0.16.1.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ def _predict_as_printed(f: Finding, fw: Framework) -> None:
         f.predicted_peak_bytes = no_pf
 
 
-_TERMS = {"accelerate": "accelerate", "hf_trainer": "the HF Trainer",
+_TERMS = {"megatron": "Megatron-LM's arguments (Megatron-Core's TransformerConfig)",
+          "accelerate": "accelerate", "hf_trainer": "the HF Trainer",
           "lightning": "Lightning (Trainer)", "fabric": "Lightning Fabric",
           "torchtitan": "torchtitan's config", "torch": "your model (transformers)"}
 
@@ -316,6 +317,18 @@ from torchtitan.distributed.activation_checkpoint import FullAC
 config.activation_checkpoint = FullAC.Config()"""
 
 
+def _ac_megatron(fw: Framework, f: Finding) -> str:
+    # megatron-core 0.16.1 TransformerConfig: recompute_granularity / recompute_method /
+    # recompute_num_layers; "full" + "uniform" + 1 checkpoints each TransformerLayer whole (its
+    # input kept, CheckpointFunction in tensor_parallel/random.py), the per-layer checkpointing
+    # the prediction replays ("selective" recomputes only the attention core: less saving)
+    return """\
+# Megatron-LM: --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
+# Megatron-Core (or NeMo's config):
+config = TransformerConfig(..., recompute_granularity="full", recompute_method="uniform",
+                           recompute_num_layers=1)"""
+
+
 def _ac_hf(fw: Framework, f: Finding) -> str:
     return """\
 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})"""
@@ -415,7 +428,8 @@ _FORMS: dict[str, dict[str, Form]] = {
     _INIT: {"transformers": _init_hf, "accelerate": _init_accelerate,
             "hf_trainer": _init_trainer, "lightning": _init_lightning, "fabric": _init_lightning},
     _AC: {"transformers": _ac_hf, "accelerate": _ac_accelerate, "hf_trainer": _ac_trainer,
-          "lightning": _ac_lightning, "fabric": _ac_lightning, "torchtitan": _ac_titan},
+          "lightning": _ac_lightning, "fabric": _ac_lightning, "torchtitan": _ac_titan,
+          "megatron": _ac_megatron},
     _DOUBLE: {"transformers": _double_hf},
     _AC_FINE: {"transformers": _ac_fine_hf, "accelerate": _ac_fine_accelerate,
                "hf_trainer": _ac_fine_accelerate},

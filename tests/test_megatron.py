@@ -1,0 +1,95 @@
+"""Megatron-Core's own buffers, on real 2-rank runs of Megatron-Core's GPT (megatron-core
+0.16.1's Python code, gloo on the CPU, snapforensics/examples/megatron_gpt.py) recorded by the
+project's recorder: TP 2 with and without its sequence parallelism, Megatron's DDP with the
+distributed optimizer (bf16 parameters, fp32 main-parameter shards), and its full activation
+recompute as the checkpointing twin. The truth is read from the running DDP wrapper and
+optimizer (the buffers' and main parameters' storages, address and bytes), never from what the
+analyzer prints."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import snapforensics as sf
+from snapforensics.analysis.context import analyse
+from snapforensics.analysis.vocab import CAT_CODE, Category, Phase
+from snapforensics.snapshot import load
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (the test extra)")
+slow = pytest.mark.slow
+MODULE = "snapforensics.examples.megatron_gpt"
+RUNS = {"tp2": (), "tp2_sp": ("--sp",), "tp2_recompute": ("--recompute",)}
+
+
+def _run(name: str):
+    from recordings import recorded_module
+
+    folder = recorded_module(MODULE, RUNS[name])
+    out = []
+    for r in (0, 1):
+        snap = load(folder / f"rank{r}.pickle")
+        out.append((folder / f"rank{r}.pickle", analyse(snap, snap.active_traces[0]),
+                    json.loads((folder / f"truth.rank{r}.json").read_text())))
+    return out
+
+
+def _block_at(d, storage: dict) -> int:
+    """The block the running tensor's storage is: the one alive at the end at its address."""
+    at = np.flatnonzero((d.lt.addr == storage["addr"]) & (d.lt.free_row >= d.lt.rows))
+    assert len(at) == 1, storage
+    b = int(at[0])
+    assert int(d.lt.size[b]) == storage["bytes"]
+    return b
+
+
+@slow
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_the_buffers_and_main_parameters_are_megatrons(name):
+    for _, d, truth in _run(name):
+        assert truth["tp"] == 2 and truth["param_buffers"] and truth["main_params"]
+        for s in truth["param_buffers"] + truth["grad_buffers"]:
+            assert d.category_names[d.category[_block_at(d, s)]] == Category.MEGATRON_BUFFER
+        for s in truth["main_params"]:
+            assert d.category_names[d.category[_block_at(d, s)]] == Category.MEGATRON_MAIN_PARAM
+        # Megatron's collectives are c10d's too: none of them is taken for FSDP's
+        names = {d.category_names[c] for c in np.unique(d.category).tolist()}
+        assert not {n for n in names if n.startswith("fsdp.")}, names
+        # and `other` holds at most 5% of the peak
+        other = d.lt.alive_at(d.peak_row) & (d.category == CAT_CODE[Category.OTHER])
+        assert int(d.lt.size[other].sum()) <= 0.05 * d.peak_bytes
+
+
+@slow
+def test_sequence_parallel_collectives_are_tensor_parallel():
+    """SP on: each layer's norm runs on a sequence shard; the linear all-gathers its input
+    (forward, and again in backward) and reduce-scatters the row-parallel output; off, none."""
+    for _, d, truth in _run("tp2_sp"):
+        assert truth["sp"]
+        for cat in (Category.TP_ALL_GATHER, Category.TP_REDUCE_SCATTER):
+            m = (d.category == CAT_CODE[cat]) & (d.phase == Phase.FORWARD)
+            assert m.any(), cat
+    for _, d, truth in _run("tp2"):
+        assert not truth["sp"]
+        for cat in (Category.TP_ALL_GATHER, Category.TP_REDUCE_SCATTER):
+            assert not (d.category == CAT_CODE[cat]).any(), cat
+
+
+@slow
+def test_the_checkpointing_advice_speaks_megatron_and_predicts_its_recompute_twin():
+    """No recompute: the finding's fix is Megatron's arguments, and its predicted peak is the
+    peak of the same run with `recompute_granularity="full"` (per layer), within 5%; that twin's
+    recompute (Megatron's CheckpointFunction.backward) is read as recompute."""
+    twin = {r: d for r, (_, d, _) in enumerate(_run("tp2_recompute"))}
+    for r, (path, d, _) in enumerate(_run("tp2")):
+        rep = sf.diagnose(path)
+        assert rep.diagnosis.framework["owner"] == "megatron"
+        f = next(f for f in rep.diagnosis.findings if f.rule == "activations.no_checkpointing")
+        assert "--recompute-granularity full" in f.fix and "recompute_num_layers=1" in f.fix
+        peak = twin[r].peak_bytes
+        assert peak < d.peak_bytes
+        assert abs(f.predicted_peak_bytes - peak) / peak < 0.05, (f.predicted_peak_bytes, peak)
+        rc = twin[r].category == CAT_CODE[Category.RECOMPUTE_ACTIVATION]
+        assert rc.any() and (twin[r].phase[rc] == Phase.RECOMPUTE).all()
