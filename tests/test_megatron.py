@@ -21,7 +21,8 @@ from snapforensics.snapshot import load
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (the test extra)")
 slow = pytest.mark.slow
 MODULE = "snapforensics.examples.megatron_gpt"
-RUNS = {"tp2": (), "tp2_sp": ("--sp",), "tp2_recompute": ("--recompute",)}
+RUNS = {"tp2": (), "tp2_sp": ("--sp",), "tp2_recompute": ("--recompute",),
+        "pp2": ("--tp", "1", "--pp", "2", "--layers", "4", "--micro-batches", "4")}
 
 
 def _run(name: str):
@@ -49,7 +50,7 @@ def _block_at(d, storage: dict) -> int:
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_the_buffers_and_main_parameters_are_megatrons(name):
     for _, d, truth in _run(name):
-        assert truth["tp"] == 2 and truth["param_buffers"] and truth["main_params"]
+        assert truth["tp"] * truth["pp"] == 2 and truth["param_buffers"] and truth["main_params"]
         for s in truth["param_buffers"] + truth["grad_buffers"]:
             assert d.category_names[d.category[_block_at(d, s)]] == Category.MEGATRON_BUFFER
         for s in truth["main_params"]:
@@ -93,3 +94,25 @@ def test_the_checkpointing_advice_speaks_megatron_and_predicts_its_recompute_twi
         assert abs(f.predicted_peak_bytes - peak) / peak < 0.05, (f.predicted_peak_bytes, peak)
         rc = twin[r].category == CAT_CODE[Category.RECOMPUTE_ACTIVATION]
         assert rc.any() and (twin[r].phase[rc] == Phase.RECOMPUTE).all()
+
+
+@slow
+def test_what_a_pipeline_stage_receives_is_a_p2p_buffer_and_the_first_stage_is_expected():
+    """Megatron's 1F1B over 2 stages, 4 micro-batches: every tensor a stage received from its
+    neighbour (the running P2PCommunicator's return values) is a `pp.p2p_buffer` block, and no
+    other block is; the fleet names stage 0 the worst, as the schedule designs."""
+    from snapforensics import parallel
+    from snapforensics.analysis.fleet import fleet
+
+    runs = _run("pp2")
+    for _, d, truth in runs:
+        assert truth["pp"] == 2 and truth["received"]
+        p2p = d.category == CAT_CODE[Category.PP_P2P]
+        for s in truth["received"]:
+            at = (d.lt.addr == s["addr"]) & (d.lt.size == s["bytes"])
+            assert (at & p2p).any(), s
+        assert int(p2p.sum()) == len(truth["received"])
+    f = fleet(parallel.run([p for p, _, _ in runs], jobs=1, progress=False))
+    st = f.statement
+    assert st["stage"] == 0 and st["stages"] == 2 and st["schedule"] == "1f1b"
+    assert st["verdict"] == "expected" and st["category"] == "activation"

@@ -169,6 +169,8 @@ def _tp_category(frames: list[Frame], nameset: set[str]) -> Category | None:
 #   Communication`) all-gathers its sequence-parallel input into the global memory buffer
 #   (`utils.py` `get_tensor`) or, in backward, straight through a c10d all-gather, and
 #   reduce-scatters its input grad.
+# - `pipeline_parallel/p2p_communication.py`: the buffers a stage receives into
+#   (`create_tensor_recv_prev` / `_next` under `_communicate`): `pp.p2p_buffer`.
 # - `tensor_parallel/random.py`: its activation checkpointing (`CheckpointFunction.backward`,
 #   `CheckpointWithoutOutput._recompute`) recomputes there (the phase, below).
 # Checked before FSDP's names: Megatron's collectives are c10d's too (`c10d::_allgather_base_`).
@@ -194,6 +196,8 @@ def _megatron_category(frames: list[Frame], nameset: set[str]) -> Category | Non
         return Category.MEGATRON_BUFFER if name == "__init__" else Category.MEGATRON_BUCKET_COMM
     if rel == "optimizer/distrib_optimizer.py" and name == "_build_model_and_main_param_groups":
         return Category.MEGATRON_MAIN_PARAM
+    if rel == "pipeline_parallel/p2p_communication.py":
+        return Category.PP_P2P
     if rel == "tensor_parallel/mappings.py":
         return _MEGATRON_TP.get(name)
     if rel == "utils.py" and name == "get_tensor" and len(mframes) > 1 and \
@@ -205,6 +209,15 @@ def _megatron_category(frames: list[Frame], nameset: set[str]) -> Category | Non
         if nameset & _C10D_SCATTER:
             return Category.TP_REDUCE_SCATTER
     return None
+
+
+# torch.distributed.pipelining: a stage makes the buffers it receives into from the metadata
+# its neighbour sent (`_make_tensor_from_meta` in `pipelining/_utils.py`, under the stage's
+# `_setup_forward_recv_info` / `_create_grad_recv_info`, per micro-batch chunk).
+def _pp_category(frames: list[Frame]) -> Category | None:
+    f = next((f for f in frames if "distributed/pipelining/" in f.filename.replace("\\", "/")),
+             None)
+    return Category.PP_P2P if f is not None and f.name == "_make_tensor_from_meta" else None
 
 
 # Ranges FSDP2 names `KIND (fqn)`; the root unit's have no fqn.
@@ -314,13 +327,14 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
 
     path = None
     fsdp_here = bool(rfkinds or fsdp1kinds) or any(_is_fsdp_file(f) for f in frames)
-    tp = _megatron_category(frames, nameset) or _tp_category(frames, nameset)
+    parallel = _megatron_category(frames, nameset) or _tp_category(frames, nameset) or \
+        _pp_category(frames)
     inner = next((f for f in frames if not f.filename.startswith("<")), None)
     if inner is not None and inner.name in _DDP_BUCKET_FUNCS and \
             inner.filename.replace("\\", "/").endswith(_DDP_FILE):
         category = Category.DDP_BUCKET
-    elif tp is not None:
-        category = tp
+    elif parallel is not None:
+        category = parallel
     elif nameset & _DDP_INIT_COLLECTIVES and not any(_is_fsdp_file(f) for f in frames):
         category = Category.PARAMETER
     elif nameset & _UNSHARDED_FUNCS or "all_gather_copy_out" in rfkinds:

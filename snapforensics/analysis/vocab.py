@@ -62,6 +62,9 @@ class Category(StrEnum):
     TP_ALL_GATHER = "tp.all_gather"  # Shard -> Replicate (SequenceParallel's gathered sequence)
     TP_REDUCE_SCATTER = "tp.reduce_scatter"  # Partial -> Shard (RowwiseParallel output, SP on)
     TP_ALL_REDUCE = "tp.all_reduce"  # Partial -> Replicate (RowwiseParallel output, SP off)
+    # Pipeline parallelism: what a stage receives from its neighbours (the previous stage's
+    # activations for each micro-batch, held to its backward; the next stage's input grads)
+    PP_P2P = "pp.p2p_buffer"
     # Megatron-Core (`megatron/core/`): its DDP's contiguous buffers, the distributed optimizer's
     # fp32 main parameters, what the buffers' param all-gather / grad reduce-scatter allocate
     MEGATRON_BUFFER = "megatron.param_grad_buffer"

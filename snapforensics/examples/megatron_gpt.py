@@ -7,13 +7,15 @@ main-parameter shards), micro-batches through its pipeline schedule's no-pipelin
 Megatron-Core's own Python code runs unchanged; what it asks of CUDA is answered by the CPU: the
 current device (``torch.cuda.current_device``), the RNG state its tracker forks (Megatron's
 ``_get_cuda_rng_state`` / ``_set_cuda_rng_state``), ``Tensor.cuda`` and the tensor type names
-its optimizer checks (``torch.cuda.BFloat16Tensor``), and the few factory calls that name
+its optimizer checks (``torch.cuda.BFloat16Tensor``), ``torch.cuda.synchronize`` (its p2p waits
+on gloo's requests first), and the few factory calls that name
 ``device="cuda"`` (the causal mask, the schedule's token count, the optimizer's overflow flag):
 torch's factory functions map that device to the CPU. The norms are torch's LayerNorm with
 their parameters marked ``sequence_parallel``, as apex's FusedLayerNorm (a CUDA extension) does.
 
 The truth (``--truth DIR``, per rank): the buffers' and main parameters' storages (address and
-bytes) read from the running DDP wrapper and optimizer, the parallel degrees and the sizes.
+bytes) read from the running DDP wrapper and optimizer, every tensor the stage received from its
+pipeline neighbours (``--pp``), the parallel degrees and the sizes.
 Needs ``megatron-core`` (the ``test`` extra pins it).
 """
 
@@ -44,6 +46,7 @@ def _cuda_is_cpu() -> None:
         setattr(torch, name, _on_cpu(getattr(torch, name)))
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.manual_seed = lambda seed: None
+    torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
     torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     torch.Tensor.cuda = lambda self, *a, **k: self
@@ -73,6 +76,21 @@ def _cuda_is_cpu() -> None:
     WrappedTorchNorm.__new__ = norm
 
 
+def _record_receives(received: list) -> None:
+    """Every tensor a pipeline stage receives (Megatron's P2PCommunicator._communicate returns
+    them), by storage, into ``received``."""
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    communicate = P2PCommunicator._communicate
+
+    def recording(self, *args, **kwargs):
+        prev, nxt, reqs = communicate(self, *args, **kwargs)
+        received.extend(_storage(t) for t in (prev, nxt) if isinstance(t, torch.Tensor))
+        return prev, nxt, reqs
+
+    P2PCommunicator._communicate = recording
+
+
 def _storage(t: torch.Tensor) -> dict:
     s = t.untyped_storage()
     return {"addr": s.data_ptr(), "bytes": s.nbytes()}
@@ -81,6 +99,7 @@ def _storage(t: torch.Tensor) -> dict:
 def main(argv: list[str] | None = None) -> None:
     p = parser(layers=2, dim=64, batch=4, seq=64, steps=2)
     p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (Megatron's 1F1B)")
     p.add_argument("--sp", action="store_true", help="Megatron's sequence parallelism")
     p.add_argument("--micro-batches", type=int, default=2)
     p.add_argument("--recompute", action="store_true", help="recompute_granularity='full'")
@@ -100,17 +119,21 @@ def main(argv: list[str] | None = None) -> None:
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=a.tp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=a.tp,
+                                             pipeline_model_parallel_size=a.pp)
     model_parallel_cuda_manual_seed(0)
     recompute = dict(recompute_granularity="full", recompute_method="uniform",
                      recompute_num_layers=1) if a.recompute else {}
     cfg = TransformerConfig(num_layers=a.layers, hidden_size=a.dim, num_attention_heads=a.heads,
                             tensor_model_parallel_size=a.tp, sequence_parallel=a.sp,
+                            pipeline_model_parallel_size=a.pp,
                             use_cpu_initialization=True, bf16=True,
                             params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
                             hidden_dropout=0.0, attention_dropout=0.0, **recompute)
     model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(),
-                     vocab_size=a.vocab, max_sequence_length=a.seq)
+                     vocab_size=a.vocab, max_sequence_length=a.seq,
+                     pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage())
     model = Float16Module(cfg, model)  # as megatron.training's get_model wraps a bf16 model
     model = DistributedDataParallel(cfg, DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=True), model)
@@ -134,6 +157,8 @@ def main(argv: list[str] | None = None) -> None:
         return out, loss
 
     it = batches()
+    received: list[dict] = []
+    _record_receives(received)
     for _ in range(a.steps):
         model.zero_grad_buffer()
         opt.zero_grad()
@@ -151,7 +176,8 @@ def main(argv: list[str] | None = None) -> None:
         "batch": a.batch,
         "param_buffers": [_storage(b.param_data) for b in bufs if b.param_data is not None],
         "grad_buffers": [_storage(b.grad_data) for b in bufs],
-        "main_params": [_storage(t) for t in mains]})
+        "main_params": [_storage(t) for t in mains], "pp": a.pp,
+        "stage": parallel_state.get_pipeline_model_parallel_rank(), "received": received})
     with contextlib.suppress(Exception):
         parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

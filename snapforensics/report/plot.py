@@ -57,6 +57,7 @@ CATEGORY_COLORS = {
     "tp.all_gather": "#9c9ede",
     "tp.reduce_scatter": "#dbdb8d",
     "tp.all_reduce": "#8c6d31",
+    "pp.p2p_buffer": "#2288ff",
     "megatron.param_grad_buffer": "#008866",
     "megatron.main_param": "#225500",
     "megatron.bucket_comm": "#990044",

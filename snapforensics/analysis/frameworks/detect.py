@@ -147,26 +147,48 @@ def detect(snapshot: Snapshot, analyses: list[DeviceAnalysis]) -> Framework:
 
 
 def pipeline(snapshot: Snapshot, analyses: list[DeviceAnalysis]) -> dict[str, Any] | None:
-    """The pipeline stage this file is, None when no frame comes from
-    `torch/distributed/pipelining/` (its stage and schedule code run every micro-batch):
+    """The pipeline stage this file is, None when it shows no pipeline schedule:
     `stage` / `stages` (the recorder's rank and world size, as pipeline.all_forward_before_backward
-    takes them: one stage per rank; None when the file has neither) and `schedule`: "gpipe" when
-    the ranges ScheduleGPipe alone opens (`Forward i` / `Backward i`) show every forward of each
-    step before its first backward, "1f1b" otherwise (Schedule1F1B and the interleaved schedules
-    open no such ranges and start backwards during the forwards). Under 1F1B stage s holds at
-    most min(M, S - s) micro-batches' activations: the first stage holds the most."""
+    takes them: one stage per rank; None when the file has neither) and `schedule`.
+
+    torch.distributed.pipelining (`torch/distributed/pipelining/`): "gpipe" when the ranges
+    ScheduleGPipe alone opens (`Forward i` / `Backward i`) show every forward of each step before
+    its first backward, "1f1b" otherwise (Schedule1F1B and the interleaved schedules open no such
+    ranges and start backwards during the forwards). Megatron-Core (`megatron/core/
+    pipeline_parallel/schedules.py`): its pipelined schedules are 1F1B
+    (`forward_backward_pipelining_without_interleaving`) or interleaved 1F1B (`..._with_
+    interleaving`); its stage is the rank only where the file shows no tensor-parallel collective
+    (Megatron orders ranks tp fastest, pp slowest: with TP the rank is not the stage). Under 1F1B
+    stage s holds at most min(M, S - s) micro-batches' activations: the first stage holds the
+    most."""
     from snapforensics.analysis.rules.pipeline_schedule import _all_forward_first, _steps
 
-    if not any("distributed/pipelining/" in f.filename.replace("\\", "/")
-               for f in snapshot.frames):
+    names = {f.name for f in snapshot.frames
+             if f.filename.replace("\\", "/").endswith(_MEGATRON_SCHEDULES)}
+    megatron = names & set(_MEGATRON_PIPELINED)
+    if not megatron and not any("distributed/pipelining/" in f.filename.replace("\\", "/")
+                                for f in snapshot.frames):
         return None
-    steps = [st for d in analyses if d.lt.rows for st in _steps(d) if st]
     prov = snapshot.provenance if isinstance(snapshot.provenance, dict) else {}
     stage, stages = prov.get("rank"), prov.get("world_size")
     ok = type(stage) is int and type(stages) is int and 0 <= stage < stages
+    if megatron:
+        from snapforensics.analysis.vocab import CAT_CODE, Category
+
+        tp = {CAT_CODE[c] for c in (Category.TP_ALL_GATHER, Category.TP_REDUCE_SCATTER,
+                                    Category.TP_ALL_REDUCE)}
+        ok = ok and not any(np.isin(d.category, list(tp)).any() for d in analyses)
+        return {"stage": stage if ok else None, "stages": stages if ok else None,
+                "schedule": _MEGATRON_PIPELINED[min(megatron)]}
+    steps = [st for d in analyses if d.lt.rows for st in _steps(d) if st]
     return {"stage": stage if ok else None, "stages": stages if ok else None,
             "schedule": "gpipe" if steps and all(_all_forward_first(st) for st in steps)
             else "1f1b"}
+
+
+_MEGATRON_SCHEDULES = "megatron/core/pipeline_parallel/schedules.py"
+_MEGATRON_PIPELINED = {"forward_backward_pipelining_without_interleaving": "1f1b",
+                       "forward_backward_pipelining_with_interleaving": "interleaved_1f1b"}
 
 
 def _short(fn: str) -> str:
