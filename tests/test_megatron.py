@@ -38,12 +38,12 @@ def _run(name: str):
 
 
 def _block_at(d, storage: dict) -> int:
-    """The block the running tensor's storage is: the one alive at the end at its address."""
-    at = np.flatnonzero((d.lt.addr == storage["addr"]) & (d.lt.free_row >= d.lt.rows))
-    assert len(at) == 1, storage
-    b = int(at[0])
-    assert int(d.lt.size[b]) == storage["bytes"]
-    return b
+    """The block the running tensor's storage is: the last one made at its address, of its
+    size (the CPU recorder may place its free early: a worker's unseen drop of the same size can
+    be matched to it, record/cpu.py `_match`; what made it is the question here)."""
+    at = np.flatnonzero((d.lt.addr == storage["addr"]) & (d.lt.size == storage["bytes"]))
+    assert len(at) >= 1, storage
+    return int(at[np.argmax(d.lt.alloc_row[at])])
 
 
 @slow

@@ -600,22 +600,6 @@ def test_a_small_block_made_first_does_not_take_part_in_every_drop():
 
 
 
-def test_a_drop_takes_the_newest_block_with_no_later_reuse_not_a_weight_made_at_init():
-    """Seen in a Megatron-Core run (examples/megatron_gpt.py --recompute): the optimizer's 32 KiB
-    main-weight shard, made at init and alive to the end, was taken for the 32 KiB activation a
-    gloo worker dropped 19 events after making it (both with no later reuse of their address)."""
-    from snapforensics.record.cpu import _Alloc, _build_trace, _recover_lost_frees
-
-    frames, f = _one_stack()
-    K = 32 << 10
-    allocs = [_Alloc(1, 0, 0xA, K, f, 1, [], K),              # the main weight: alive at the end
-              _Alloc(2, 1, 0xB, K, f, 1, [], 2 * K),          # the activation: lost
-              _Alloc(3, 2, 0xC, 16, f, 1, [], K + 16)]         # the activation dropped before
-    events, n = _recover_lost_frees(allocs, frames)
-    trace, live = _build_trace(events)
-    assert n == 1 and set(live) == {0xA, 0xC}
-
-
 # ----------------------------------------------------------------------------- plumbing
 
 

@@ -470,21 +470,20 @@ class _Collectives:
 
 def _match(lost: list, taken: dict, at: int, nbytes: int, allocs: list[_Alloc]) -> list[int]:
     """Lost blocks alive before event ``at`` whose sizes add up to ``nbytes``: the fewest blocks
-    that do (one of that size, else two, ... up to ``_MOST_IN_A_DROP``); [] when none add up.
+    that do (one of that size, else two, ... up to ``_MOST_IN_A_DROP``), the oldest first; []
+    when none add up.
 
-    Blocks whose address is handed out again later (a deadline) are tried first, the oldest
-    first (a process group's work queue is first in, first out): they were certainly freed,
-    only when is unknown. Then the blocks with no deadline, the newest first: such a block may
-    still be alive at the end (a parameter, the optimizer's main weights, made before the first
-    step), and taking it for a drop (seen: a Megatron optimizer's 32 KiB main-weight shard for
-    a 32 KiB activation a worker dropped 19 events after it was made) frees it in the trace
-    while the allocator still holds it and leaves the block that was freed alive.
+    Blocks whose address is handed out again later (a deadline) are tried first: they were
+    certainly freed, only when is unknown. A block with no deadline may still be alive at the
+    end (a parameter made before the first step), and taking it for part of a drop of several
+    blocks (two 768 KiB activations freed together) would free it in the trace while the
+    allocator still holds it, and leave the blocks that were freed alive until their deadlines.
     Not the oldest blocks that fit one after the other: an 8-byte block made first (the device
     mesh's) then fits every drop, and the two blocks the drop was are no longer found.
     """
     alive = [(idx, deadline) for idx, deadline in lost if idx < at and idx not in taken
              and (deadline is None or deadline >= at)]
-    for tier in ([i for i, d in alive if d is not None], [i for i, _ in reversed(alive)]):
+    for tier in ([i for i, d in alive if d is not None], [i for i, _ in alive]):
         sizes = [allocs[i].size for i in tier]
         for k in range(1, _MOST_IN_A_DROP + 1):
             got = _subset(sizes, nbytes, k, [_SEARCH_STEPS])
