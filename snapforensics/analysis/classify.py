@@ -162,7 +162,9 @@ def _tp_category(frames: list[Frame], nameset: set[str]) -> Category | None:
 #   (`start_param_sync` / `start_grad_sync` / `finish_*`) are the buckets' all-gather and
 #   reduce-scatter / all-reduce, whose temporaries are `megatron.bucket_comm`.
 # - `optimizer/distrib_optimizer.py` `_build_model_and_main_param_groups`: the distributed
-#   optimizer's fp32 main-parameter shards of bf16/fp16 parameters (`clone().float()`).
+#   optimizer's fp32 main-parameter shards of bf16/fp16 parameters (`clone().float()`);
+#   `optimizer/optimizer.py` `__init__`: the non-distributed mixed-precision optimizer's
+#   (`Float16OptimizerWithFloat16Params`) fp32 copies, with a few bytes of its flags.
 # - `tensor_parallel/mappings.py`: the TP/SP collectives (`_gather_along_*_dim` all-gather,
 #   `_reduce_scatter_along_*_dim` reduce-scatter, `_reduce` all-reduce), the same meaning as
 #   DTensor's; `tensor_parallel/layers.py`'s linear (`LinearWithGradAccumulationAndAsync
@@ -174,36 +176,52 @@ def _tp_category(frames: list[Frame], nameset: set[str]) -> Category | None:
 # - `tensor_parallel/random.py`: its activation checkpointing (`CheckpointFunction.backward`,
 #   `CheckpointWithoutOutput._recompute`) recomputes there (the phase, below).
 # Checked before FSDP's names: Megatron's collectives are c10d's too (`c10d::_allgather_base_`).
-_MEGATRON = "megatron/core/"
-_MEGATRON_CKPT = "megatron/core/tensor_parallel/random.py"
-_MEGATRON_OPTIM = "megatron/core/optimizer/"
+_MEGATRON = "megatron/"
 _MEGATRON_TP = {"_gather_along_first_dim": Category.TP_ALL_GATHER,
                 "_gather_along_last_dim": Category.TP_ALL_GATHER,
                 "_reduce_scatter_along_first_dim": Category.TP_REDUCE_SCATTER,
                 "_reduce_scatter_along_last_dim": Category.TP_REDUCE_SCATTER,
                 "_reduce": Category.TP_ALL_REDUCE}
+# Megatron-LM before megatron/core (2022-23): `megatron/mpu/`, `megatron/model/distributed.py`
+# (`MemoryBuffer`), `megatron/optimizer/`, `megatron/p2p_communication.py`; core 0.4 had
+# `distributed/grad_buffer.py`. Paths below are read with `megatron/` and `core/` taken off.
+_MEGATRON_BUFFERS = ("distributed/param_and_grad_buffer.py", "distributed/grad_buffer.py",
+                     "model/distributed.py")
+_MEGATRON_MAPPINGS = ("tensor_parallel/mappings.py", "mpu/mappings.py")
+_MEGATRON_LAYERS = ("tensor_parallel/layers.py", "mpu/layers.py")
+_MEGATRON_P2P = ("pipeline_parallel/p2p_communication.py", "p2p_communication.py")
+_MEGATRON_CKPT = ("tensor_parallel/random.py", "mpu/random.py")
+
+
+def _megatron_rel(filename: str) -> str | None:
+    """`filename` inside Megatron (`megatron/` and `core/` taken off), None outside it."""
+    fn = filename.replace("\\", "/")
+    if _MEGATRON not in fn:
+        return None
+    rel = fn.rsplit(_MEGATRON, 1)[1]
+    return rel[len("core/"):] if rel.startswith("core/") else rel
 
 
 def _megatron_category(frames: list[Frame], nameset: set[str]) -> Category | None:
-    """The Megatron-Core buffer or TP collective that made the row, by its innermost
-    `megatron/core/` frame (with the one after it for the global memory buffer)."""
-    mframes = [(f.name, fn.split(_MEGATRON, 1)[1]) for f in frames
-               if _MEGATRON in (fn := f.filename.replace("\\", "/"))]
+    """The Megatron buffer or TP/PP collective that made the row, by its innermost Megatron
+    frame (with the one after it for the global memory buffer)."""
+    mframes = [(f.name, rel) for f in frames if (rel := _megatron_rel(f.filename)) is not None]
     if not mframes:
         return None
     name, rel = mframes[0]
-    if rel == "distributed/param_and_grad_buffer.py":
+    if rel in _MEGATRON_BUFFERS:
         return Category.MEGATRON_BUFFER if name == "__init__" else Category.MEGATRON_BUCKET_COMM
-    if rel == "optimizer/distrib_optimizer.py" and name == "_build_model_and_main_param_groups":
+    if rel == "optimizer/distrib_optimizer.py" and name == "_build_model_and_main_param_groups" \
+            or rel == "optimizer/optimizer.py" and name == "__init__":
         return Category.MEGATRON_MAIN_PARAM
-    if rel == "pipeline_parallel/p2p_communication.py":
+    if rel in _MEGATRON_P2P:
         return Category.PP_P2P
-    if rel == "tensor_parallel/mappings.py":
+    if rel in _MEGATRON_MAPPINGS:
         return _MEGATRON_TP.get(name)
     if rel == "utils.py" and name == "get_tensor" and len(mframes) > 1 and \
-            mframes[1][1] == "tensor_parallel/layers.py":
+            mframes[1][1] in _MEGATRON_LAYERS:
         return Category.TP_ALL_GATHER
-    if rel == "tensor_parallel/layers.py" and name in ("forward", "backward"):
+    if rel in _MEGATRON_LAYERS and name in ("forward", "backward"):
         if nameset & _C10D_GATHER:
             return Category.TP_ALL_GATHER
         if nameset & _C10D_SCATTER:
@@ -287,8 +305,9 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
     # autograd thread's stack starts there: no `CheckpointFunctionBackward` op frame).
     in_recompute = bool(nameset & _RECOMPUTE_FUNCS) or (
         "backward" in nameset and "CheckpointFunction" in " ".join(names)) or any(
-        n == "backward" and p.endswith(("utils/checkpoint.py", _MEGATRON_CKPT)) or
-        n == "_recompute" and p.endswith(_MEGATRON_CKPT) for n, p in zip(names, files))
+        n == "backward" and p.endswith("utils/checkpoint.py") or
+        n in ("backward", "_recompute") and _megatron_rel(p) in _MEGATRON_CKPT
+        for n, p in zip(names, files))
     # torch.compile's backward: AOTAutograd's `CompiledFunction.backward` runs the compiled
     # backward graph, whose frames map back to the user's `forward` source lines.
     in_backward = in_recompute or bool(nameset & _BACKWARD_FUNCS) or any(
@@ -296,8 +315,9 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
         or n in ("backward", "_backward_impl") and "_functorch/_aot_autograd/" in p
         for n, p in zip(names, files)) or "pre_backward" in rfkinds or any(
         k.startswith("post_backward") for k in rfkinds) or "root_post_backward_callback" in rfkinds
-    in_optim = any(p.startswith("torch/optim/") or "/torch/optim/" in p or _MEGATRON_OPTIM in p
-                   for p in files) or "Optimizer." in rftext
+    in_optim = any(p.startswith("torch/optim/") or "/torch/optim/" in p or
+                   (_megatron_rel(p) or "").startswith("optimizer/") for p in files) or \
+        "Optimizer." in rftext
     in_forward = any(n in ("_call_impl", "_wrapped_call_impl") for n in names) or \
         "pre_forward" in rfkinds or "forward" in nameset
     in_init = bool(nameset & _INIT_FUNCS) or bool(nameset & _SHARDED_INIT_FUNCS) or \
