@@ -116,3 +116,24 @@ def test_what_a_pipeline_stage_receives_is_a_p2p_buffer_and_the_first_stage_is_e
     st = f.statement
     assert st["stage"] == 0 and st["stages"] == 2 and st["schedule"] == "1f1b"
     assert st["verdict"] == "expected" and st["category"] == "activation"
+
+
+@slow
+def test_sequence_parallel_off_predicts_the_sp_twins_peak():
+    """TP 2 without --sp: the residual stream and the norms' outputs are the same on both TP
+    ranks; the replay (each such block at 1/tp, plus the one shared gather buffer) predicts the
+    --sp twin's recorded peak within 5%, and the fix is Megatron's argument. The twin and a
+    TP-1 run (pipeline only: the same linears, no vocabulary masking) get no finding."""
+    twin = [d.peak_bytes for _, d, _ in _run("tp2_sp")]
+    for r, (path, d, truth) in enumerate(_run("tp2")):
+        assert truth["tp"] == 2 and not truth["sp"]
+        f = next(f for f in sf.diagnose(path).diagnosis.findings
+                 if f.rule == "tp.sequence_parallel_off")
+        assert f.verdict == "anomalous" and "--sequence-parallel" in f.fix
+        assert twin[r] < d.peak_bytes
+        assert abs(f.predicted_peak_bytes - twin[r]) / twin[r] < 0.05, (f.predicted_peak_bytes,
+                                                                        twin[r])
+    for name in ("tp2_sp", "pp2"):
+        for path, _, _ in _run(name):
+            assert not [f for f in sf.diagnose(path).diagnosis.findings
+                        if f.rule == "tp.sequence_parallel_off"], name

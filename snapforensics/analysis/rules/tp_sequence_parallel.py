@@ -16,6 +16,18 @@ The replay (sizes, not rows): every block of F bytes made outside the TP modules
 F / tp, except a forward one made right before a block inside a TP module (the norm's output the
 TP module reads: under SP the all-gathered copy of the same size takes its place). A recording
 without `<nn.Module>` frames gets the finding without a prediction.
+
+Megatron-Core (`megatron/core/tensor_parallel/`) all-reduces its row-parallel outputs in place
+(`_reduce`: no block), so there SP off is seen by its TP linears (frames in
+`tensor_parallel/layers.py` in forward) with no forward `tp.all_gather` / `tp.reduce_scatter`
+(its SP all-gathers every column-parallel input). F is the residual stream's size (the forward
+blocks its bias-dropout-add makes, `fusions/fused_bias_dropout.py`). Its SP saves more than
+DTensor's: the linear keeps the sequence shard for backward and gathers into one shared buffer
+(`get_global_memory_buffer`), so the replay shrinks every forward block of F bytes made outside
+the TP linears to F / tp and adds that one buffer of F. TP above 1 is read from the
+vocabulary-parallel embedding masking token ids (its module frame: the CPU recorder's; a dump
+without module frames gets no finding: a data-parallel-only run has the same linears). Checked
+on megatron_gpt's TP 2 run against its `--sp` twin.
 """
 
 from __future__ import annotations
@@ -61,7 +73,82 @@ def _modules(d: DeviceAnalysis, b: int) -> list[str]:
     return [f.name for f in d.snapshot.stack_frames(sid) if f.filename == "<nn.Module>"]
 
 
+MEGATRON_FIX = """\
+# Megatron-LM: --sequence-parallel (with --tensor-model-parallel-size > 1)
+# Megatron-Core (or NeMo's config):
+config = TransformerConfig(..., tensor_model_parallel_size=tp, sequence_parallel=True)
+"""
+
+
+def _megatron_rel_of(d: DeviceAnalysis, b: int) -> str | None:
+    """The innermost Megatron file of block b's stack (classify's reading), None outside it."""
+    from snapforensics.analysis.classify import _megatron_rel
+
+    sid = int(d.lt.stack[b])
+    if sid < 0:
+        return None
+    return next((r for f in d.snapshot.stack_frames(sid)
+                 if (r := _megatron_rel(f.filename)) is not None), None)
+
+
+def _vocab_masked(d: DeviceAnalysis, b: int) -> bool:
+    """Block b is the vocabulary-parallel embedding's masking of token ids outside this rank's
+    vocabulary shard, which `VocabParallelEmbedding.forward` does only when the TP degree is
+    above 1 (the evidence that this run's TP is > 1: a data-parallel-only run makes none)."""
+    sid = int(d.lt.stack[b])
+    frames = d.snapshot.stack_frames(sid) if sid >= 0 else []
+    mod = next((f.name for f in frames if f.filename == "<nn.Module>"), "")
+    return mod.startswith("VocabParallelEmbedding") and not any(
+        f.name == "embedding" and f.filename.endswith("nn/functional.py") for f in frames)
+
+
+def _megatron(d: DeviceAnalysis) -> list[Finding]:
+    lt = d.lt
+    fwd = np.flatnonzero(d.phase == Phase.FORWARD)
+    sp = {CAT_CODE[Category.TP_ALL_GATHER], CAT_CODE[Category.TP_REDUCE_SCATTER]}
+    if not len(fwd) or np.isin(d.category[fwd], list(sp)).any() or d.peak_row < 0:
+        return []
+    rel = {b: _megatron_rel_of(d, b) for b in fwd.tolist()}
+    linear = {b for b, r in rel.items() if r in ("tensor_parallel/layers.py", "mpu/layers.py")}
+    residual = [b for b, r in rel.items() if r == "fusions/fused_bias_dropout.py"]
+    tp = d.snapshot.provenance.get("world_size")
+    if not linear or not residual or not (type(tp) is int and tp > 1) or \
+            not any(_vocab_masked(d, b) for b in fwd.tolist()):
+        return []
+    full = int(np.bincount(lt.size[residual]).argmax())
+    shrink = np.zeros(len(lt), bool)
+    shrink[[b for b in rel if b not in linear and lt.size[b] == full and lt.alloc_row[b] >= 0]] \
+        = True
+    held = lt.alive_at(d.peak_row) & shrink
+    held_bytes = int(lt.size[held].sum())
+    cut = np.flatnonzero(shrink).tolist()
+    first = int(lt.alloc_row[fwd].min())  # the shared gather buffer, from the first forward on
+    extra = tuple((int(lt.alloc_row[b]), int(lt.free_row[b]), -(full - full // tp))
+                  for b in cut) + ((first, lt.rows, full),)
+    predicted = max(int(lt.replay(extra=extra).max()), lt.baseline)
+    saving = d.peak_bytes - predicted
+    anomalous = saving > 0
+    evidence = {"full_activation_bytes": full, "tp_degree_assumed": tp, "framework": "megatron",
+                "replicated_at_peak": held_bytes, "global_buffer_bytes": full,
+                "stacks": top_stacks(d, np.flatnonzero(held), 1)}
+    cause = (f"Megatron-Core tensor parallelism without sequence parallelism: at the peak "
+             f"{human(held_bytes)} of full-sequence activations ({human(full)} each: the residual "
+             "stream, the norms' outputs, dropout masks) outside the TP linears are the same on "
+             f"every TP rank; --sequence-parallel keeps 1/tp of each. TP degree taken as the "
+             f"world size ({tp}).")
+    return [Finding(
+        rule=RULE.id, verdict=Verdict.ANOMALOUS if anomalous else Verdict.INFO,
+        title="Tensor-parallel activations replicated on every TP rank (Megatron, SP off)",
+        cause=cause, bytes=held_bytes, blocks=int(held.sum()), device=d.device,
+        fix=MEGATRON_FIX if anomalous else None,
+        predicted_peak_bytes=predicted if anomalous else None,
+        saving_bytes=saving if anomalous else None, evidence=evidence,
+        replay=Replay(extra=extra) if anomalous else None, members=np.flatnonzero(held))]
+
+
 def check(d: DeviceAnalysis) -> list[Finding]:
+    if any("megatron/" in f.filename.replace("\\", "/") for f in d.snapshot.frames):
+        return _megatron(d)
     lt = d.lt
     fwd = d.phase == Phase.FORWARD
     ar = np.flatnonzero((d.category == CAT_CODE[Category.TP_ALL_REDUCE]) & fwd)
