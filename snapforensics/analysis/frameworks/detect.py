@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 # (name, path fragments of its frames): a frame's normalized filename containing one of them
 _PACKAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("megatron", ("megatron/core/", "megatron/training/", "megatron/legacy/")),
+    ("megatron", ("megatron/",)),  # megatron/core, /training, /legacy; pre-core megatron/mpu
     ("torchtitan", ("torchtitan/",)),
     ("lightning", ("lightning/pytorch/", "pytorch_lightning/")),
     ("fabric", ("lightning/fabric/", "lightning_fabric/")),
