@@ -5,15 +5,20 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
+# tests/rules/test_deepspeed_reduce_bucket.py: DeepSpeed is an sdist whose setup.py imports torch,
+# so it is built against the venv's pinned torch (no build isolation: an isolated build env
+# would pull an unpinned, multi-GB torch); its CPU accelerator JIT-builds one op with ninja
+DEEPSPEED := deepspeed==0.19.8
 STAMP := $(VENV)/.installed
 CSRC := $(wildcard snapforensics/snapshot/*.c snapforensics/snapshot/*.h)
 
 .PHONY: setup demo lint test test-full test-fast test-pythons bench clean fuzz
 
-$(STAMP): pyproject.toml setup.py $(CSRC)
+$(STAMP): pyproject.toml setup.py Makefile $(CSRC)
 	$(PY) -m venv --system-site-packages $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/python -c "import deepspeed" 2>/dev/null || $(BIN)/pip install -q --no-build-isolation $(DEEPSPEED)
 	touch $(STAMP)
 
 # The browser tests drive the Debian package's Chromium, the fuzz target needs clang: each

@@ -229,6 +229,29 @@ def _megatron_category(frames: list[Frame], nameset: set[str]) -> Category | Non
     return None
 
 
+# DeepSpeed ZeRO (`deepspeed/runtime/zero/`, read from deepspeed 0.19.8): the gradient reduction
+# bucket, `reduce_bucket_size` elements whatever the model's size (default 5e8), made where it is
+# the innermost Python frame: ZeRO-1/2's `setup_buckets` (`stage_1_and_2.py`, each backward; two
+# under `overlap_comm`; `backward` there before 0.15) and ZeRO-3's `_setup_for_real_optimizer`
+# (`stage3.py`, once, alive for the run).
+_DEEPSPEED_BUCKET = {"stage_1_and_2.py": {"setup_buckets", "backward"},
+                     "stage3.py": {"_setup_for_real_optimizer"}}
+
+
+def _deepspeed_category(frames: list[Frame]) -> Category | None:
+    f = next((f for f in frames if not f.filename.startswith("<")), None)
+    if f is None or any(g.name == "aten::zeros" for g in frames if g.filename == "<op>"):
+        # ZeRO-3 makes its flat gradient partitions there too, with torch.zeros (told apart
+        # where the stack has operator frames, the CPU recorder's; on CUDA both read as the
+        # bucket, and the rule only shrinks blocks larger than the model's gradients)
+        return None
+    fn = f.filename.replace("\\", "/")
+    if "deepspeed/runtime/zero/" not in fn:
+        return None
+    names = _DEEPSPEED_BUCKET.get(fn.rsplit("/", 1)[1], set())
+    return Category.DEEPSPEED_REDUCE_BUCKET if f.name in names else None
+
+
 # torch.distributed.pipelining: a stage makes the buffers it receives into from the metadata
 # its neighbour sent (`_make_tensor_from_meta` in `pipelining/_utils.py`, under the stage's
 # `_setup_forward_recv_info` / `_create_grad_recv_info`, per micro-batch chunk).
@@ -348,7 +371,7 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
     path = None
     fsdp_here = bool(rfkinds or fsdp1kinds) or any(_is_fsdp_file(f) for f in frames)
     parallel = _megatron_category(frames, nameset) or _tp_category(frames, nameset) or \
-        _pp_category(frames)
+        _pp_category(frames) or _deepspeed_category(frames)
     inner = next((f for f in frames if not f.filename.startswith("<")), None)
     if inner is not None and inner.name in _DDP_BUCKET_FUNCS and \
             inner.filename.replace("\\", "/").endswith(_DDP_FILE):

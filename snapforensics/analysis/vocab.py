@@ -70,6 +70,8 @@ class Category(StrEnum):
     MEGATRON_BUFFER = "megatron.param_grad_buffer"
     MEGATRON_MAIN_PARAM = "megatron.main_param"
     MEGATRON_BUCKET_COMM = "megatron.bucket_comm"
+    # DeepSpeed ZeRO: its gradient reduction bucket (`reduce_bucket_size` elements)
+    DEEPSPEED_REDUCE_BUCKET = "deepspeed.reduce_bucket"
 
 
 CATEGORIES = tuple(Category)

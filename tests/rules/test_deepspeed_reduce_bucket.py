@@ -1,0 +1,61 @@
+"""deepspeed.reduce_bucket_oversized and `deepspeed.reduce_bucket`, on real 2-rank DeepSpeed
+ZeRO-2 and ZeRO-3 runs on the CPU (deepspeed 0.19.8's own code, its CPU accelerator, gloo;
+snapforensics/examples/deepspeed_zero.py) recorded by the project's recorder: DeepSpeed's default
+reduce_bucket_size (5e8 elements, 2 GB of fp32) on a 263,168-parameter MLP, and each one's twin
+with the bucket set to the parameter count. The truth is read from the running optimizer (its
+ipg_buckets' storages, its reduce_bucket_size) and the model (its parameter count)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import snapforensics as sf
+from snapforensics.analysis.context import analyse
+from snapforensics.analysis.rules.deepspeed_reduce_bucket import RULE
+from snapforensics.analysis.vocab import CAT_CODE, Category
+from snapforensics.snapshot import load
+
+pytest.importorskip("deepspeed", reason="deepspeed is not installed (make setup installs it)")
+slow = pytest.mark.slow
+MODULE = "snapforensics.examples.deepspeed_zero"
+
+
+def _run(stage: int, bucket: int | None = None):
+    from recordings import recorded_module
+
+    args = ("--stage", str(stage)) + (("--bucket", str(bucket)) if bucket else ())
+    folder = recorded_module(MODULE, args)
+    return [(folder / f"rank{r}.pickle", json.loads((folder / f"truth.rank{r}.json")
+                                                    .read_text())) for r in (0, 1)]
+
+
+def _finding(path):
+    return next((f for f in sf.diagnose(path).diagnosis.findings if f.rule == RULE.id), None)
+
+
+@slow
+@pytest.mark.parametrize("stage", (2, 3))
+def test_the_bucket_is_named_and_its_twin_predicted(stage):
+    for (path, truth), (twin_path, twin) in zip(_run(stage), _run(stage, 263_168)):
+        assert truth["reduce_bucket_size"] == 500_000_000 and truth["buckets"]
+        assert twin["reduce_bucket_size"] == twin["params"] == truth["params"] == 263_168
+        snap = load(path)
+        d = analyse(snap, snap.active_traces[0])
+        bucket = d.category == CAT_CODE[Category.DEEPSPEED_REDUCE_BUCKET]
+        for s in truth["buckets"]:  # every buffer the running optimizer holds is the bucket
+            at = np.flatnonzero((d.lt.addr == s["addr"]) & (d.lt.size == s["bytes"]))
+            assert len(at) and bucket[at].all(), s
+        # and nothing else is: every bucket block has a buffer's size
+        assert set(d.lt.size[bucket].tolist()) == {s["bytes"] for s in truth["buckets"]}
+        f = _finding(path)
+        assert f is not None and f.verdict == "anomalous"
+        assert f.evidence["params_assumed"] == truth["params"]
+        assert f'"reduce_bucket_size": {truth["params"]}' in f.fix
+        tsnap = load(twin_path)
+        peak = analyse(tsnap, tsnap.active_traces[0]).peak_bytes
+        assert peak < d.peak_bytes / 100
+        assert abs(f.predicted_peak_bytes - peak) / peak < 0.05, (f.predicted_peak_bytes, peak)
+        assert _finding(twin_path) is None  # a bucket the gradients fill: nothing to say
