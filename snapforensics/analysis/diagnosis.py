@@ -82,6 +82,17 @@ class Finding:
     def to_dict(self) -> dict[str, Any]:
         return public(self)
 
+    @classmethod
+    def replayed(cls, anomalous: bool, *, fix: str | None, predicted: int | None,
+                 saving: int | None, replay: Replay | None, **rest: Any) -> Finding:
+        """A finding whose fix was replayed: `anomalous` (the rule's reading of the replay: it
+        lowers this run's peak) gives the verdict, and only an anomaly carries the fix, the
+        predicted peak, the saving and the replay; otherwise it is `info`."""
+        if not anomalous:
+            fix = predicted = saving = replay = None
+        return cls(verdict=Verdict.ANOMALOUS if anomalous else Verdict.INFO, fix=fix,
+                   predicted_peak_bytes=predicted, saving_bytes=saving, replay=replay, **rest)
+
     @property
     def modules(self) -> list[dict[str, Any]]:
         """Its blocks' bytes by module, largest first (`evidence.by_module`): may be empty."""

@@ -103,13 +103,11 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     elif not len(hook):
         cause += (" The file has no C++ frames of the Reducer's hook (record with "
                   "stacks=\"all\"): the predicted peak is a lower bound.")
-    return [Finding(
-        rule=RULE.id, verdict=Verdict.ANOMALOUS if anomalous else Verdict.INFO, title=title,
+    return [Finding.replayed(
+        anomalous, rule=RULE.id, title=title,
         cause=cause, bytes=held_bytes, blocks=int(len(held)), device=d.device,
-        fix=FIX if anomalous else None,
-        predicted_peak_bytes=predicted if anomalous else None,
-        saving_bytes=saving if anomalous else None, evidence=evidence,
-        replay=replay if anomalous else None, members=held if len(held) else copies)]
+        fix=FIX, predicted=predicted, saving=saving, evidence=evidence,
+        replay=replay, members=held if len(held) else copies)]
 
 
 RULE = Rule(

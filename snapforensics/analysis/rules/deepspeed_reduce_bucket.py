@@ -79,13 +79,11 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     anomalous = saving > 0
     cause += (f" The model has {params:,} parameters (its fp32 partition here x {world} ranks): "
               f"at most {human(need)} of gradients ever pass through it in one backward.")
-    return [Finding(
-        rule=RULE.id, verdict=Verdict.ANOMALOUS if anomalous else Verdict.INFO, title=title,
+    return [Finding.replayed(
+        anomalous, rule=RULE.id, title=title,
         cause=cause, bytes=held_bytes, blocks=int(held.sum()), device=d.device,
-        fix=fix_for(d, evidence) if anomalous else None,
-        predicted_peak_bytes=predicted if anomalous else None,
-        saving_bytes=saving if anomalous else None, evidence=evidence,
-        replay=Replay(extra=extra) if anomalous else None, members=np.flatnonzero(held))]
+        fix=fix_for(d, evidence), predicted=predicted, saving=saving, evidence=evidence,
+        replay=Replay(extra=extra), members=np.flatnonzero(held))]
 
 
 RULE = Rule(

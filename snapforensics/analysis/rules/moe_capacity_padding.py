@@ -143,14 +143,12 @@ def check(d: DeviceAnalysis) -> list[Finding]:
              f"{human(padded_bytes)} in those buffers hold no token.")
     if not anomalous:
         cause += " The padding does not raise this run's peak: a lower capacity would not lower it."
-    return [Finding(
-        rule=RULE.id, verdict=Verdict.ANOMALOUS if anomalous else Verdict.INFO,
+    return [Finding.replayed(
+        anomalous, rule=RULE.id,
         title=f"MoE buffers padded to capacity (capacity factor about {cf:.2f})", cause=cause,
         bytes=pad_at_peak, blocks=int(len(alive)), device=d.device,
-        fix=FIX.format(cf=cf) if anomalous else None,
-        predicted_peak_bytes=predicted if anomalous else None,
-        saving_bytes=saving if anomalous else None, evidence=evidence,
-        replay=Replay(extra=tuple(extra)) if anomalous else None, members=members)]
+        fix=FIX.format(cf=cf), predicted=predicted, saving=saving, evidence=evidence,
+        replay=Replay(extra=tuple(extra)), members=members)]
 
 
 RULE = Rule(

@@ -140,13 +140,11 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     cause += (f" Under 1F1B stage {stage} of {stages} (taken as its rank) holds at most "
               f"min({m}, {stages} - {stage}) = {w}.")
     anomalous = w < m and saving > 0
-    return [Finding(
-        rule=RULE.id, verdict=Verdict.ANOMALOUS if anomalous else Verdict.INFO, title=title,
+    return [Finding.replayed(
+        anomalous, rule=RULE.id, title=title,
         cause=cause, bytes=held_bytes, blocks=int(held_mask.sum()), device=d.device,
-        fix=FIX.format(m=m) if anomalous else None,
-        predicted_peak_bytes=predicted if anomalous else None,
-        saving_bytes=saving if anomalous else None, evidence=evidence,
-        replay=replay if anomalous else None, members=np.flatnonzero(held_mask))]
+        fix=FIX.format(m=m), predicted=predicted, saving=saving, evidence=evidence,
+        replay=replay, members=np.flatnonzero(held_mask))]
 
 
 RULE = Rule(

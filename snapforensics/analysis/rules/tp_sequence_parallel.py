@@ -136,14 +136,12 @@ def _megatron(d: DeviceAnalysis) -> list[Finding]:
              "stream, the norms' outputs, dropout masks) outside the TP linears are the same on "
              f"every TP rank; --sequence-parallel keeps 1/tp of each. TP degree taken as the "
              f"world size ({tp}).")
-    return [Finding(
-        rule=RULE.id, verdict=Verdict.ANOMALOUS if anomalous else Verdict.INFO,
+    return [Finding.replayed(
+        anomalous, rule=RULE.id,
         title="Tensor-parallel activations replicated on every TP rank (Megatron, SP off)",
         cause=cause, bytes=held_bytes, blocks=int(held.sum()), device=d.device,
-        fix=MEGATRON_FIX if anomalous else None,
-        predicted_peak_bytes=predicted if anomalous else None,
-        saving_bytes=saving if anomalous else None, evidence=evidence,
-        replay=Replay(extra=extra) if anomalous else None, members=np.flatnonzero(held))]
+        fix=MEGATRON_FIX, predicted=predicted, saving=saving, evidence=evidence,
+        replay=Replay(extra=extra), members=np.flatnonzero(held))]
 
 
 def check(d: DeviceAnalysis) -> list[Finding]:
@@ -198,13 +196,11 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     saving = d.peak_bytes - predicted
     evidence["tp_degree_assumed"] = tp
     anomalous = saving > 0
-    return [Finding(
-        rule=RULE.id, verdict=Verdict.ANOMALOUS if anomalous else Verdict.INFO, title=title,
+    return [Finding.replayed(
+        anomalous, rule=RULE.id, title=title,
         cause=cause + f" TP degree taken as the world size ({tp}).", bytes=held_bytes,
-        blocks=int(held.sum()), device=d.device, fix=FIX if anomalous else None,
-        predicted_peak_bytes=predicted if anomalous else None,
-        saving_bytes=saving if anomalous else None, evidence=evidence,
-        replay=Replay(extra=extra) if anomalous else None, members=np.flatnonzero(held))]
+        blocks=int(held.sum()), device=d.device, fix=FIX, predicted=predicted, saving=saving,
+        evidence=evidence, replay=Replay(extra=extra), members=np.flatnonzero(held))]
 
 
 RULE = Rule(
