@@ -188,12 +188,12 @@ _MEGATRON_TP = {"_gather_along_first_dim": Category.TP_ALL_GATHER,
 _MEGATRON_BUFFERS = ("distributed/param_and_grad_buffer.py", "distributed/grad_buffer.py",
                      "model/distributed.py")
 _MEGATRON_MAPPINGS = ("tensor_parallel/mappings.py", "mpu/mappings.py")
-_MEGATRON_LAYERS = ("tensor_parallel/layers.py", "mpu/layers.py")
+MEGATRON_LAYERS = ("tensor_parallel/layers.py", "mpu/layers.py")
 _MEGATRON_P2P = ("pipeline_parallel/p2p_communication.py", "p2p_communication.py")
 _MEGATRON_CKPT = ("tensor_parallel/random.py", "mpu/random.py")
 
 
-def _megatron_rel(filename: str) -> str | None:
+def megatron_rel(filename: str) -> str | None:
     """`filename` inside Megatron (`megatron/` and `core/` taken off), None outside it."""
     fn = filename.replace("\\", "/")
     if _MEGATRON not in fn:
@@ -205,7 +205,7 @@ def _megatron_rel(filename: str) -> str | None:
 def _megatron_category(frames: list[Frame], nameset: set[str]) -> Category | None:
     """The Megatron buffer or TP/PP collective that made the row, by its innermost Megatron
     frame (with the one after it for the global memory buffer)."""
-    mframes = [(f.name, rel) for f in frames if (rel := _megatron_rel(f.filename)) is not None]
+    mframes = [(f.name, rel) for f in frames if (rel := megatron_rel(f.filename)) is not None]
     if not mframes:
         return None
     name, rel = mframes[0]
@@ -219,9 +219,9 @@ def _megatron_category(frames: list[Frame], nameset: set[str]) -> Category | Non
     if rel in _MEGATRON_MAPPINGS:
         return _MEGATRON_TP.get(name)
     if rel == "utils.py" and name == "get_tensor" and len(mframes) > 1 and \
-            mframes[1][1] in _MEGATRON_LAYERS:
+            mframes[1][1] in MEGATRON_LAYERS:
         return Category.TP_ALL_GATHER
-    if rel in _MEGATRON_LAYERS and name in ("forward", "backward"):
+    if rel in MEGATRON_LAYERS and name in ("forward", "backward"):
         if nameset & _C10D_GATHER:
             return Category.TP_ALL_GATHER
         if nameset & _C10D_SCATTER:
@@ -232,9 +232,10 @@ def _megatron_category(frames: list[Frame], nameset: set[str]) -> Category | Non
 # DeepSpeed ZeRO (`deepspeed/runtime/zero/`, read from deepspeed 0.19.8): the gradient reduction
 # bucket, `reduce_bucket_size` elements whatever the model's size (default 5e8), made where it is
 # the innermost Python frame: ZeRO-1/2's `setup_buckets` (`stage_1_and_2.py`, each backward; two
-# under `overlap_comm`; `backward` there before 0.15) and ZeRO-3's `_setup_for_real_optimizer`
-# (`stage3.py`, once, alive for the run).
-_DEEPSPEED_BUCKET = {"stage_1_and_2.py": {"setup_buckets", "backward"},
+# under `overlap_comm`; in earlier releases `backward`, and `reduce_gradients` under pipeline
+# parallelism, read from their source) and ZeRO-3's `_setup_for_real_optimizer` (`stage3.py`,
+# once, alive for the run).
+_DEEPSPEED_BUCKET = {"stage_1_and_2.py": {"setup_buckets", "backward", "reduce_gradients"},
                      "stage3.py": {"_setup_for_real_optimizer"}}
 
 
@@ -329,7 +330,7 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
     in_recompute = bool(nameset & _RECOMPUTE_FUNCS) or (
         "backward" in nameset and "CheckpointFunction" in " ".join(names)) or any(
         n == "backward" and p.endswith("utils/checkpoint.py") or
-        n in ("backward", "_recompute") and _megatron_rel(p) in _MEGATRON_CKPT
+        n in ("backward", "_recompute") and megatron_rel(p) in _MEGATRON_CKPT
         for n, p in zip(names, files))
     # torch.compile's backward: AOTAutograd's `CompiledFunction.backward` runs the compiled
     # backward graph, whose frames map back to the user's `forward` source lines.
@@ -339,7 +340,7 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
         for n, p in zip(names, files)) or "pre_backward" in rfkinds or any(
         k.startswith("post_backward") for k in rfkinds) or "root_post_backward_callback" in rfkinds
     in_optim = any(p.startswith("torch/optim/") or "/torch/optim/" in p or
-                   (_megatron_rel(p) or "").startswith("optimizer/") for p in files) or \
+                   (megatron_rel(p) or "").startswith("optimizer/") for p in files) or \
         "Optimizer." in rftext
     in_forward = any(n in ("_call_impl", "_wrapped_call_impl") for n in names) or \
         "pre_forward" in rfkinds or "forward" in nameset

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from snapforensics.analysis.classify import MEGATRON_LAYERS, megatron_rel
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding, Replay
 from snapforensics.analysis.evidence import human, top_stacks
@@ -80,22 +81,16 @@ config = TransformerConfig(..., tensor_model_parallel_size=tp, sequence_parallel
 """
 
 
-def _megatron_rel_of(d: DeviceAnalysis, b: int) -> str | None:
-    """The innermost Megatron file of block b's stack (classify's reading), None outside it."""
-    from snapforensics.analysis.classify import _megatron_rel
-
-    sid = int(d.lt.stack[b])
-    if sid < 0:
-        return None
-    return next((r for f in d.snapshot.stack_frames(sid)
-                 if (r := _megatron_rel(f.filename)) is not None), None)
+def _megatron_file(d: DeviceAnalysis, sid: int) -> str | None:
+    """The innermost Megatron file of stack `sid` (classify's reading), None outside it."""
+    frames = d.snapshot.stack_frames(sid) if sid >= 0 else []
+    return next((r for f in frames if (r := megatron_rel(f.filename)) is not None), None)
 
 
-def _vocab_masked(d: DeviceAnalysis, b: int) -> bool:
-    """Block b is the vocabulary-parallel embedding's masking of token ids outside this rank's
-    vocabulary shard, which `VocabParallelEmbedding.forward` does only when the TP degree is
-    above 1 (the evidence that this run's TP is > 1: a data-parallel-only run makes none)."""
-    sid = int(d.lt.stack[b])
+def _vocab_masked(d: DeviceAnalysis, sid: int) -> bool:
+    """Stack `sid` is the vocabulary-parallel embedding's masking of token ids outside this
+    rank's vocabulary shard, which `VocabParallelEmbedding.forward` does only when the TP degree
+    is above 1 (the evidence that this run's TP is > 1: a data-parallel-only run makes none)."""
     frames = d.snapshot.stack_frames(sid) if sid >= 0 else []
     mod = next((f.name for f in frames if f.filename == "<nn.Module>"), "")
     return mod.startswith("VocabParallelEmbedding") and not any(
@@ -106,19 +101,21 @@ def _megatron(d: DeviceAnalysis) -> list[Finding]:
     lt = d.lt
     fwd = np.flatnonzero(d.phase == Phase.FORWARD)
     sp = {CAT_CODE[Category.TP_ALL_GATHER], CAT_CODE[Category.TP_REDUCE_SCATTER]}
-    if not len(fwd) or np.isin(d.category[fwd], list(sp)).any() or d.peak_row < 0:
-        return []
-    rel = {b: _megatron_rel_of(d, b) for b in fwd.tolist()}
-    linear = {b for b, r in rel.items() if r in ("tensor_parallel/layers.py", "mpu/layers.py")}
-    residual = [b for b, r in rel.items() if r == "fusions/fused_bias_dropout.py"]
     tp = d.snapshot.provenance.get("world_size")
-    if not linear or not residual or not (type(tp) is int and tp > 1) or \
-            not any(_vocab_masked(d, b) for b in fwd.tolist()):
+    if not len(fwd) or np.isin(d.category[fwd], list(sp)).any() or d.peak_row < 0 or \
+            not (type(tp) is int and tp > 1):
+        return []
+    # once per distinct stack of the forward's blocks, never per block
+    stacks, back = np.unique(lt.stack[fwd], return_inverse=True)
+    files = np.array([_megatron_file(d, int(s)) for s in stacks.tolist()], object)[back]
+    linear = np.isin(files, MEGATRON_LAYERS)
+    residual = fwd[files == "fusions/fused_bias_dropout.py"]
+    if not linear.any() or not len(residual) or \
+            not any(_vocab_masked(d, int(s)) for s in stacks.tolist()):
         return []
     full = int(np.bincount(lt.size[residual]).argmax())
     shrink = np.zeros(len(lt), bool)
-    shrink[[b for b in rel if b not in linear and lt.size[b] == full and lt.alloc_row[b] >= 0]] \
-        = True
+    shrink[fwd[~linear & (lt.size[fwd] == full) & (lt.alloc_row[fwd] >= 0)]] = True
     held = lt.alive_at(d.peak_row) & shrink
     held_bytes = int(lt.size[held].sum())
     cut = np.flatnonzero(shrink).tolist()
@@ -145,7 +142,7 @@ def _megatron(d: DeviceAnalysis) -> list[Finding]:
 
 
 def check(d: DeviceAnalysis) -> list[Finding]:
-    if any("megatron/" in f.filename.replace("\\", "/") for f in d.snapshot.frames):
+    if any(megatron_rel(f.filename) is not None for f in d.snapshot.frames):
         return _megatron(d)
     lt = d.lt
     fwd = d.phase == Phase.FORWARD
