@@ -1,9 +1,10 @@
 """deepspeed.reduce_bucket_oversized and `deepspeed.reduce_bucket`, on real 2-rank DeepSpeed
 ZeRO-2 and ZeRO-3 runs on the CPU (deepspeed 0.19.8's own code, its CPU accelerator, gloo;
 snapforensics/examples/deepspeed_zero.py) recorded by the project's recorder: DeepSpeed's default
-reduce_bucket_size (5e8 elements, 2 GB of fp32) on a 263,168-parameter MLP, and each one's twin
-with the bucket set to the parameter count. The truth is read from the running optimizer (its
-ipg_buckets' storages, its reduce_bucket_size) and the model (its parameter count)."""
+reduce_bucket_size (5e8 elements, 2 GB of fp32) on a 263,168-parameter MLP and, held out, a
+443,520-parameter one, and each one's twin with the bucket set to the parameter count. The truth
+is read from the running optimizer (its ipg_buckets' storages, its reduce_bucket_size) and the
+model (its parameter count)."""
 
 from __future__ import annotations
 
@@ -23,10 +24,10 @@ slow = pytest.mark.slow
 MODULE = "snapforensics.examples.deepspeed_zero"
 
 
-def _run(stage: int, bucket: int | None = None):
+def _run(stage: int, dims: tuple[str, ...], bucket: int | None = None):
     from recordings import recorded_module
 
-    args = ("--stage", str(stage)) + (("--bucket", str(bucket)) if bucket else ())
+    args = ("--stage", str(stage), *dims) + (("--bucket", str(bucket)) if bucket else ())
     folder = recorded_module(MODULE, args)
     return [(folder / f"rank{r}.pickle", json.loads((folder / f"truth.rank{r}.json")
                                                     .read_text())) for r in (0, 1)]
@@ -36,12 +37,18 @@ def _finding(path):
     return next((f for f in sf.diagnose(path).diagnosis.findings if f.rule == RULE.id), None)
 
 
+# (stage, model flags, the model's parameter count: layers x (dim^2 + dim)); the last layout
+# is one the rule was not built on
+LAYOUTS = ((2, (), 4 * (256 * 256 + 256)), (3, (), 4 * (256 * 256 + 256)),
+           (2, ("--layers", "3", "--dim", "384"), 3 * (384 * 384 + 384)))
+
+
 @slow
-@pytest.mark.parametrize("stage", (2, 3))
-def test_the_bucket_is_named_and_its_twin_predicted(stage):
-    for (path, truth), (twin_path, twin) in zip(_run(stage), _run(stage, 263_168)):
+@pytest.mark.parametrize("stage,dims,params", LAYOUTS, ids=("zero2", "zero3", "zero2_held_out"))
+def test_the_bucket_is_named_and_its_twin_predicted(stage, dims, params):
+    for (path, truth), (twin_path, twin) in zip(_run(stage, dims), _run(stage, dims, params)):
         assert truth["reduce_bucket_size"] == 500_000_000 and truth["buckets"]
-        assert twin["reduce_bucket_size"] == twin["params"] == truth["params"] == 263_168
+        assert twin["reduce_bucket_size"] == twin["params"] == truth["params"] == params
         snap = load(path)
         d = analyse(snap, snap.active_traces[0])
         bucket = d.category == CAT_CODE[Category.DEEPSPEED_REDUCE_BUCKET]
