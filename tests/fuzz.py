@@ -84,8 +84,11 @@ class Outcome:
 # ------------------------------------------------------------------------------- the runner
 
 def run(case: Case, tmp: Path, seconds: float, memory: int) -> Outcome:
-    """`case` in a forked child under RLIMIT_AS = `memory` and a `seconds` limit (the child's
-    whole process group is killed there)."""
+    """`case` in a forked child that may map `memory` bytes beyond what the interpreter it was
+    forked from already maps (RLIMIT_AS = that + `memory`), under a `seconds` limit (the child's
+    whole process group is killed there). The cap is relative: a pytest worker that earlier tests
+    left with torch imported and a thread pool's malloc arenas maps over a GiB before the case
+    starts, and an absolute cap left the case nothing (CI: MemoryError before the first read)."""
     err_path = tmp / f"stderr-{os.getpid()}"
     t = time.monotonic()
     pid = os.fork()
@@ -93,7 +96,8 @@ def run(case: Case, tmp: Path, seconds: float, memory: int) -> Outcome:
         code = 70
         try:
             os.setpgid(0, 0)
-            resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+            cap = memory + _mapped()
+            resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
             fd = os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             os.dup2(fd, 2)
             null = os.open(os.devnull, os.O_RDWR)
@@ -133,6 +137,18 @@ def run(case: Case, tmp: Path, seconds: float, memory: int) -> Outcome:
     if os.WIFSIGNALED(status):
         return Outcome(case, f"signal {os.WTERMSIG(status)}", wall, err)
     return Outcome(case, os.WEXITSTATUS(status), wall, err)
+
+
+def _mapped() -> int:
+    """Bytes this process maps now (VmSize; 0 where /proc is absent)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def _kill(pid: int) -> None:
