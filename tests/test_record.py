@@ -465,6 +465,26 @@ def test_a_worker_preempted_past_the_next_collective_does_not_move_the_free():
     assert peak == buf + ag  # the all-gather's two buffers, without the clone
 
 
+def test_a_block_the_tensor_names_saw_alive_later_is_not_taken_for_a_drop():
+    """DeepSpeed ZeRO-2's shape (a rank-1 recording of examples/deepspeed_zero.py once read
+    so): the fp32 partition (made first, alive to the end) and the flat gradient bucket
+    all-reduced in backward (gloo's worker drops it) are the same size and neither address is
+    handed out again. Oldest first freed the partition in the trace and kept the bucket alive;
+    the tensor names saw the partition at the optimizer step after the drop."""
+    from snapforensics.record.cpu import _Alloc, _build_trace, _recover_lost_frees
+
+    frames, f = _one_stack()
+    part = 1_774_080
+    allocs = [_Alloc(100, 0, 0xA, part, f, 1, [], part),          # the fp32 partition
+              _Alloc(500, 1, 0xB, part, f, 1, [], 2 * part),      # the flat bucket
+              _Alloc(900, 2, 0xC, 8, f, 1, [], part + 8)]         # the bucket's drop before it
+    for seen, freed in ((None, 0xA), ([(0xA, 950)], 0xB)):  # the step observed the partition
+        events, n = _recover_lost_frees(allocs, frames, None, seen)
+        trace, _ = _build_trace(events)
+        assert n == 1
+        assert [e["addr"] for e in trace if e["action"] == "free_completed"] == [freed]
+
+
 def _gloo_reduce_scatter_then_all_gather():
     """Real gloo events: reduce-scatter then all-gather, three times, on a one-rank gloo group in
     this process, profiled as the recorder profiles (allocator accounting on). The converter's

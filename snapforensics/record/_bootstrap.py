@@ -127,6 +127,30 @@ def _provenance(*, backend: str, torch_version: str, rank: int, world: int, loca
     }
 
 
+MAX_GROUPS = 256  # analysis/mesh.py reads as many
+
+
+def process_groups() -> list[dict] | None:
+    """The process groups this rank is in: each one's description (`mesh_tp`, Megatron's
+    `TENSOR_MODEL_PARALLEL_GROUP`, ...: analysis/mesh.py) and global ranks; None when
+    torch.distributed is not initialized (before init_process_group, or after the script
+    destroyed it)."""
+    try:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        out = []
+        for pg in list(c10d._world.pg_map)[:MAX_GROUPS]:
+            desc = getattr(pg, "group_desc", None) or c10d._world.pg_names.get(pg, "")
+            out.append({"desc": str(desc)[:200],
+                        "ranks": [int(r) for r in dist.get_process_group_ranks(pg)]})
+        return out
+    except Exception:  # a torch without these internals: the analysis falls back on the world
+        return None
+
+
 def _count_entries(snap: dict) -> int:
     traces = snap.get("device_traces") or []
     return sum(len(t) for t in traces if isinstance(t, list))
@@ -267,6 +291,7 @@ class _StepWindow:
         self.started = False
         self.stopped = False
         self._hook = None
+        self.groups: list[dict] | None = None  # the process groups, noted at each step's end
 
     def install(self) -> None:
         from torch.optim.optimizer import register_optimizer_step_post_hook  # torch >= 2.0
@@ -285,6 +310,7 @@ class _StepWindow:
         self.done += 1
         if self.started:
             self.backend.step_ended(self.done)
+            self.groups = process_groups() or self.groups
         if self.done == self.first:
             self._start()
         if self.stop is not None and self.done == self.stop:
@@ -567,6 +593,9 @@ def run_recorded(opts: dict, target: str, args: list[str]) -> dict:
             extra = snap.get("snapforensics") if isinstance(snap.get("snapforensics"), dict) else {}
             snap["snapforensics"] = {**_provenance(exit_code=exit_code, **prov), **before,
                                      **extra}
+            groups = process_groups() or window.groups
+            if groups is not None:
+                snap["snapforensics"]["process_groups"] = groups
             p = snapshot_path(out, rank)
             write_pickle(p, snap)
             status["snapshot"] = str(p)

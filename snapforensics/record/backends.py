@@ -515,9 +515,12 @@ class CpuBackend:
         if prof is None:
             raise RuntimeError("CPU recording was not started")
         t1 = time.perf_counter()
-        snap = profile_to_snapshot(prof, self.max_entries)
-        self.timings["convert_s"] = round(time.perf_counter() - t1, 3)
         names, self._names_done = self._names_done, None
+        # a storage the tensor names saw alive at some moment was not freed before it
+        seen = [(ptr, round(t_us * 1000)) for ptr, _, _, t_us, _ in names.obs] \
+            if names is not None else None
+        snap = profile_to_snapshot(prof, self.max_entries, seen)
+        self.timings["convert_s"] = round(time.perf_counter() - t1, 3)
         return _attach_names(snap, names)
 
     def attach_oom(self, callback: Callable[[dict], None]) -> bool:

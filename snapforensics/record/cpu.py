@@ -106,26 +106,31 @@ def _is_cpu(device: Any) -> bool:
     return t == "cpu"
 
 
-def profile_to_snapshot(prof: Any, max_entries: int = 1_000_000) -> dict:
+def profile_to_snapshot(prof: Any, max_entries: int = 1_000_000,
+                        seen: list[tuple[int, int]] | None = None) -> dict:
     """Convert a finished ``torch.profiler.profile`` (CPU, ``profile_memory=True``) to a snapshot.
 
     ``prof`` is the profiler object after ``__exit__`` (or anything with
     ``.profiler.kineto_results``). Cost: one pass over the event tree; a few thousand
-    allocations under ~0.6 M profiler events take about a second.
+    allocations under ~0.6 M profiler events take about a second. ``seen``: ``(storage address,
+    time_ns)`` of storages known alive at that time (the tensor names' observations,
+    identity.py), evidence for placing the frees the profiler did not see.
     """
     EventType, RecordScope = _event_types()
     roots = prof.profiler.kineto_results.experimental_event_tree()
-    return events_to_snapshot(roots, max_entries, EventType, RecordScope)
+    return events_to_snapshot(roots, max_entries, EventType, RecordScope, seen)
 
 
-def events_to_snapshot(roots: list, max_entries: int, EventType: Any, RecordScope: Any) -> dict:
+def events_to_snapshot(roots: list, max_entries: int, EventType: Any, RecordScope: Any,
+                       seen: list[tuple[int, int]] | None = None) -> dict:
     """The conversion proper, over the roots of ``experimental_event_tree()``."""
     frames = _Frames(RecordScope.USER_SCOPE)
     allocs, ranges = _walk(roots, EventType, frames)
     allocs.sort(key=lambda a: (a.time_ns, a.seq))
     _add_range_frames(allocs, ranges, frames)
     main_tid = _main_thread(allocs)
-    events, inferred = _recover_lost_frees(allocs, frames, _worker_ranges(ranges, main_tid))
+    events, inferred = _recover_lost_frees(allocs, frames, _worker_ranges(ranges, main_tid),
+                                           seen)
     trace, live = _build_trace(events)
     return {
         "segments": _segments(live, _unrecorded_bytes(allocs, live), frames),
@@ -384,9 +389,28 @@ def _worker_ranges(ranges: list, main_tid) -> list[tuple[int, int, int]]:
     return sorted((start, end, tid) for start, end, _, _, tid in ranges if tid != main_tid)
 
 
+def _last_seen(allocs: list[_Alloc], lost: list[tuple[int, int | None]],
+               seen: list[tuple[int, int]] | None) -> dict[int, int]:
+    """Lost block -> the last time (ns) a storage at its address was seen alive during its
+    lifetime (after its allocation, before its address was handed out again)."""
+    if not seen:
+        return {}
+    times: dict[int, list[int]] = {}
+    for ptr, t in seen:
+        times.setdefault(ptr, []).append(t)
+    out = {}
+    for idx, deadline in lost:
+        a = allocs[idx]
+        end = allocs[deadline].time_ns if deadline is not None else None
+        ts = [t for t in times.get(a.ptr, ()) if t >= a.time_ns and (end is None or t < end)]
+        if ts:
+            out[idx] = max(ts)
+    return out
+
+
 def _recover_lost_frees(allocs: list[_Alloc], frames: _Frames,
-                        worker_ranges: list[tuple[int, int, int]] | None = None
-                        ) -> tuple[list, int]:
+                        worker_ranges: list[tuple[int, int, int]] | None = None,
+                        seen: list[tuple[int, int]] | None = None) -> tuple[list, int]:
     """Add the frees the profiler could not see, from the allocator's own accounting.
 
     Every unseen drop of the allocator's total is matched to blocks with no recorded free that
@@ -410,8 +434,9 @@ def _recover_lost_frees(allocs: list[_Alloc], frames: _Frames,
     if not lost:
         return [(a.time_ns, a.seq, a.ptr, a.size, a.frames, None) for a in allocs], 0
     free_at: dict[int, int] = {}  # lost alloc index -> index of the event it is freed before
+    last_seen = _last_seen(allocs, lost, seen)
     for at, nbytes in _unseen_frees(allocs):
-        for idx in _match(lost, free_at, at, nbytes, allocs):
+        for idx in _match(lost, free_at, at, nbytes, allocs, last_seen):
             free_at[idx] = at
     for idx, deadline in lost:
         if idx not in free_at and deadline is not None:
@@ -468,7 +493,8 @@ class _Collectives:
         return end
 
 
-def _match(lost: list, taken: dict, at: int, nbytes: int, allocs: list[_Alloc]) -> list[int]:
+def _match(lost: list, taken: dict, at: int, nbytes: int, allocs: list[_Alloc],
+           last_seen: dict[int, int] | None = None) -> list[int]:
     """Lost blocks alive before event ``at`` whose sizes add up to ``nbytes``: the fewest blocks
     that do (one of that size, else two, ... up to ``_MOST_IN_A_DROP``), the oldest first; []
     when none add up.
@@ -480,9 +506,15 @@ def _match(lost: list, taken: dict, at: int, nbytes: int, allocs: list[_Alloc]) 
     allocator still holds it, and leave the blocks that were freed alive until their deadlines.
     Not the oldest blocks that fit one after the other: an 8-byte block made first (the device
     mesh's) then fits every drop, and the two blocks the drop was are no longer found.
+    A block seen alive after the drop (``last_seen``: a parameter or optimizer state the tensor
+    names observed at a later optimizer step) is not part of it: DeepSpeed's fp32 partition
+    and the flat gradient bucket it all-reduces are the same size, and oldest first took the
+    partition for the bucket's drop.
     """
+    when = allocs[at].time_ns
+    seen = last_seen or {}
     alive = [(idx, deadline) for idx, deadline in lost if idx < at and idx not in taken
-             and (deadline is None or deadline >= at)]
+             and (deadline is None or deadline >= at) and seen.get(idx, -1) < when]
     for tier in ([i for i, d in alive if d is not None], [i for i, _ in alive]):
         sizes = [allocs[i].size for i in tier]
         for k in range(1, _MOST_IN_A_DROP + 1):

@@ -88,21 +88,25 @@ def _finding(path):
     return next((f for f in report.diagnosis.findings if f.rule == RULE.id), None), report
 
 
-# the layout the replay was built on (the example's defaults) and a held-out one (SMALL)
-PAIRS = ((), ("--layers", "3", "--dim", "96", "--seq", "96", "--batch", "3"))
+# the layout the replay was built on (the example's defaults), a held-out one, and FSDP2 + TP on
+# a 2-D mesh (dp_shard 2 x tp 2 on 4 ranks: the TP degree is its mesh group's, not the world
+# size; an MLP weight's unsharded TP shard there is as large as one activation)
+PAIRS = (((), 2), (("--layers", "3", "--dim", "96", "--seq", "96", "--batch", "3"), 2),
+         ((*SMALL, "--dp", "2"), 4))
 
 
 @slow
-@pytest.mark.parametrize("args", PAIRS, ids=("tuned", "held_out"))
-def test_sequence_parallel_off_predicts_the_sp_twins_peak(args):
+@pytest.mark.parametrize(("args", "nproc"), PAIRS, ids=("tuned", "held_out", "fsdp_tp_2d"))
+def test_sequence_parallel_off_predicts_the_sp_twins_peak(args, nproc):
     from recordings import recorded_module
 
-    off = recorded_module(MODULE, args)
-    on = recorded_module(MODULE, (*args, "--sp"))
-    for r in (0, 1):
+    off = recorded_module(MODULE, args, nproc)
+    on = recorded_module(MODULE, (*args, "--sp"), nproc)
+    for r in range(nproc):
         t_off = json.loads((off / f"truth.rank{r}.json").read_text())
         t_on = json.loads((on / f"truth.rank{r}.json").read_text())
         assert not t_off["sp"] and t_on["sp"]
+        assert t_off["tp"] * t_off["dp"] == nproc
         # the truth: without SP every saved tensor holds the full sequence, with SP some are
         # sequence shards
         assert sum(b["seq_sharded"] for b in t_off["saved_per_block"]) == 0
@@ -111,6 +115,9 @@ def test_sequence_parallel_off_predicts_the_sp_twins_peak(args):
         assert f is not None and f.verdict == "anomalous"
         twin = sf_peak(on / f"rank{r}.pickle")
         assert twin < sf_peak(off / f"rank{r}.pickle")  # SP lowers this run's peak
+        assert f.evidence["tp_degree"] == t_off["tp"]  # from the mesh, not the world size
+        print(f"rank {r}: predicted {f.predicted_peak_bytes:,} B, SP twin {twin:,} B "
+              f"({(f.predicted_peak_bytes - twin) / twin:+.1%})")
         assert abs(f.predicted_peak_bytes - twin) / twin < 0.05, (f.predicted_peak_bytes, twin)
         assert "SequenceParallel()" in f.fix and "enable_sequence_parallel" in f.fix
         # the SP twin gets no finding

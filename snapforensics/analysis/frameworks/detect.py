@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from snapforensics.analysis.mesh import mesh
+
 if TYPE_CHECKING:
     from snapforensics.analysis.context import DeviceAnalysis
     from snapforensics.snapshot.model import Snapshot
@@ -148,8 +150,9 @@ def detect(snapshot: Snapshot, analyses: list[DeviceAnalysis]) -> Framework:
 
 def pipeline(snapshot: Snapshot, analyses: list[DeviceAnalysis]) -> dict[str, Any] | None:
     """The pipeline stage this file is, None when it shows no pipeline schedule:
-    `stage` / `stages` (the recorder's rank and world size, as pipeline.all_forward_before_backward
-    takes them: one stage per rank; None when the file has neither) and `schedule`.
+    `stage` / `stages` (the rank's place along pp, analysis/mesh.py: its pipeline group where the
+    recorder noted the process groups, else one stage per rank; None when unknown) and
+    `schedule`.
 
     torch.distributed.pipelining (`torch/distributed/pipelining/`): "gpipe" when the ranges
     ScheduleGPipe alone opens (`Forward i` / `Backward i`) show every forward of each step before
@@ -157,8 +160,9 @@ def pipeline(snapshot: Snapshot, analyses: list[DeviceAnalysis]) -> dict[str, An
     ranges and start backwards during the forwards). Megatron-Core (`megatron/core/
     pipeline_parallel/schedules.py`): its pipelined schedules are 1F1B
     (`forward_backward_pipelining_without_interleaving`) or interleaved 1F1B (`..._with_
-    interleaving`); its stage is the rank only where the file shows no tensor-parallel collective
-    (Megatron orders ranks tp fastest, pp slowest: with TP the rank is not the stage). Under 1F1B
+    interleaving`); without its pipeline group, its stage is the rank only where the file shows no
+    tensor-parallel collective (Megatron orders ranks tp fastest, pp slowest: with TP the rank is
+    not the stage). Under 1F1B
     stage s holds at most min(M, S - s) micro-batches' activations: the first stage holds the
     most."""
     from snapforensics.analysis.rules.pipeline_schedule import _all_forward_first, _steps
@@ -169,15 +173,16 @@ def pipeline(snapshot: Snapshot, analyses: list[DeviceAnalysis]) -> dict[str, An
     if not megatron and not any("distributed/pipelining/" in f.filename.replace("\\", "/")
                                 for f in snapshot.frames):
         return None
-    prov = snapshot.provenance if isinstance(snapshot.provenance, dict) else {}
-    stage, stages = prov.get("rank"), prov.get("world_size")
-    ok = type(stage) is int and type(stages) is int and 0 <= stage < stages
-    if megatron:
+    layout = mesh(snapshot.provenance)
+    stage, stages = layout.index("pp"), layout.degree("pp")
+    ok = stage is not None and stages is not None
+    if megatron and "pp" not in layout.groups:
         from snapforensics.analysis.vocab import CAT_CODE, Category
 
         tp = {CAT_CODE[c] for c in (Category.TP_ALL_GATHER, Category.TP_REDUCE_SCATTER,
                                     Category.TP_ALL_REDUCE)}
         ok = ok and not any(np.isin(d.category, list(tp)).any() for d in analyses)
+    if megatron:
         return {"stage": stage if ok else None, "stages": stages if ok else None,
                 "schedule": _MEGATRON_PIPELINED[min(megatron)]}
     steps = [st for d in analyses if d.lt.rows for st in _steps(d) if st]

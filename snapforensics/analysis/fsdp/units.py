@@ -21,6 +21,7 @@ import numpy as np
 
 from snapforensics.analysis.classify import PATHS
 from snapforensics.analysis.fsdp import ranges as fsdp_ranges
+from snapforensics.analysis.mesh import mesh
 from snapforensics.analysis.phases import Iteration
 from snapforensics.analysis.stacks import python_frames
 from snapforensics.analysis.vocab import BACKWARD_PHASES, CAT_CODE, Category
@@ -132,11 +133,10 @@ class FsdpUnits:
     def world(self) -> WorldSize:
         """The number of ranks parameters are sharded over: the reduce-scatter input/output ratio
         of one unit (HSDP shards over one dimension of its mesh, fewer than the recorder's world
-        size), else the recorder's world size; `estimated` when the recorder did not say."""
+        size), else the dp_shard degree the recorder noted (analysis/mesh.py: its process group,
+        or the world size); `estimated` when the recorder did not say."""
         d = self._d
-        prov = d.snapshot.provenance
-        w = prov.get("world_size") if isinstance(prov, dict) else None
-        recorded = w if isinstance(w, int) and w >= 1 else None
+        recorded = mesh(d.snapshot.provenance).degree("dp_shard")
         rs = np.flatnonzero(d.mask(Category.REDUCE_SCATTER))
         sg = np.flatnonzero(d.mask(Category.SHARDED_GRAD))
         ratios = []

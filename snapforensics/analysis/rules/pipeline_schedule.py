@@ -26,6 +26,7 @@ import numpy as np
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding, Replay
 from snapforensics.analysis.evidence import human, top_stacks
+from snapforensics.analysis.mesh import mesh
 from snapforensics.analysis.rule import Family, Rule
 from snapforensics.analysis.vocab import Phase, Verdict
 
@@ -117,7 +118,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     held_mask = lt.alive_at(p) & (mb >= 0)
     held = sorted(set(mb[held_mask].tolist()))
     held_bytes = int(lt.size[held_mask].sum())
-    stage, stages = d.snapshot.provenance.get("rank"), d.snapshot.provenance.get("world_size")
+    layout = mesh(d.snapshot.provenance)
+    stage, stages = layout.index("pp"), layout.degree("pp")
     evidence = {"microbatches": m, "held_at_peak": len(held), "held_bytes": held_bytes,
                 "stage": stage, "stages": stages,
                 "stacks": top_stacks(d, np.flatnonzero(held_mask), 1)}
@@ -137,7 +139,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     predicted = max(predicted, lt.baseline)
     saving = d.peak_bytes - predicted
     evidence["one_f_one_b_holds"] = w
-    cause += (f" Under 1F1B stage {stage} of {stages} (taken as its rank) holds at most "
+    cause += (f" Under 1F1B stage {stage} of {stages} (from {layout.source('pp')}) holds at most "
               f"min({m}, {stages} - {stage}) = {w}.")
     anomalous = w < m and saving > 0
     return [Finding.replayed(

@@ -38,6 +38,7 @@ from snapforensics.analysis.classify import MEGATRON_LAYERS, megatron_rel
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding, Replay
 from snapforensics.analysis.evidence import human, top_stacks
+from snapforensics.analysis.mesh import mesh
 from snapforensics.analysis.rule import Family, Rule
 from snapforensics.analysis.vocab import CAT_CODE, Category, Phase, Verdict
 
@@ -65,6 +66,14 @@ parallelize_module(block, tp_mesh, {
 # RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)))
 # torchtitan: parallelism.enable_sequence_parallel = true (ParallelismConfig; the default)
 """
+
+
+# what SequenceParallel can shard: activations (and the batch itself, `other`) and the all-reduced
+# RowwiseParallel outputs. A parameter, gradient or FSDP buffer of the same size is none of them
+# (FSDP2 on a 2-D mesh: an MLP weight's unsharded TP shard, dim x 4 dim / tp, is batch x seq x dim
+# when batch x seq = 4 dim / tp)
+_SEQUENCE = [CAT_CODE[c] for c in (Category.ACTIVATION, Category.RECOMPUTE_ACTIVATION,
+                                   Category.OTHER, Category.TP_ALL_REDUCE)]
 
 
 def _modules(d: DeviceAnalysis, b: int) -> list[str]:
@@ -101,7 +110,8 @@ def _megatron(d: DeviceAnalysis) -> list[Finding]:
     lt = d.lt
     fwd = np.flatnonzero(d.phase == Phase.FORWARD)
     sp = {CAT_CODE[Category.TP_ALL_GATHER], CAT_CODE[Category.TP_REDUCE_SCATTER]}
-    tp = d.snapshot.provenance.get("world_size")
+    layout = mesh(d.snapshot.provenance)
+    tp = layout.degree("tp")
     if not len(fwd) or np.isin(d.category[fwd], list(sp)).any() or d.peak_row < 0 or \
             not (type(tp) is int and tp > 1):
         return []
@@ -115,7 +125,8 @@ def _megatron(d: DeviceAnalysis) -> list[Finding]:
         return []
     full = int(np.bincount(lt.size[residual]).argmax())
     shrink = np.zeros(len(lt), bool)
-    shrink[fwd[~linear & (lt.size[fwd] == full) & (lt.alloc_row[fwd] >= 0)]] = True
+    shrink[fwd[~linear & (lt.size[fwd] == full) & (lt.alloc_row[fwd] >= 0)
+               & np.isin(d.category[fwd], _SEQUENCE)]] = True
     held = lt.alive_at(d.peak_row) & shrink
     held_bytes = int(lt.size[held].sum())
     cut = np.flatnonzero(shrink).tolist()
@@ -125,14 +136,15 @@ def _megatron(d: DeviceAnalysis) -> list[Finding]:
     predicted = max(int(lt.replay(extra=extra).max()), lt.baseline)
     saving = d.peak_bytes - predicted
     anomalous = saving > 0
-    evidence = {"full_activation_bytes": full, "tp_degree_assumed": tp, "framework": "megatron",
+    evidence = {"full_activation_bytes": full, "tp_degree": tp,
+                "tp_degree_from": layout.source("tp"), "framework": "megatron",
                 "replicated_at_peak": held_bytes, "global_buffer_bytes": full,
                 "stacks": top_stacks(d, np.flatnonzero(held), 1)}
     cause = (f"Megatron-Core tensor parallelism without sequence parallelism: at the peak "
              f"{human(held_bytes)} of full-sequence activations ({human(full)} each: the residual "
              "stream, the norms' outputs, dropout masks) outside the TP linears are the same on "
-             f"every TP rank; --sequence-parallel keeps 1/tp of each. TP degree taken as the "
-             f"world size ({tp}).")
+             f"every TP rank; --sequence-parallel keeps 1/tp of each. TP degree {tp}, from "
+             f"{layout.source('tp')}.")
     return [Finding.replayed(
         anomalous, rule=RULE.id,
         title="Tensor-parallel activations replicated on every TP rank (Megatron, SP off)",
@@ -152,9 +164,10 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         return []
     full = int(np.bincount(lt.size[ar]).argmax())
     tp_mods = {m for b in ar.tolist() for m in _modules(d, b)[1:2]}
-    tp = d.snapshot.provenance.get("world_size")
+    layout = mesh(d.snapshot.provenance)
+    tp = layout.degree("tp")
     alive = lt.alive_at(d.peak_row)
-    replicated = (lt.size == full) & (lt.alloc_row >= 0)
+    replicated = (lt.size == full) & (lt.alloc_row >= 0) & np.isin(d.category, _SEQUENCE)
     inside = np.zeros(len(lt), bool)
     for b in np.flatnonzero(replicated).tolist():
         inside[b] = bool(set(_modules(d, b)) & tp_mods)
@@ -183,19 +196,23 @@ def check(d: DeviceAnalysis) -> list[Finding]:
                         "(record with `snapforensics record` for the saving).",
                         blocks=int(held.sum()), device=d.device, evidence=evidence,
                         members=np.flatnonzero(held))]
-    # a TP-only run: the TP degree is the world size (a 2-D mesh's is not in the file)
-    cut = np.flatnonzero(shrink)
+    # each RowwiseParallel output becomes a sequence shard too, and its reduce-scatter costs
+    # what the all-reduce did not, for the collective's duration: the functional collective
+    # concatenates the sequence chunks into a full-size input (`reduce_scatter_tensor` with
+    # scatter_dim 1 != 0: `torch.cat(torch.chunk(x, group_size, dim=1))`), and gloo reduce-
+    # scatters through an all-reduce of a full-size clone of it (CPU recordings)
+    cut = np.flatnonzero(shrink | np.isin(np.arange(len(lt)), ar))
+    transient = full * (2 if d.snapshot.kind.cpu_recorded else 1)
     extra = tuple((int(lt.alloc_row[b]), int(lt.free_row[b]), -(full - full // tp))
-                  for b in cut.tolist())
-    size = lt.size.copy()
-    size[cut] = full // tp
-    predicted = max(int(lt.replay(size=size).max()), lt.baseline)
+                  for b in cut.tolist()) + tuple(
+        (int(lt.alloc_row[b]), int(lt.alloc_row[b]) + 1, transient) for b in ar.tolist())
+    predicted = max(int(lt.replay(extra=extra).max()), lt.baseline)
     saving = d.peak_bytes - predicted
-    evidence["tp_degree_assumed"] = tp
+    evidence.update(tp_degree=tp, tp_degree_from=layout.source("tp"))
     anomalous = saving > 0
     return [Finding.replayed(
         anomalous, rule=RULE.id, title=title,
-        cause=cause + f" TP degree taken as the world size ({tp}).", bytes=held_bytes,
+        cause=cause + f" TP degree {tp}, from {layout.source('tp')}.", bytes=held_bytes,
         blocks=int(held.sum()), device=d.device, fix=FIX, predicted=predicted, saving=saving,
         evidence=evidence, replay=Replay(extra=extra), members=np.flatnonzero(held))]
 

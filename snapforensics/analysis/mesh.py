@@ -1,0 +1,89 @@
+"""A rank's place in the parallel layout: the degree of each dimension (tp, pp, dp, dp_shard, cp,
+ep) and the rank's index in it, from the process groups `snapforensics record` notes
+(provenance `process_groups`: each group this rank is in, its description and ranks).
+
+The names are the ones the frameworks give their groups: a DeviceMesh dimension's group is
+`mesh_<dim name>` (torch's `DeviceMesh._init_process_groups`; torchtitan's dims are dp_replicate,
+dp_shard, cp, tp, pp, ep), Megatron-Core's are `TENSOR_MODEL_PARALLEL_GROUP`,
+`PIPELINE_MODEL_PARALLEL_GROUP`, ... (`parallel_state.initialize_model_parallel`). A
+one-dimensional mesh over the whole world reuses the default group (`default_pg`): a dimension no
+group names then spans the world when no other dimension is wider than 1 (a TP-only run's TP
+degree is its world size); with another dimension recorded it is unknown (None), never guessed.
+Files without the list (torch's own dumps, older recorders) know only the world size: every
+dimension's degree is taken as the world size there, and `source` says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# dimension -> the group descriptions that name it
+DIMS: dict[str, tuple[str, ...]] = {
+    "tp": ("mesh_tp", "TENSOR_MODEL_PARALLEL_GROUP"),
+    "pp": ("mesh_pp", "PIPELINE_MODEL_PARALLEL_GROUP"),
+    "cp": ("mesh_cp", "CONTEXT_PARALLEL_GROUP"),
+    "ep": ("mesh_ep", "EXPERT_MODEL_PARALLEL_GROUP"),
+    "dp_shard": ("mesh_dp_shard", "mesh_dp_shard_cp"),
+    "dp_replicate": ("mesh_dp_replicate",),
+    "dp": ("mesh_dp", "DATA_PARALLEL_GROUP"),
+}
+_BY_DESC = {desc: dim for dim, descs in DIMS.items() for desc in descs}
+MAX_GROUPS = 256  # what the recorder writes at most (record/_bootstrap.process_groups)
+
+
+@dataclass(frozen=True)
+class Mesh:
+    world: int | None  # the recorder's world size (None: not in the file)
+    rank: int | None
+    groups: dict[str, tuple[int, ...]] = field(default_factory=dict)  # dim -> its group's ranks
+    recorded: bool = False  # the file lists its process groups
+
+    def degree(self, dim: str) -> int | None:
+        """The number of ranks along `dim` (1: the run does not use it), None when unknown."""
+        if dim in self.groups:
+            return len(self.groups[dim])
+        if self.world is None:
+            return None
+        if not self.recorded:
+            return self.world
+        wider = [d for d, g in self.groups.items() if len(g) > 1 and d != dim]
+        return None if wider else self.world
+
+    def index(self, dim: str) -> int | None:
+        """This rank's position along `dim` (a pipeline stage's index for "pp")."""
+        ranks = self.groups.get(dim)
+        if ranks is not None:
+            return ranks.index(self.rank) if self.rank in ranks else None
+        n = self.degree(dim)
+        ok = type(self.rank) is int and n is not None and 0 <= self.rank < n
+        return self.rank if ok and n == self.world else None
+
+    def source(self, dim: str) -> str:
+        """Where `degree(dim)` comes from, for a finding's text."""
+        if dim in self.groups:
+            return "its process group"
+        return "the world size" if self.degree(dim) is not None else "unknown"
+
+
+def _ranks(v: Any) -> tuple[int, ...] | None:
+    if type(v) is not list or not v or len(v) > 1 << 16:
+        return None
+    return tuple(v) if all(type(r) is int and r >= 0 for r in v) else None
+
+
+def mesh(provenance: Any) -> Mesh:
+    """The Mesh of a file's provenance (the recorder's block; anything else reads as unknown)."""
+    prov = provenance if isinstance(provenance, dict) else {}
+    world, rank = prov.get("world_size"), prov.get("rank")
+    world = world if type(world) is int and world >= 1 else None
+    rank = rank if type(rank) is int and rank >= 0 else None
+    listed = prov.get("process_groups")
+    groups: dict[str, tuple[int, ...]] = {}
+    if type(listed) is list:
+        for g in listed[:MAX_GROUPS]:
+            dim = _BY_DESC.get(g.get("desc")) if type(g) is dict else None
+            ranks = _ranks(g.get("ranks")) if dim else None
+            if ranks is not None and dim not in groups:
+                groups[dim] = ranks
+    return Mesh(world, rank, groups, type(listed) is list)
