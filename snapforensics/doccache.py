@@ -122,7 +122,7 @@ def _save_lifetimes(analyses: list, out: IO[bytes]) -> None:
     import numpy as np
 
     from snapforensics.analysis.context import columns
-    from snapforensics.snapshot.npz import _NO_PICKLE
+    from snapforensics.snapshot.npz import savez
 
     a = {}
     for d in analyses:
@@ -134,7 +134,7 @@ def _save_lifetimes(analyses: list, out: IO[bytes]) -> None:
         cols = columns(d)
         for col, dt in _COLUMNS:
             a[p + "c_" + col] = np.asarray(cols[col], dt)
-    np.savez(out, **a, **_NO_PICKLE)
+    savez(out, a)
 
 
 def _read_lifetimes(entry: IO[bytes], snap: Any) -> tuple[dict[int, Any], dict[int, Any]]:

@@ -93,22 +93,29 @@ class Allocator:
         d = self._d
         segs = self.segments
         n = len(d.trace)
-        act = d.trace.action
-        up = (act == SEGMENT_ALLOC) | (act == SEGMENT_MAP)
-        down = (act == SEGMENT_FREE) | (act == SEGMENT_UNMAP)
+        # each row's change of the reserved bytes: + a segment's size where it is made or
+        # mapped, - where it is freed or unmapped, 0 elsewhere (a sign per action code: one
+        # pass over the rows, few temporaries: 6.4M rows took 0.8 s with a mask per action)
+        sign = np.zeros(256, np.int64)
+        sign[[SEGMENT_ALLOC, SEGMENT_MAP]] = 1
+        sign[[SEGMENT_FREE, SEGMENT_UNMAP]] = -1
+        delta = sign[d.trace.action.view(np.uint8)]
         # no segments at dump is a valid anchor (0 reserved, e.g. after empty_cache) only when
         # the trace shows segments coming and going; otherwise the file has no segment list
-        if not n or (not segs and not (up.any() or down.any())):
+        if not n or (not segs and not delta.any()):
             return None
-        size = d.trace.size.astype(np.int64)
-        delta = np.zeros(n, np.int64)
-        delta[up] = size[up]
-        delta[down] = -size[down]
-        later = np.cumsum(delta[::-1])[::-1] - delta  # sum of delta over rows after r
-        reserved = int(sum(s.total_size for s in segs)) - later
+        np.multiply(delta, d.trace.size, out=delta, casting="unsafe")
+        # reserved after row r: the dump's total minus the changes of the rows after r, i.e.
+        # the changes up to r plus (the dump's total - all the changes); forward, in place (a
+        # suffix sum over reversed views took 0.3 s of 0.4 on 6.4M rows)
+        after_all = int(sum(s.total_size for s in segs)) - int(delta.sum())
+        reserved = np.cumsum(delta, out=delta)
+        reserved += after_all
         live = d.lt.live
-        if len(live) and (reserved - live).min() < -0.01 * max(int(live.max()), 1):
-            return None
+        if len(live):
+            low = reserved - live
+            if low.min() < -0.01 * max(int(live.max()), 1):
+                return None
         return reserved
 
     @cached_property

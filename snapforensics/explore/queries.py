@@ -254,29 +254,38 @@ def _window(rep: Report, device: int, lo: int, hi: int, width: int,
     # at least one column of the window: smaller ones are merged
     wide = np.flatnonzero((cb - ca >= 1) & kept)
     drawn = wide[np.argsort(-size[wide], kind="stable")[:BLOCKS_PER_COLUMN * width]]
-    rest = np.ones(len(vis), bool)
-    rest[drawn] = False
-    merged = np.flatnonzero(rest)
     names = list(d.category_names) + ["filtered out"]
-    cat = np.where(kept, d.category[vis].astype(np.int64), len(names) - 1)
-    # every category's band at once: +size at its first column, -size past its last
-    cm, sm, w1 = cat[merged], size[merged], width + 1
-    delta = np.zeros(len(names) * w1, np.int64)
-    np.add.at(delta, cm * w1 + np.clip(c0[merged], 0, width), sm)
-    np.add.at(delta, cm * w1 + np.clip(c1[merged], 0, width), -sm)
-    live = np.cumsum(delta.reshape(len(names), w1)[:, :width], axis=1)
+    cat = d.category[vis].astype(np.int64)
+    if keep is not None:
+        cat[~kept] = len(names) - 1
+    # every category's band at once: +size at its first column, -size past its last, over every
+    # block in the window less the ones drawn on their own (a gather of the merged ones, nearly
+    # all of them, cost more than the sums); bincount, not np.add.at (ten times slower)
+    w1 = width + 1
+    n = len(names) * w1
+    sz = size.astype(np.float64)
+    i0, i1 = cat * w1 + c0, cat * w1 + np.minimum(c1, width)
+
+    def sums(i: np.ndarray, w: np.ndarray) -> np.ndarray:
+        return np.bincount(i, w, n)
+
+    delta = sums(i0, sz) - sums(i1, sz) - (sums(i0[drawn], sz[drawn]) - sums(i1[drawn], sz[drawn]))
+    live = np.cumsum(np.rint(delta).astype(np.int64).reshape(len(names), w1)[:, :width], axis=1)
+    merged_per_cat = np.bincount(cat, minlength=len(names)) - \
+        np.bincount(cat[drawn], minlength=len(names))
     bands = {_text(names[code], FRAME): live[code].tolist()
-             for code in np.flatnonzero(np.bincount(cm, minlength=len(names))).tolist()}
+             for code in np.flatnonzero(merged_per_cat).tolist()}
     blocks = [{"id": int(off + vis[i]), "c0": int(c0[i]), "c1": int(c1[i]),
                "size": int(size[i]), "category": _text(names[cat[i]], FRAME)}
               for i in drawn[np.argsort(a[drawn], kind="stable")].tolist()]
-    top, moment = _moments(lt.live, lo, hi, col(X[lo:hi]), width)
+    first = _firsts(X, lo, hi, x0, span, width)
+    top, moment = _moments(lt.live, lo, hi, first, width)
     peak = d.peak_row
     return {"device": device, "axis": axis, "lo": lo, "hi": hi, "x0": x0, "x1": x1,
             "x_end": float(X[-1]), "width": width, "rows_per_column": (hi - lo) / width,
             "live": top, "moment": moment, "bands": bands, "blocks": blocks,
-            "merged_blocks": int(len(merged)),
-            "phases": _phase_spans(d, lo, hi, X, col, width),
+            "merged_blocks": int(len(vis) - len(drawn)),
+            "phases": _phase_spans(d, lo, hi, X, col, first, width),
             "iterations": _iterations(d, lo, hi, X, col, width),
             "peak": {"row": peak, "bytes": d.peak_bytes,
                      "c": float(col(X[peak])) if lo <= peak < hi else None}}
@@ -290,28 +299,35 @@ def _iterations(d: DeviceAnalysis, lo: int, hi: int, X: np.ndarray, col, width: 
     return [{"index": it.index, "row": it.start, "c": float(c)} for it, c in zip(its, cs)]
 
 
-def _moments(live: np.ndarray, lo: int, hi: int, pos: np.ndarray, width: int
+def _firsts(X: np.ndarray, lo: int, hi: int, x0: float, span: float, width: int
+            ) -> np.ndarray:
+    """Per column of the window, the first of rows [lo, hi) (counted from lo) at or past its
+    left edge: column k holds rows [first[k], first[k + 1]) (empty when equal). A binary search
+    per column over the rows' x (never decreasing), not a column per row: O(width log rows)."""
+    first = np.searchsorted(X[lo:hi], x0 + np.arange(width) * (span / width), "left")
+    first[0] = 0  # the window's first row is in its first column (time axis: x <= x0)
+    return first
+
+
+def _moments(live: np.ndarray, lo: int, hi: int, first: np.ndarray, width: int
              ) -> tuple[list[int], list[int]]:
-    """Per column (rows [lo, hi) at column positions `pos`): the max of the live bytes and the
-    first row that has it; a column no row starts in shows the row before it (nothing changed
-    since)."""
+    """Per column (`first`: `_firsts`): the max of the live bytes and the first row that has
+    it; a column no row starts in shows the row before it (nothing changed since)."""
     v = live[lo:hi]
-    c = np.minimum(pos.astype(np.int64), width - 1)
-    first = np.searchsorted(c, np.arange(width), "left")
-    has = np.searchsorted(c, np.arange(width), "right") > first
+    ends = np.append(first[1:], len(v))
+    has = ends > first
     top = np.zeros(width, np.int64)
-    top[has] = np.maximum.reduceat(v, first[has])  # `c` never decreases: runs of columns
-    at_top = np.flatnonzero(v == top[c])
-    row = np.full(width, -1, np.int64)
-    row[c[at_top][::-1]] = at_top[::-1]  # the first row at each column's max
-    empty = np.flatnonzero(~has)
-    row[empty] = np.maximum(first[empty] - 1, 0)  # the last row before the column
+    top[has] = np.maximum.reduceat(v, first[has])  # runs of rows, one per column with rows
+    row = np.maximum(first - 1, 0)  # the last row before an empty column
+    for k in np.flatnonzero(has).tolist():
+        row[k] = first[k] + int(np.argmax(v[first[k]:ends[k]]))  # the first row at its max
+    empty = ~has
     top[empty] = v[row[empty]]
     return top.tolist(), (row + lo).tolist()
 
 
-def _phase_spans(d: DeviceAnalysis, lo: int, hi: int, X: np.ndarray, col, width: int
-                 ) -> list[dict[str, Any]]:
+def _phase_spans(d: DeviceAnalysis, lo: int, hi: int, X: np.ndarray, col, first: np.ndarray,
+                 width: int) -> list[dict[str, Any]]:
     """The runs of one phase among rows [lo, hi), from the diagnosis' per-row phases
     (`Timeline.phase`, the report's shading): rows [lo, hi) of each and its columns [c0, c1).
     More runs than columns: each column takes the phase of its first row, and runs of
@@ -321,8 +337,7 @@ def _phase_spans(d: DeviceAnalysis, lo: int, hi: int, X: np.ndarray, col, width:
     ph = d.tl.phase[lo:hi]
     cut = np.flatnonzero(np.diff(ph)) + 1
     if len(cut) >= width:
-        pos = col(X[lo:hi]).astype(np.int64)
-        firsts = np.unique(np.searchsorted(pos, np.arange(width), "left"))
+        firsts = np.unique(first)
         firsts = firsts[firsts < len(ph)]
         keep = np.flatnonzero(np.diff(ph[firsts])) + 1
         cut = firsts[keep]

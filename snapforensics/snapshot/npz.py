@@ -13,6 +13,9 @@ ranges, sizes <= MAX_BYTES, totals).
 
 from __future__ import annotations
 
+import io
+import mmap
+import sys
 import zipfile
 from dataclasses import fields
 from typing import Any
@@ -102,13 +105,37 @@ def save(s: Snapshot, f) -> None:
             "format": s.format, "warnings": s.warnings,
             "kind": {f.name: getattr(s.kind, f.name) for f in fields(s.kind)}}
     a["meta"] = np.frombuffer(orjson.dumps(meta, option=orjson.OPT_NON_STR_KEYS), np.uint8)
-    arrays: dict[str, Any] = {k: np.ascontiguousarray(v) for k, v in a.items()}
-    np.savez(f, **arrays, **_NO_PICKLE)
+    savez(f, a)
 
 
-# numpy < 2.1 (the newest for Python 3.9) has no savez(allow_pickle=): it would be stored as an
-# array and the entry refused on reading. The arrays are numeric either way.
-_NO_PICKLE = {"allow_pickle": False} if np.lib.NumpyVersion(np.__version__) >= "2.1.0" else {}
+ALIGN = 64  # every member's data starts at a multiple of this in the file (numpy's ARRAY_ALIGN)
+_PAD_ID = 0xD935  # the extra field that pads a zip member's local header (zipalign's)
+
+
+def savez(f: Any, arrays: dict[str, Any]) -> None:
+    """`arrays` as an npz (`np.load` reads it: stored members, `.npy` v1.0 headers) whose
+    members' data are aligned in the file: the reader maps the file and views each array in
+    place (`_arrays`). np.savez puts a member's data wherever its zip header ends, and a view of
+    unaligned int64s made every numpy operation on them take the slow path (a max over 6.4M
+    rows: 5 ms aligned, 170 ms not)."""
+    with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as z:
+        for name, v in arrays.items():
+            a = np.ascontiguousarray(v)
+            head = io.BytesIO()
+            np.lib.format.write_array_header_1_0(head, np.lib.format.header_data_from_array_1_0(a))
+            info = zipfile.ZipInfo(name + ".npy", date_time=(1980, 1, 1, 0, 0, 0))
+            info.compress_type = zipfile.ZIP_STORED
+            info.file_size = len(head.getvalue()) + a.nbytes
+            big = info.file_size > zipfile.ZIP64_LIMIT  # then zipfile adds a 20-byte zip64 field
+            at = f.tell() + 30 + len(info.filename.encode()) + len(head.getvalue()) + 20 * big
+            pad = -at % ALIGN
+            pad += ALIGN if 0 < pad < 4 else 0  # an extra field is 4 bytes at least
+            if pad:
+                info.extra = (_PAD_ID).to_bytes(2, "little") + \
+                    (pad - 4).to_bytes(2, "little") + bytes(pad - 4)
+            with z.open(info, "w", force_zip64=big) as out:
+                out.write(head.getvalue())
+                out.write(memoryview(a).cast("B") if a.nbytes else b"")
 
 
 def read(entry: Any, source: str) -> Snapshot:
@@ -130,6 +157,7 @@ def _arrays(entry: Any) -> dict[str, np.ndarray]:
     bytes), not through zipfile's reader: that one copied it twice and summed its CRC, 0.6 s
     of a 1 GB snapshot's 1.1 s of cached model and lifetimes."""
     out = {}
+    mapped = _mapped(entry)
     with zipfile.ZipFile(entry) as z:
         for info in z.infolist():
             if info.compress_type != zipfile.ZIP_STORED or not info.filename.endswith(".npy"):
@@ -147,19 +175,47 @@ def _arrays(entry: Any) -> dict[str, np.ndarray]:
                 if f.tell() + n != info.file_size:
                     raise BadEntry(f"member {info.filename!r}: size does not match its shape")
                 at = f.tell()
-            arr = np.empty(shape[0], dtype)
-            if n:
-                entry.seek(info.header_offset)
-                local = entry.read(30)  # the member's local header, then its name and extra
-                if len(local) != 30 or local[:4] != b"PK\x03\x04":
-                    raise BadEntry(f"member {info.filename!r}: no local header")
-                skip = int.from_bytes(local[26:28], "little") + \
-                    int.from_bytes(local[28:30], "little")
-                entry.seek(info.header_offset + 30 + skip + at)
+            if not n:
+                out[info.filename[:-4]] = np.empty(0, dtype)
+                continue
+            entry.seek(info.header_offset)
+            local = entry.read(30)  # the member's local header, then its name and extra
+            if len(local) != 30 or local[:4] != b"PK\x03\x04":
+                raise BadEntry(f"member {info.filename!r}: no local header")
+            skip = int.from_bytes(local[26:28], "little") + \
+                int.from_bytes(local[28:30], "little")
+            start = info.header_offset + 30 + skip + at
+            if mapped is not None and start % ALIGN == 0:  # aligned: viewed where it lies
+                if start + n > len(mapped):
+                    raise BadEntry(f"member {info.filename!r}: truncated")
+                arr = np.frombuffer(mapped, dtype, shape[0], start)
+            else:
+                arr = np.empty(shape[0], dtype)
+                entry.seek(start)
                 if entry.readinto(arr.view(np.uint8)) != n:
                     raise BadEntry(f"member {info.filename!r}: truncated")
             out[info.filename[:-4]] = arr
     return out
+
+
+def _mapped(entry: Any) -> mmap.mmap | None:
+    """`entry`'s bytes mapped copy-on-write (the arrays are views of the file's cached pages,
+    writable, a page copied only where written), None where it cannot be (not a file). Reading
+    each member into a new array instead was page faults on fresh memory: 1.3 s of a 1 GB
+    snapshot's 4 s warm start on a 2-core VM. Cache entries are replaced by rename, never
+    rewritten in place, so a mapping stays whole."""
+    try:
+        fd = entry.fileno()
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        return None
+    try:  # private (copy-on-write), its pages mapped at once: one call, not a fault per page
+        return mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE | _POPULATE,
+                         prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except (OSError, ValueError):
+        return None
+
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000 if sys.platform == "linux" else 0)
 
 
 def _arr(a: dict, name: str, dtype: str, n: int | None = None, lo: int | None = None,
