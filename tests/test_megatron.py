@@ -122,6 +122,32 @@ def test_what_a_pipeline_stage_receives_is_a_p2p_buffer_and_the_first_stage_is_e
 
 
 @slow
+def test_a_tp_by_pp_mesh_reads_each_ranks_stage_from_its_pipeline_group():
+    """TP 2 x PP 2 on 4 ranks: Megatron orders ranks tp fastest, so a rank is not its stage.
+    The stage each file's analysis reads (its PIPELINE_MODEL_PARALLEL_GROUP, which the recorder
+    notes) is the one the running parallel_state gave, and the fleet names the worst rank's
+    stage and TP rank: stage 0 peaking by its activations is 1F1B's design."""
+    from recordings import recorded_module
+
+    from snapforensics import parallel
+    from snapforensics.analysis.fleet import fleet
+
+    folder = recorded_module(MODULE, RUNS["pp2"][2:] + ("--tp", "2"), 4)
+    paths = [folder / f"rank{r}.pickle" for r in range(4)]
+    diags = parallel.run(paths, jobs=1, progress=False)
+    truths = [json.loads((folder / f"truth.rank{r}.json").read_text()) for r in range(4)]
+    assert sorted(t["stage"] for t in truths) == [0, 0, 1, 1]
+    for d, t in zip(diags, truths):
+        assert t["tp"] == 2 and t["pp"] == 2
+        assert d["framework"]["pipeline"]["stage"] == t["stage"]
+        assert d["framework"]["pipeline"]["stages"] == 2
+    st = fleet(diags).statement
+    worst = truths[st["rank"]]
+    assert st["stage"] == worst["stage"] == 0 and st["tp"] == 2 and st["tp_rank"] in (0, 1)
+    assert st["verdict"] == "expected" and st["category"] == "activation"
+
+
+@slow
 @pytest.mark.parametrize("off,on", (("tp2", "tp2_sp"), ("small", "small_sp")),
                          ids=("tuned", "held_out"))
 def test_sequence_parallel_off_predicts_the_sp_twins_peak(off, on):

@@ -30,6 +30,7 @@ from snapforensics.analysis.compare import (
     _warnings,
 )
 from snapforensics.analysis.diagnosis import Diagnosis
+from snapforensics.analysis.mesh import mesh
 from snapforensics.analysis.vocab import Verdict
 
 SCHEMA = "snapforensics.fleet/1"
@@ -138,7 +139,9 @@ def _statement(inputs: list[dict], diags: list[Diagnosis],
     anything but activations, is not what the schedule explains (`anomalous`); under GPipe
     every stage holds all M, which pipeline.all_forward_before_backward reports. Without stage
     information the rank is named and its spread verdict kept (`anomalous` when the spread
-    is flagged, else `info`): the files do not say its pipeline stage or TP rank."""
+    is flagged, else `info`): the files do not say its pipeline stage or TP rank. With TP (a
+    TP group over 1 in the recorder's process groups, analysis/mesh.py) the rank's TP index and
+    degree are named too (`tp_rank`, `tp`): the ranks of one stage share its stage index."""
     if len(inputs) < 2:
         return None
     w = min(range(len(inputs)), key=lambda i: (-inputs[i]["peaks"]["overall_bytes"],
@@ -156,10 +159,13 @@ def _statement(inputs: list[dict], diags: list[Diagnosis],
         "category": str(cause) if cause else None,
         "category_extra_bytes": extra[cause] if cause else 0,
         "stage": None, "stages": None, "schedule": None}
+    layout = mesh(diags[w].provenance)
+    if (layout.degree("tp") or 1) > 1:  # its place among the ranks that share its stage
+        out |= {"tp_rank": layout.index("tp"), "tp": layout.degree("tp")}
     pipes = [d.framework.get("pipeline") for d in diags]
     stages = [p.get("stage") if p else None for p in pipes]
     p = pipes[w]
-    if p and None not in stages and len(set(stages)) == len(stages):
+    if p and None not in stages:  # TP ranks of one stage share it
         out |= {"stage": p["stage"], "stages": p["stages"], "schedule": p["schedule"]}
         if p["schedule"] == "gpipe":
             out |= {"verdict": Verdict.ANOMALOUS, "why": (

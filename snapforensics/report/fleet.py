@@ -57,6 +57,8 @@ def statement(f: Fleet) -> str | None:
     if not st:
         return None
     where_ = st["label"] + (f" (rank {st['rank']})" if st.get("rank") is not None else "")
+    if st.get("tp_rank") is not None:
+        where_ = f"TP rank {st['tp_rank']} of {st['tp']}, {where_}"
     if st.get("stage") is not None:
         where_ = f"pipeline stage {st['stage']} of {st['stages']}, {where_}"
     by = (f", mostly {st['category']} (+{human(st['category_extra_bytes'])} over the other "
