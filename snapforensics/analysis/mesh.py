@@ -82,8 +82,9 @@ def mesh(provenance: Any) -> Mesh:
     groups: dict[str, tuple[int, ...]] = {}
     if type(listed) is list:
         for g in listed[:MAX_GROUPS]:
-            dim = _BY_DESC.get(g.get("desc")) if type(g) is dict else None
-            ranks = _ranks(g.get("ranks")) if dim else None
-            if ranks is not None and dim not in groups:
+            desc = g.get("desc") if type(g) is dict else None
+            dim = _BY_DESC.get(desc) if type(desc) is str else None
+            ranks = _ranks(g.get("ranks")) if dim is not None else None
+            if dim is not None and ranks is not None and dim not in groups:
                 groups[dim] = ranks
     return Mesh(world, rank, groups, type(listed) is list)

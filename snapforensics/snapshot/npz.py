@@ -134,7 +134,7 @@ def savez(f: Any, arrays: dict[str, Any]) -> None:
                     (pad - 4).to_bytes(2, "little") + bytes(pad - 4)
             with z.open(info, "w", force_zip64=big) as out:
                 out.write(head.getvalue())
-                out.write(memoryview(a).cast("B") if a.nbytes else b"")
+                out.write(a.view(np.uint8).data if a.nbytes else b"")
 
 
 def read(entry: Any, source: str) -> Snapshot:
