@@ -132,7 +132,8 @@ def test_a_tp_by_pp_mesh_reads_each_ranks_stage_from_its_pipeline_group():
     from snapforensics import parallel
     from snapforensics.analysis.fleet import fleet
 
-    folder = recorded_module(MODULE, RUNS["pp2"][2:] + ("--tp", "2"), 4)
+    folder = recorded_module(MODULE, ("--tp", "2", "--pp", "2", "--layers", "4",
+                                      "--micro-batches", "4"), 4)
     paths = [folder / f"rank{r}.pickle" for r in range(4)]
     diags = parallel.run(paths, jobs=1, progress=False)
     truths = [json.loads((folder / f"truth.rank{r}.json").read_text()) for r in range(4)]

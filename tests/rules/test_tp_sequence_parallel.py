@@ -90,13 +90,15 @@ def _finding(path):
 
 # the layout the replay was built on (the example's defaults), a held-out one, and FSDP2 + TP on
 # a 2-D mesh (dp_shard 2 x tp 2 on 4 ranks: the TP degree is its mesh group's, not the world
-# size; an MLP weight's unsharded TP shard there is as large as one activation)
-PAIRS = (((), 2), (("--layers", "3", "--dim", "96", "--seq", "96", "--batch", "3"), 2),
-         ((*SMALL, "--dp", "2"), 4))
+# size; an MLP weight's unsharded TP shard there is as large as one activation): the layout the
+# reduce-scatter's transients were fitted on (SMALL) and one they were not
+HELD_OUT = ("--layers", "3", "--dim", "96", "--seq", "96", "--batch", "3")
+PAIRS = (((), 2), (HELD_OUT, 2), ((*SMALL, "--dp", "2"), 4), ((*HELD_OUT, "--dp", "2"), 4))
 
 
 @slow
-@pytest.mark.parametrize(("args", "nproc"), PAIRS, ids=("tuned", "held_out", "fsdp_tp_2d"))
+@pytest.mark.parametrize(("args", "nproc"), PAIRS,
+                         ids=("tuned", "held_out", "fsdp_tp_2d", "fsdp_tp_2d_held_out"))
 def test_sequence_parallel_off_predicts_the_sp_twins_peak(args, nproc):
     from recordings import recorded_module
 

@@ -162,9 +162,8 @@ def pipeline(snapshot: Snapshot, analyses: list[DeviceAnalysis]) -> dict[str, An
     (`forward_backward_pipelining_without_interleaving`) or interleaved 1F1B (`..._with_
     interleaving`); without its pipeline group, its stage is the rank only where the file shows no
     tensor-parallel collective (Megatron orders ranks tp fastest, pp slowest: with TP the rank is
-    not the stage). Under 1F1B
-    stage s holds at most min(M, S - s) micro-batches' activations: the first stage holds the
-    most."""
+    not the stage). Under 1F1B stage s holds at most min(M, S - s) micro-batches' activations:
+    the first stage holds the most."""
     from snapforensics.analysis.rules.pipeline_schedule import _all_forward_first, _steps
 
     names = {f.name for f in snapshot.frames
@@ -176,13 +175,13 @@ def pipeline(snapshot: Snapshot, analyses: list[DeviceAnalysis]) -> dict[str, An
     layout = mesh(snapshot.provenance)
     stage, stages = layout.index("pp"), layout.degree("pp")
     ok = stage is not None and stages is not None
-    if megatron and "pp" not in layout.groups:
-        from snapforensics.analysis.vocab import CAT_CODE, Category
-
-        tp = {CAT_CODE[c] for c in (Category.TP_ALL_GATHER, Category.TP_REDUCE_SCATTER,
-                                    Category.TP_ALL_REDUCE)}
-        ok = ok and not any(np.isin(d.category, list(tp)).any() for d in analyses)
     if megatron:
+        if "pp" not in layout.groups:  # the rank is the stage only without TP
+            from snapforensics.analysis.vocab import CAT_CODE, Category
+
+            tp = {CAT_CODE[c] for c in (Category.TP_ALL_GATHER, Category.TP_REDUCE_SCATTER,
+                                        Category.TP_ALL_REDUCE)}
+            ok = ok and not any(np.isin(d.category, list(tp)).any() for d in analyses)
         return {"stage": stage if ok else None, "stages": stages if ok else None,
                 "schedule": _MEGATRON_PIPELINED[min(megatron)]}
     steps = [st for d in analyses if d.lt.rows for st in _steps(d) if st]

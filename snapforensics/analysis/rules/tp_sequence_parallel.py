@@ -201,7 +201,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     # concatenates the sequence chunks into a full-size input (`reduce_scatter_tensor` with
     # scatter_dim 1 != 0: `torch.cat(torch.chunk(x, group_size, dim=1))`), and gloo reduce-
     # scatters through an all-reduce of a full-size clone of it (CPU recordings)
-    cut = np.flatnonzero(shrink | np.isin(np.arange(len(lt)), ar))
+    cut = np.union1d(np.flatnonzero(shrink), ar)
     transient = full * (2 if d.snapshot.kind.cpu_recorded else 1)
     extra = tuple((int(lt.alloc_row[b]), int(lt.free_row[b]), -(full - full // tp))
                   for b in cut.tolist()) + tuple(
