@@ -464,3 +464,61 @@ def test_help_and_reports_point_to_installed_text_not_the_repository(capsys):
     for fmt in ("terminal", "markdown", "html"):
         text = render("forecast", f, fmt)
         assert "docs/forecast.md" not in text and "forecast --help" in text.replace("\\", "")
+
+
+PIPE_LAYOUT = ("--layers", "8", "--dim", "256")
+
+
+def _pipeline_run(stages: int, schedule: str, m: int):
+    """The bundled pipeline example recorded at `stages` stages: its analyses, its truth."""
+    import json
+
+    from recordings import recorded_module
+
+    folder = recorded_module("snapforensics.examples.pipeline",
+                             ("--schedule", schedule, "--microbatches", str(m), *PIPE_LAYOUT),
+                             nproc=stages)
+    out = []
+    for r in range(stages):
+        s = load(folder / f"rank{r}.pickle")
+        truth = json.loads((folder / f"truth.rank{r}.json").read_text())
+        out.append((analyse(s, s.active_traces[0]), truth))
+    return out
+
+
+@slow
+@pytest.mark.parametrize("source", [(2, 8), (4, 8)], ids=["from-2-stages", "from-4-stages"])
+def test_pipeline_layout_forecast(source):
+    """Each stage's peak at another stage count, micro-batch count and schedule, forecast from
+    one GPipe recording (every stage's file) against the run recorded in that layout: the
+    micro-batches each stage holds equal the running schedule's count (the example's truth,
+    counted by wrapping the stage's own forward/backward), every error lies in the band stored
+    in forecast/pipeline.py, and the stage named worst is the worst recorded (within a tie)."""
+    from snapforensics.analysis.forecast import pipeline as pf
+
+    src = _pipeline_run(source[0], "gpipe", source[1])
+    analyses = [d for d, _ in src]
+    assert [pf.source(d).layers for d in analyses] == [8 // source[0]] * source[0]
+    pairs = {(p[0], p[1]): p for p in pf.PAIRS}
+    name = f"S={source[0]} M={source[1]} gpipe"
+    checked = 0
+    for (a, target), (_, _, lo, hi) in pairs.items():
+        if a != name:
+            continue
+        stages, m, schedule = (int(target.split()[0][2:]), int(target.split()[1][2:]),
+                               target.split()[2])
+        twin = _pipeline_run(stages, schedule, m)
+        doc = pf.pipeline_forecast(analyses, [stages], [m], [schedule])
+        sc, = doc.scenarios
+        errors = []
+        for p, (d, truth) in zip(sc["per_stage"], twin):
+            assert truth["stage"] == p["stage"]
+            assert p["held_microbatches"] == max(truth["held_per_step"]), (target, p)
+            errors.append((p["predicted_peak_bytes"] - d.peak_bytes) / d.peak_bytes)
+        print(f"pipeline {name} -> {target}: " + " ".join(f"{e:+.2%}" for e in errors))
+        assert lo - 0.003 <= min(errors) and max(errors) <= hi + 0.003, (target, errors, lo, hi)
+        assert sc["error_band"]["validated"] and not sc["error_band"]["exact"]
+        peaks = [d.peak_bytes for d, _ in twin]
+        assert peaks[sc["worst_stage"]] >= 0.99 * max(peaks), (target, sc["worst_stage"], peaks)
+        checked += 1
+    assert checked >= 3

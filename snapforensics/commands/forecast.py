@@ -23,7 +23,9 @@ def _list(text: str | None, conv, what: str) -> list:
 RANGES = {"world-size": "integers from 1 to 1048576",
           "strategy": "full_shard, shard_grad_op, no_shard or hsdp:R, R from 1 to 1048576",
           "checkpointing": "none or full",
-          "micro-batch-scale": "numbers from 1/1024 to 1024"}
+          "micro-batch-scale": "numbers from 1/1024 to 1024",
+          "pp": "integers from 1 to 1048576", "microbatches": "integers from 1 to 1048576",
+          "schedule": "gpipe or 1f1b"}
 
 
 # Ranges of the options. World sizes (and HSDP replicas): up to 2^20 ranks, above the largest
@@ -89,7 +91,17 @@ with the recorded world size unknown; strategy or checkpointing without FSDP
 unit boundaries; hsdp:R with R not dividing W. With --capacity: a
 configuration whose recorded peak fits gets no advice; otherwise the cheapest
 single change that fits (an anomaly's fix, full_shard, checkpointing full,
-half the micro-batch).""")
+half the micro-batch).
+
+\b
+Pipeline (--pp, --microbatches, --schedule; SNAPSHOT a run folder of
+one file per stage, or one stage's file): each stage's peak at another
+number of stages, micro-batch count (same global batch) or schedule, the
+worst stage named. The recorded GPipe step is cut into its micro-batches'
+forwards and backwards and rebuilt in the new order; what belongs to the
+layers scales with the layers per stage (counted from the recorder's
+tensor names). Needs a GPipe recording (torch opens no ranges around 1F1B's
+micro-batches).""")
 @click.argument("snapshot", type=click.Path(path_type=Path))
 @click.option("--world-size", help="World sizes to forecast, comma-separated (e.g. 4,8,64,512).")
 @click.option("--strategy", help="full_shard | shard_grad_op | no_shard | hsdp:R (R replicas), "
@@ -100,9 +112,14 @@ half the micro-batch).""")
 @click.option("--capacity", help="Device memory with its unit (80GiB = 80 x 2^30 bytes, 80GB = "
                                  "80 x 10^9; a bare number is refused): which scenarios fit, "
                                  "the smallest world size and the cheapest change that fit.")
+@click.option("--pp", help="Pipeline stages to forecast, comma-separated (e.g. 2,4,8).")
+@click.option("--microbatches", help="Micro-batch counts per step, comma-separated (the global "
+                                     "batch kept).")
+@click.option("--schedule", help="gpipe | 1f1b, comma-separated.")
 @report_options("forecast")
 def forecast_command(snapshot: Path, world_size, strategy, checkpointing, micro_batch_scale,
-                     capacity, fmt: str | None, output: str | None) -> int:
+                     capacity, pp, microbatches, schedule, fmt: str | None,
+                     output: str | None) -> int:
     """Forecast the peak of the recorded run under other settings: world sizes, sharding
     strategies, activation checkpointing and micro-batch sizes, each block scaled by what made
     it and the trace replayed; with --capacity, which scenarios fit. A run with an anomaly is
@@ -113,6 +130,8 @@ def forecast_command(snapshot: Path, world_size, strategy, checkpointing, micro_
     from snapforensics.report.output import choose_format, emit
     from snapforensics.snapshot import load
 
+    if pp or microbatches or schedule:
+        return _pipeline(snapshot, pp, microbatches, schedule, fmt, output)
     choose_format("forecast", fmt, output)  # a bad -o fails before the analysis
     cap = None
     if capacity:
@@ -129,4 +148,33 @@ def forecast_command(snapshot: Path, world_size, strategy, checkpointing, micro_
     strategies = _list(strategy, _strategy, "strategy")
     scales = _list(micro_batch_scale, _scale, "micro-batch-scale")
     emit("forecast", forecast(load(snapshot), worlds, strategies, ckpt, scales, cap), fmt, output)
+    return 0
+
+
+def _schedule(s: str) -> str:
+    s = s.strip().lower()
+    if s not in ("gpipe", "1f1b"):
+        raise ValueError(s)
+    return s
+
+
+def _pipeline(snapshot: Path, pp, microbatches, schedule, fmt, output) -> int:
+    from snapforensics.analysis.context import analyse
+    from snapforensics.analysis.forecast.pipeline import pipeline_forecast
+    from snapforensics.parallel import expand
+    from snapforensics.report.output import choose_format, emit
+    from snapforensics.snapshot import load
+
+    choose_format("pipeline_forecast", fmt, output)
+    stages = _list(pp, _positive_int, "pp")
+    counts = _list(microbatches, _positive_int, "microbatches")
+    schedules = _list(schedule, _schedule, "schedule")
+    analyses = []
+    for path in expand([snapshot]):
+        snap = load(path)
+        traces = [t for t in snap.active_traces if len(t)]
+        if traces:
+            analyses.append(analyse(snap, max(traces, key=len)))
+    emit("pipeline_forecast", pipeline_forecast(analyses, stages, counts, schedules,
+                                                str(snapshot)), fmt, output)
     return 0

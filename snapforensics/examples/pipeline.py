@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     blocks = [Block(a.dim) for _ in range(a.layers)]
     per = a.layers // world
     module = nn.Sequential(*blocks[rank * per:(rank + 1) * per])
+    del blocks  # every rank drew the same weights; a stage holds only its own layers
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
     held: list[int] = []
     _count_in_flight(stage, held)

@@ -176,3 +176,94 @@ def html(f: Forecast, screen: Screen = PLAIN) -> str:
         f"<h1>snapforensics forecast</h1><p><code>{h(f.source, FRAME)}</code></p>"
         f"<p>{h(_baseline_line(f), TEXT)}</p><table><tr>{head}</tr>{rows}</table>"
         f"<ul>{items}</ul><p>{h(_MODEL, TEXT)}</p></body></html>\n")
+
+
+# The pipeline forecast (registry kind "pipeline_forecast"): one row per scenario and stage.
+PIPE_COLUMNS = ("stages", "micro-batches", "schedule", "stage", "layers", "holds (micro-batches)",
+                "predicted peak", "worst", "error band")
+_PIPE_MODEL = ("The recorded GPipe step is cut into its micro-batches' forwards and backwards and "
+               "rebuilt in the schedule's order for each stage; what the operations make scales "
+               "with the micro-batch (same global batch) and, with the stages, what belongs to "
+               "the layers with the layers per stage. Model and limits: `snapforensics forecast "
+               "--help`.")
+
+
+def _pipe_rows(f) -> list[list[str]]:
+    rows = []
+    for sc in f.scenarios:
+        b = sc["error_band"]
+        band = "exact (replay)" if b["exact"] else \
+            f"{b['low']:+.1%}..{b['high']:+.1%}" + ("" if b["validated"] else " NOT VALIDATED")
+        for p in sc["per_stage"]:
+            head = [str(sc["stages"]), str(sc["microbatches"]), sc["schedule"], str(p["stage"]),
+                    "?" if p["layers"] is None else str(p["layers"]),
+                    str(p["held_microbatches"])]
+            if p["refused"]:
+                rows.append(head + ["refused", "", p["refused"]])
+                continue
+            worst = "worst" if p["stage"] == sc["worst_stage"] else ""
+            rows.append(head + [human(p["predicted_peak_bytes"]), worst, band])
+    return rows[:ROWS * 8]
+
+
+def _pipe_lines(f) -> list[str]:
+    r = f.recorded
+    peaks = ", ".join(f"stage {k} {human(v)}" for k, v in sorted(r["peaks"].items()))
+    out = [f"recorded: {r['stages'] or 'unknown'} stages, {r['microbatches']} micro-batches, "
+           f"{r['schedule']}, {r['layers'] or 'unknown'} layers per stage; peaks {peaks}"]
+    for sc in f.scenarios:
+        if sc["worst_stage"] is not None:
+            out.append(f"{sc['stages']} stages, {sc['microbatches']} micro-batches, "
+                       f"{sc['schedule']}: worst stage {sc['worst_stage']} at "
+                       f"{human(sc['worst_peak_bytes'])}")
+    out += [f"note: {n}" for n in f.notes]
+    seen = []
+    for sc in f.scenarios:
+        for why in sc["error_band"]["not_validated"]:
+            if why not in seen:
+                seen.append(why)
+    from snapforensics.analysis.forecast.pipeline import SOURCE
+    out.append(f"error band: measured on recorded pairs ({SOURCE})")
+    out += [f"not validated: {w}" for w in seen]
+    return out[:ROWS]
+
+
+def pipeline_terminal(f, screen: Screen = PLAIN) -> str:
+    from rich.table import Table
+
+    console = screen.console(width=140)
+    console.print(t(f"snapforensics forecast (pipeline): {f.source}", FRAME, "bold"))
+    tab = Table(show_edge=False)
+    for c in PIPE_COLUMNS:
+        tab.add_column(c, justify="right" if c == "predicted peak" else "left", overflow="fold")
+    for r in _pipe_rows(f):
+        tab.add_row(*[t(x, TEXT) for x in r])
+    for line in _pipe_lines(f)[:1]:
+        console.print(t(line, TEXT))
+    console.print(tab)
+    for line in _pipe_lines(f)[1:] + [_PIPE_MODEL]:
+        console.print(t(line, TEXT))
+    return console.file.getvalue()
+
+
+def pipeline_markdown(f, screen: Screen = PLAIN) -> str:
+    out = [f"# snapforensics forecast (pipeline): {md(f.source, FRAME)}", "",
+           "| " + " | ".join(PIPE_COLUMNS) + " |", "|" + "---|" * len(PIPE_COLUMNS)]
+    out += ["| " + " | ".join(md(x, TEXT) for x in r) + " |" for r in _pipe_rows(f)]
+    out += [""] + [f"- {md(x, TEXT)}" for x in _pipe_lines(f)] + ["", md(_PIPE_MODEL, TEXT)]
+    return "\n".join(out) + "\n"
+
+
+def pipeline_html(f, screen: Screen = PLAIN) -> str:
+    rows = "".join("<tr>" + "".join(f"<td>{h(x, TEXT)}</td>" for x in r) + "</tr>"
+                   for r in _pipe_rows(f))
+    head = "".join(f"<th>{h(c)}</th>" for c in PIPE_COLUMNS)
+    items = "".join(f"<li>{h(x, TEXT)}</li>" for x in _pipe_lines(f))
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'>"
+        f"<title>snapforensics forecast (pipeline): {h(f.source, FRAME)}</title><style>"
+        "body{font-family:system-ui,sans-serif;margin:2em}table{border-collapse:collapse}"
+        "td,th{border:1px solid #ccc;padding:4px 8px;text-align:left}</style></head><body>"
+        f"<h1>snapforensics forecast (pipeline)</h1><p><code>{h(f.source, FRAME)}</code></p>"
+        f"<table><tr>{head}</tr>{rows}</table><ul>{items}</ul><p>{h(_PIPE_MODEL, TEXT)}</p>"
+        "</body></html>\n")

@@ -54,6 +54,12 @@ RENDERERS: dict[str, dict[str, str]] = {
         "json": "snapforensics.report.json:render",
         "html": "snapforensics.report.forecast:html",
     },
+    "pipeline_forecast": {
+        "terminal": "snapforensics.report.forecast:pipeline_terminal",
+        "markdown": "snapforensics.report.forecast:pipeline_markdown",
+        "json": "snapforensics.report.json:render",
+        "html": "snapforensics.report.forecast:pipeline_html",
+    },
 }
 
 
