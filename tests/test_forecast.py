@@ -522,3 +522,34 @@ def test_pipeline_layout_forecast(source):
         assert peaks[sc["worst_stage"]] >= 0.99 * max(peaks), (target, sc["worst_stage"], peaks)
         checked += 1
     assert checked >= 3
+
+
+@slow
+def test_pipeline_forecast_command():
+    """`forecast FOLDER --pp ...` through the CLI: the JSON names each stage and the worst; a
+    1F1B recording (no micro-batch ranges) and a bad --schedule are one-line errors, exit 2."""
+    import json
+
+    from recordings import recorded_module, run_cli
+
+    gpipe = recorded_module("snapforensics.examples.pipeline",
+                            ("--schedule", "gpipe", "--microbatches", "8", *PIPE_LAYOUT))
+    p = run_cli(["forecast", str(gpipe), "--pp", "2,4,3", "--schedule", "1f1b",
+                 "--format", "json"])
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["recorded"] | {"peaks": None} == {
+        "stages": 2, "microbatches": 8, "schedule": "gpipe", "layers": 4,
+        "stage_files": [0, 1], "peaks": None}
+    two, four, three = doc["scenarios"]
+    assert [s["held_microbatches"] for s in four["per_stage"]] == [4, 3, 2, 1]
+    assert four["worst_stage"] == 0 and two["worst_stage"] == 0
+    assert all(s["refused"] and "do not split evenly" in s["refused"]
+               for s in three["per_stage"])
+    assert run_cli(["forecast", str(gpipe), "--pp", "4"]).stdout.count("worst") >= 1
+    one_f = recorded_module("snapforensics.examples.pipeline",
+                            ("--schedule", "1f1b", "--microbatches", "8", *PIPE_LAYOUT))
+    for args in ([str(one_f), "--pp", "4"], [str(gpipe), "--schedule", "zb"]):
+        p = run_cli(["forecast", *args])
+        assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+        assert "Traceback" not in p.stderr
