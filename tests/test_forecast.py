@@ -487,21 +487,23 @@ def _pipeline_run(stages: int, schedule: str, m: int):
 
 
 @slow
-@pytest.mark.parametrize("source", [(2, 8), (2, 4), (4, 8), (4, 4)],
-                         ids=["from-S2-M8", "from-S2-M4", "from-S4-M8", "from-S4-M4"])
+@pytest.mark.parametrize("source", [(s, m, k) for s in (2, 4) for m in (8, 4)
+                                    for k in ("gpipe", "1f1b")],
+                         ids=lambda x: f"from-S{x[0]}-M{x[1]}-{x[2]}")
 def test_pipeline_layout_forecast(source):
     """Each stage's peak at another stage count, micro-batch count and schedule, forecast from
-    one GPipe recording (every stage's file) against the run recorded in that layout: the
+    one recording (every stage's file; 1F1B's micro-batches cut at the recorder's marks) against
+    the run recorded in that layout: the
     micro-batches each stage holds equal the running schedule's count (the example's truth,
     counted by wrapping the stage's own forward/backward), every error lies in the band stored
     in forecast/pipeline.py, and the stage named worst is the worst recorded (within a tie)."""
     from snapforensics.analysis.forecast import pipeline as pf
 
-    src = _pipeline_run(source[0], "gpipe", source[1])
+    src = _pipeline_run(source[0], source[2], source[1])
     analyses = [d for d, _ in src]
     assert [pf.source(d).layers for d in analyses] == [8 // source[0]] * source[0]
     pairs = {(p[0], p[1]): p for p in pf.PAIRS}
-    name = f"S={source[0]} M={source[1]} gpipe"
+    name = f"S={source[0]} M={source[1]} {source[2]}"
     checked = 0
     for (a, target), (_, _, lo, hi) in pairs.items():
         if a != name:
@@ -529,7 +531,8 @@ def test_pipeline_layout_forecast(source):
 @slow
 def test_pipeline_forecast_command():
     """`forecast FOLDER --pp ...` through the CLI: the JSON names each stage and the worst; a
-    1F1B recording (no micro-batch ranges) and a bad --schedule are one-line errors, exit 2."""
+    1F1B recording (cut at the recorder's marks) forecasts GPipe; a 1F1B step without marks and
+    a bad --schedule are one-line errors, exit 2."""
     import json
 
     from recordings import recorded_module, run_cli
@@ -551,7 +554,16 @@ def test_pipeline_forecast_command():
     assert run_cli(["forecast", str(gpipe), "--pp", "4"]).stdout.count("worst") >= 1
     one_f = recorded_module("snapforensics.examples.pipeline",
                             ("--schedule", "1f1b", "--microbatches", "8", *PIPE_LAYOUT))
-    for args in ([str(one_f), "--pp", "4"], [str(gpipe), "--schedule", "zb"]):
+    p = run_cli(["forecast", str(one_f), "--schedule", "gpipe", "--format", "json"])
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["recorded"]["schedule"] == "1f1b"
+    assert [s["held_microbatches"] for s in doc["scenarios"][0]["per_stage"]] == [8, 8]
+    # one step: the recorder marks the micro-batches from the second step on, 1F1B opens none
+    unmarked = recorded_module("snapforensics.examples.pipeline",
+                               ("--schedule", "1f1b", "--microbatches", "4", "--steps", "1",
+                                *PIPE_LAYOUT))
+    for args in ([str(unmarked), "--pp", "4"], [str(gpipe), "--schedule", "zb"]):
         p = run_cli(["forecast", *args])
         assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
         assert "Traceback" not in p.stderr

@@ -33,17 +33,19 @@ class Block(nn.Module):
 
 def _count_in_flight(stage: PipelineStage, held: list[int]) -> None:
     """Wrap the stage's chunk methods: held[-1] is the most micro-batches in flight this step."""
-    fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
+    # the class's methods, looked up at each call: what wraps them later (the recorder's marks)
+    # stays in the call
+    cls = type(stage)
     state = {"now": 0}
 
     def forward_one_chunk(*a, **k):
-        out = fwd(*a, **k)
+        out = cls.forward_one_chunk(stage, *a, **k)
         state["now"] += 1
         held[-1] = max(held[-1], state["now"])
         return out
 
     def backward_one_chunk(*a, **k):
-        out = bwd(*a, **k)
+        out = cls.backward_one_chunk(stage, *a, **k)
         state["now"] -= 1
         return out
 

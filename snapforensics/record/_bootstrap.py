@@ -151,6 +151,42 @@ def process_groups() -> list[dict] | None:
         return None
 
 
+# The ranges the recorder opens around a pipeline stage's micro-batches, for every schedule
+# (torch's own `Forward i` / `Backward i` come from ScheduleGPipe alone): analysis reads
+# `snapforensics.pp forward|backward <stage index> <micro-batch>` (forecast/pipeline.py).
+PP_RANGE = "snapforensics.pp {kind} {stage} {chunk}"
+
+
+def mark_pipeline_chunks() -> bool:
+    """Wrap `_PipelineStageBase.forward_one_chunk` / `backward_one_chunk` (torch.distributed
+    .pipelining, when the script imported it) in a `record_function` range naming the stage and
+    the micro-batch; the methods keep their behaviour. True once they are wrapped."""
+    mod = sys.modules.get("torch.distributed.pipelining.stage")
+    base = getattr(mod, "_PipelineStageBase", None)
+    if base is None:
+        return False
+    if getattr(base, "_snapforensics_marked", False):
+        return True
+    from torch.profiler import record_function
+
+    def wrap(method: Any, kind: str) -> Any:
+        def marked(self, chunk_id, *args: Any, **kwargs: Any) -> Any:
+            name = PP_RANGE.format(kind=kind, stage=getattr(self, "stage_index", -1),
+                                   chunk=chunk_id)
+            with record_function(name):
+                return method(self, chunk_id, *args, **kwargs)
+        marked.__wrapped__ = method  # type: ignore[attr-defined]
+        return marked
+
+    try:
+        base.forward_one_chunk = wrap(base.forward_one_chunk, "forward")
+        base.backward_one_chunk = wrap(base.backward_one_chunk, "backward")
+        base._snapforensics_marked = True
+    except (AttributeError, TypeError):  # another torch's layout: no marks, nothing broken
+        return False
+    return True
+
+
 def _count_entries(snap: dict) -> int:
     traces = snap.get("device_traces") or []
     return sum(len(t) for t in traces if isinstance(t, list))
@@ -292,6 +328,7 @@ class _StepWindow:
         self.stopped = False
         self._hook = None
         self.groups: list[dict] | None = None  # the process groups, noted at each step's end
+        self.marked = False  # a pipeline stage's micro-batches are marked (PP_RANGE)
 
     def install(self) -> None:
         from torch.optim.optimizer import register_optimizer_step_post_hook  # torch >= 2.0
@@ -311,6 +348,9 @@ class _StepWindow:
         if self.started:
             self.backend.step_ended(self.done)
             self.groups = process_groups() or self.groups
+        # the script imports pipelining itself (4 s cold: never imported here); the steps from
+        # the second on are marked
+        self.marked = self.marked or mark_pipeline_chunks()
         if self.done == self.first:
             self._start()
         if self.stop is not None and self.done == self.stop:

@@ -164,7 +164,7 @@ def pipeline(snapshot: Snapshot, analyses: list[DeviceAnalysis]) -> dict[str, An
     tensor-parallel collective (Megatron orders ranks tp fastest, pp slowest: with TP the rank is
     not the stage). Under 1F1B stage s holds at most min(M, S - s) micro-batches' activations:
     the first stage holds the most."""
-    from snapforensics.analysis.rules.pipeline_schedule import _all_forward_first, _steps
+    from snapforensics.analysis.forecast.pipeline import all_forward_first, gpipe_ranges
 
     names = {f.name for f in snapshot.frames
              if f.filename.replace("\\", "/").endswith(_MEGATRON_SCHEDULES)}
@@ -184,9 +184,9 @@ def pipeline(snapshot: Snapshot, analyses: list[DeviceAnalysis]) -> dict[str, An
             ok = ok and not any(np.isin(d.category, list(tp)).any() for d in analyses)
         return {"stage": stage if ok else None, "stages": stages if ok else None,
                 "schedule": _MEGATRON_PIPELINED[min(megatron)]}
-    steps = [st for d in analyses if d.lt.rows for st in _steps(d) if st]
+    steps = [st for d in analyses if d.lt.rows for st in gpipe_ranges(d) if st]
     return {"stage": stage if ok else None, "stages": stages if ok else None,
-            "schedule": "gpipe" if steps and all(_all_forward_first(st) for st in steps)
+            "schedule": "gpipe" if steps and all(all_forward_first(st) for st in steps)
             else "1f1b"}
 
 

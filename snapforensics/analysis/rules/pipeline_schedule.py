@@ -10,27 +10,24 @@ Seen by the ranges the schedule opens around each micro-batch (`Forward {i}` / `
 starts before its first `Backward`. The stage is taken as the rank of a one-stage-per-rank run
 (the recorder's rank and world size); a file without them gets the finding without a prediction.
 
-The replay moves the trace into 1F1B's order: the blocks made while micro-batch k >= w was
-forwarded (from its `Forward k` to the next micro-batch's) are made right after `Backward k - w`
-instead (w = min(M, S - s)), those freed inside that span with them; the gradient sends GPipe
-waits for only after its last backward (blocks made in `Backward j`, freed after the last
-`Backward` but before the optimizer) are freed after `Backward j + 1`, where 1F1B waits for them.
+The replay is the pipeline forecast's (`analysis/forecast/pipeline.py`) at the recorded stage
+count and micro-batches: every GPipe step cut into its micro-batches' forwards and backwards and
+rebuilt in 1F1B's order for this stage (w = min(M, S - s) forwards first, then one backward
+before each further forward), each block at its offset in the operations that make and free
+it; what GPipe's lists of send works keep until the step returns is freed where 1F1B drops it.
 """
 
 from __future__ import annotations
-
-import re
 
 import numpy as np
 
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding, Replay
 from snapforensics.analysis.evidence import human, top_stacks
+from snapforensics.analysis.forecast import pipeline
 from snapforensics.analysis.mesh import mesh
 from snapforensics.analysis.rule import Family, Rule
-from snapforensics.analysis.vocab import Phase, Verdict
-
-RANGE = re.compile(r"^(Forward|Backward) (\d+)$")
+from snapforensics.analysis.vocab import Verdict
 
 FIX = """\
 from torch.distributed.pipelining import Schedule1F1B
@@ -40,70 +37,25 @@ schedule = Schedule1F1B(stage, n_microbatches={m}, loss_fn=loss_fn)
 # torchtitan: config.parallelism.pipeline_parallel_schedule = "1F1B"  # was "GPipe"
 """
 
-Span = tuple[int, int]
-
-
-def _steps(d: DeviceAnalysis) -> list[dict[tuple[str, int], Span]]:
-    """Per step (a run of ranges from `Forward 0`), each (kind, micro-batch) range's rows."""
-    steps: list[dict[tuple[str, int], Span]] = []
-    opened: dict[tuple[str, int], int] = {}
-    for a in d.snapshot.annotations:
-        m = RANGE.match(a.name) if a.device == d.device else None
-        if not m:
+def _replay(d: DeviceAnalysis, stage: int, stages: int) -> Replay:
+    """The trace with every GPipe step rebuilt in 1F1B's order (forecast/pipeline.py's model, at
+    the recorded stage count and micro-batches: each block once, at its rows in the new order)."""
+    ar, fr = d.lt.alloc_row.copy(), d.lt.free_row.copy()
+    steps = pipeline.stage_steps(d)
+    for src in steps if not isinstance(steps, str) else []:
+        if src.schedule != pipeline.GPIPE:
             continue
-        k = (m.group(1), int(m.group(2)))
-        if a.stage == "START":
-            if k == ("Forward", 0):
-                steps.append({})
-            opened[k] = a.row
-        elif k in opened and steps:
-            steps[-1][k] = (opened.pop(k), a.row)
-    return steps
-
-
-def _all_forward_first(step: dict[tuple[str, int], Span]) -> int:
-    """M when the step ran M >= 2 forwards, each before its first backward, and M backwards;
-    else 0 (not GPipe's order)."""
-    fwd = sorted(mb for kind, mb in step if kind == "Forward")
-    bwd = sorted(mb for kind, mb in step if kind == "Backward")
-    m = len(fwd)
-    if m < 2 or fwd != list(range(m)) or bwd != fwd:
-        return 0
-    first_b = min(step[("Backward", j)][0] for j in bwd)
-    return m if max(step[("Forward", i)][0] for i in fwd) < first_b else 0
-
-
-def _made_in_forward(step: dict[tuple[str, int], Span], k: int, m: int) -> Span:
-    """Rows of micro-batch k's forward: its `Forward k` to the next one's (the loss a last stage
-    computes after the range belongs to it), the last one's to the first `Backward`."""
-    end = step[("Forward", k + 1)][0] if k + 1 < m else step[("Backward", 0)][0]
-    return step[("Forward", k)][0], end
-
-
-def _replay(d: DeviceAnalysis, steps: list[dict[tuple[str, int], Span]], m: int, w: int
-            ) -> Replay:
-    lt = d.lt
-    ar, fr = lt.alloc_row.copy(), lt.free_row.copy()
-    freed_phase = d.tl.phase[np.clip(lt.free_row, 0, max(lt.rows - 1, 0))]
-    for step in steps:
-        for k in range(w, m):
-            f0, f1 = _made_in_forward(step, k, m)
-            off = step[("Backward", k - w)][1] - f0
-            made = (lt.alloc_row >= f0) & (lt.alloc_row < f1)
-            ar[made] += off
-            inside = made & (lt.free_row < f1)
-            fr[inside] += off
-        last = step[("Backward", m - 1)][1]
-        for j in range(m - 1):
-            b0, b1 = step[("Backward", j)]
-            waited = (lt.alloc_row >= b0) & (lt.alloc_row < b1) & (lt.free_row >= last) & \
-                (lt.free_row < lt.rows) & (freed_phase != int(Phase.OPTIMIZER))
-            fr[waited] = np.minimum(fr[waited], step[("Backward", j + 1)][1])
+        rb = pipeline.rebuild(src, pipeline.PipeScenario(stages, src.microbatches,
+                                                         pipeline.ONE_F_ONE_B), stage, 1.0)
+        born = rb.alloc >= 0
+        ar[rb.block[born]] = src.start + rb.alloc[born]
+        ended = rb.free < rb.rows
+        fr[rb.block[ended]] = src.start + rb.free[ended]
     return Replay(free_row=fr, alloc_row=ar)
 
 
 def check(d: DeviceAnalysis) -> list[Finding]:
-    counted = [(_all_forward_first(s), s) for s in _steps(d)]
+    counted = [(pipeline.all_forward_first(s), s) for s in pipeline.gpipe_ranges(d)]
     m = max((n for n, _ in counted), default=0)
     if not m or d.peak_row < 0:
         return []
@@ -113,7 +65,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     mb = np.full(len(lt), -1, np.int64)
     for step in steps:
         for k in range(m):
-            f0, f1 = _made_in_forward(step, k, m)
+            f0, f1 = pipeline.made_in_forward(step, k, m)
             mb[(lt.alloc_row >= f0) & (lt.alloc_row < f1)] = k
     held_mask = lt.alive_at(p) & (mb >= 0)
     held = sorted(set(mb[held_mask].tolist()))
@@ -134,7 +86,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
                         blocks=int(held_mask.sum()), device=d.device, evidence=evidence,
                         members=np.flatnonzero(held_mask))]
     w = min(m, stages - stage)
-    replay = _replay(d, steps, m, w)
+    replay = _replay(d, stage, stages)
     predicted = int(lt.replay(free_row=replay.free_row, alloc_row=replay.alloc_row).max())
     predicted = max(predicted, lt.baseline)
     saving = d.peak_bytes - predicted
