@@ -129,7 +129,7 @@ CONTROL = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 SGR = re.compile(r"\x1b\[[0-9;]*m")  # colours and bold: the only escapes we emit
 
 
-KINDS = ["diagnosis", "compare", "compare_runs", "fleet", "forecast"]
+KINDS = ["diagnosis", "compare", "compare_runs", "fleet", "forecast", "pipeline_forecast"]
 
 
 @cache
@@ -139,6 +139,9 @@ def document(kind: str):
         f = forecast(hostile_snapshot(), world_sizes=[4, 8])
         f.notes.append(HOSTILE)
         return f
+    if kind == "pipeline_forecast":
+        # its strings from outside: the path given, notes quoting it; the rest is numbers
+        return _pipeline_document()
     d, fixed = hostile(), diagnose(load(FIXED))
     if kind == "compare":
         return compare([d, fixed])
@@ -148,6 +151,20 @@ def document(kind: str):
         # documents as workers send them: the hostile rank's plot series travel too
         return fleet([d.to_doc(), dataclasses.replace(fixed, rank=1).to_doc()])
     return d
+
+
+def _pipeline_document():
+    from snapforensics.analysis.forecast.pipeline import PipelineForecast
+
+    stage = {"stage": 0, "source_stage": 0, "layers": 2, "held_microbatches": 4,
+             "predicted_peak_bytes": 1 << 20, "refused": None}
+    band = {"low": -0.03, "high": 0.04, "pairs": 56, "validated": False,
+            "not_validated": [HOSTILE], "exact": False}
+    return PipelineForecast(f"/runs/{HOSTILE}", {
+        "stages": 2, "microbatches": 8, "schedule": "gpipe", "layers": 4, "stage_files": [0],
+        "peaks": {"0": 1 << 21}}, [{"stages": 4, "microbatches": 8, "schedule": "1f1b",
+                                     "worst_stage": 0, "worst_peak_bytes": 1 << 20,
+                                     "error_band": band, "per_stage": [stage]}], [HOSTILE])
 
 
 def test_the_registry_has_no_kind_this_file_does_not_plant():
