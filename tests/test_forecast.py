@@ -567,3 +567,28 @@ def test_pipeline_forecast_command():
         p = run_cli(["forecast", *args])
         assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
         assert "Traceback" not in p.stderr
+
+
+@slow
+def test_dp_degree_on_a_2d_mesh():
+    """FSDP2 + TP on a 2-D mesh (dp_shard x tp 2, `examples/tp.py --dp`): the world size a
+    forecast reads is the dp_shard degree of the running mesh (its process groups), not the
+    world; dp_shard 2 -> 4 (4 -> 8 ranks) and back, every rank against the recorded twin."""
+    import json
+
+    from recordings import recorded_module
+
+    small = ("--layers", "2", "--dim", "64", "--seq", "64", "--batch", "2", "--steps", "2")
+    runs = {}
+    for dp in (2, 4):
+        folder = recorded_module("snapforensics.examples.tp", (*small, "--dp", str(dp)),
+                                 nproc=2 * dp)
+        runs[dp] = [(_fx(folder / f"rank{r}.pickle"),
+                     json.loads((folder / f"truth.rank{r}.json").read_text()))
+                    for r in range(2 * dp)]
+    for dp, ranks in runs.items():
+        assert all(fx.w0 == truth["dp"] == dp and truth["tp"] == 2 for fx, truth in ranks)
+    for a, b in ((2, 4), (4, 2)):
+        for r, (fx, _) in enumerate(runs[a]):
+            twin = runs[b][r % (2 * b)][0]  # the same TP rank (rank = dp index * 2 + tp index)
+            _check(f"FSDP2 + TP 2 (2-D mesh): dp_shard {b} from {a}, rank {r}", fx, twin, 0.05)

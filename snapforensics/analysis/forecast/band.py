@@ -31,6 +31,9 @@ PAIRS: tuple[tuple[str, str, float, float], ...] = (
     ("world_size", "FSDP2 no checkpointing, 4 x 128: W=2 from W=4", 33.84, 33.84),
     ("world_size", "FSDP2 no checkpointing, 4 x 128: W=8 from W=2", 29.34, 29.34),
     ("world_size", "FSDP2 no checkpointing, 4 x 128: W=2 from W=8", 33.84, 33.84),
+    # FSDP2 + TP 2 on a 2-D mesh (examples/tp.py --dp, 2 x 64, rank 0): W is the dp_shard degree
+    ("world_size", "FSDP2 + TP 2 (2-D mesh): dp_shard 4 from 2", 1.1458, 1.1458),
+    ("world_size", "FSDP2 + TP 2 (2-D mesh): dp_shard 2 from 4", 1.1927, 1.1929),
     ("strategy", "FSDP2 reshard_after_forward=False from True", 216.10, 216.10),
     ("strategy", "FSDP2 reshard_after_forward=True from False", 194.82, 194.82),
     ("strategy", "FSDP1 SHARD_GRAD_OP from FULL_SHARD", 43.04, 43.04),
