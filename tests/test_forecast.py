@@ -531,8 +531,8 @@ def test_pipeline_layout_forecast(source):
 @slow
 def test_pipeline_forecast_command():
     """`forecast FOLDER --pp ...` through the CLI: the JSON names each stage and the worst; a
-    1F1B recording (cut at the recorder's marks) forecasts GPipe; a 1F1B step without marks and
-    a bad --schedule are one-line errors, exit 2."""
+    1F1B recording (cut at the recorder's marks, every step) forecasts GPipe; a run without a
+    pipeline and a bad --schedule are one-line errors, exit 2."""
     import json
 
     from recordings import recorded_module, run_cli
@@ -559,11 +559,15 @@ def test_pipeline_forecast_command():
     doc = json.loads(p.stdout)
     assert doc["recorded"]["schedule"] == "1f1b"
     assert [s["held_microbatches"] for s in doc["scenarios"][0]["per_stage"]] == [8, 8]
-    # one step: the recorder marks the micro-batches from the second step on, 1F1B opens none
-    unmarked = recorded_module("snapforensics.examples.pipeline",
-                               ("--schedule", "1f1b", "--microbatches", "4", "--steps", "1",
-                                *PIPE_LAYOUT))
-    for args in ([str(unmarked), "--pp", "4"], [str(gpipe), "--schedule", "zb"]):
+    # the recorder marked every step's micro-batches, the first too (torch opens no range
+    # around 1F1B's)
+    from snapforensics.analysis.forecast import pipeline as pf
+
+    for r in (0, 1):
+        steps = pf.stage_steps(_fx(one_f / f"rank{r}.pickle").d)
+        assert [s.schedule for s in steps] == ["1f1b", "1f1b"], steps
+    # a run with no pipeline at all (the FSDP fixture), and a bad --schedule
+    for args in ([str(FIXED), "--pp", "4"], [str(gpipe), "--schedule", "zb"]):
         p = run_cli(["forecast", *args])
         assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
         assert "Traceback" not in p.stderr

@@ -99,7 +99,7 @@ one file per stage, or one stage's file): each stage's peak at another
 number of stages, micro-batch count (same global batch) or schedule, the
 worst stage named. The recorded step is cut into its micro-batches'
 forwards and backwards (GPipe's own ranges, or the marks `snapforensics
-record` opens around every schedule's from the second step on) and rebuilt
+record` opens around every schedule's) and rebuilt
 in the new order; what belongs to the layers scales with the layers per
 stage (counted from the recorder's tensor names). 56 recorded pairs (2 <-> 4
 stages, 4 <-> 8 micro-batches, GPipe <-> 1F1B): -3.0%..+4.4% per stage.""")

@@ -187,6 +187,39 @@ def mark_pipeline_chunks() -> bool:
     return True
 
 
+class _MarkOnImport:
+    """A `sys.meta_path` finder that marks pipeline stages' micro-batches right after the script
+    imports torch.distributed.pipelining (from its first step on), without importing it here
+    (4 s cold); it steps aside after that one import."""
+
+    NAME = "torch.distributed.pipelining.stage"
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != self.NAME:
+            return None
+        self.remove()
+        spec = importlib.util.find_spec(name)
+        loader = getattr(spec, "loader", None)
+        run = getattr(loader, "exec_module", None)
+        if run is None:
+            return spec
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            mark_pipeline_chunks()
+
+        loader.exec_module = exec_module  # type: ignore[union-attr]  # this module's own loader
+        return spec
+
+    def install(self) -> None:
+        if not mark_pipeline_chunks():  # already imported (by a sitecustomize): marked now
+            sys.meta_path.insert(0, self)
+
+    def remove(self) -> None:
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+
 def _count_entries(snap: dict) -> int:
     traces = snap.get("device_traces") or []
     return sum(len(t) for t in traces if isinstance(t, list))
@@ -348,8 +381,7 @@ class _StepWindow:
         if self.started:
             self.backend.step_ended(self.done)
             self.groups = process_groups() or self.groups
-        # the script imports pipelining itself (4 s cold: never imported here); the steps from
-        # the second on are marked
+        # in case the script imported pipelining before the finder was in place
         self.marked = self.marked or mark_pipeline_chunks()
         if self.done == self.first:
             self._start()
@@ -605,8 +637,10 @@ def run_recorded(opts: dict, target: str, args: list[str]) -> dict:
         status["exit_code"] = 128 + pending
         status["interrupted_before_start"] = True
         return finish()
+    marks = _MarkOnImport()
     try:
         window.install()
+        marks.install()
     except Exception as e:
         sys.argv[:] = saved_argv
         if saved_path0 is not None:
@@ -708,6 +742,7 @@ def run_recorded(opts: dict, target: str, args: list[str]) -> dict:
             else:
                 dump(code if code is not None else 1)
         watcher.remove()
+        marks.remove()
         term.restore()
         ctrl_c.restore()
     return finish()

@@ -39,8 +39,8 @@ middle stage does).
 
 The operations are delimited by ScheduleGPipe's own `Forward i` / `Backward i` ranges, or, for
 any schedule, by the ranges `snapforensics record` opens around each stage's
-`forward_one_chunk` / `backward_one_chunk` (from the second step on: the recorder wraps them
-once the script has imported pipelining); an operation runs from its mark to the next one's.
+`forward_one_chunk` / `backward_one_chunk` (the recorder wraps them as the script imports
+pipelining); an operation runs from its mark to the next one's.
 What is not modelled, and refused or noted: interleaved and zero-bubble schedules (several
 stages per rank), a trace without either kind of range, layers that do not split evenly.
 """
@@ -246,8 +246,8 @@ def stage_steps(d: DeviceAnalysis) -> list[StageSource] | str:
         steps = marked
     if not steps:
         return ("the trace does not delimit the micro-batches' forwards and backwards (record "
-                "with `snapforensics record`, which marks them from the second step on, or "
-                "use ScheduleGPipe, whose ranges do)")
+                "with `snapforensics record`, which marks them, or use ScheduleGPipe, whose "
+                "ranges do)")
     layout = mesh(d.snapshot.provenance)
     stage, stages = layout.index("pp"), layout.degree("pp")
     layers, lp = _layer_params(d)
