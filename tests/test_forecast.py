@@ -532,7 +532,7 @@ def test_pipeline_layout_forecast(source):
 def test_pipeline_forecast_command():
     """`forecast FOLDER --pp ...` through the CLI: the JSON names each stage and the worst; a
     1F1B recording (cut at the recorder's marks, every step) forecasts GPipe; a run without a
-    pipeline and a bad --schedule are one-line errors, exit 2."""
+    pipeline, a bad --schedule and micro-batches past the bound are one-line errors, exit 2."""
     import json
 
     from recordings import recorded_module, run_cli
@@ -567,7 +567,8 @@ def test_pipeline_forecast_command():
         steps = pf.stage_steps(_fx(one_f / f"rank{r}.pickle").d)
         assert [s.schedule for s in steps] == ["1f1b", "1f1b"], steps
     # a run with no pipeline at all (the FSDP fixture), and a bad --schedule
-    for args in ([str(FIXED), "--pp", "4"], [str(gpipe), "--schedule", "zb"]):
+    for args in ([str(FIXED), "--pp", "4"], [str(gpipe), "--schedule", "zb"],
+                 [str(gpipe), "--microbatches", "5000"]):
         p = run_cli(["forecast", *args])
         assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
         assert "Traceback" not in p.stderr

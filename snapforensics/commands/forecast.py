@@ -102,7 +102,8 @@ forwards and backwards (GPipe's own ranges, or the marks `snapforensics
 record` opens around every schedule's) and rebuilt
 in the new order; what belongs to the layers scales with the layers per
 stage (counted from the recorder's tensor names). 56 recorded pairs (2 <-> 4
-stages, 4 <-> 8 micro-batches, GPipe <-> 1F1B): -3.0%..+4.4% per stage.""")
+stages, 4 <-> 8 micro-batches, GPipe <-> 1F1B): -3.0%..+4.4% per stage.
+Stages and micro-batches from 1 to 1024; interleaved schedules refused.""")
 @click.argument("snapshot", type=click.Path(path_type=Path))
 @click.option("--world-size", help="World sizes to forecast, comma-separated (e.g. 4,8,64,512).")
 @click.option("--strategy", help="full_shard | shard_grad_op | no_shard | hsdp:R (R replicas), "
@@ -153,8 +154,10 @@ def forecast_command(snapshot: Path, world_size, strategy, checkpointing, micro_
 
 
 def _schedule(s: str) -> str:
+    from snapforensics.analysis.forecast.pipeline import SCHEDULES
+
     s = s.strip().lower()
-    if s not in ("gpipe", "1f1b"):
+    if s not in SCHEDULES:
         raise ValueError(s)
     return s
 

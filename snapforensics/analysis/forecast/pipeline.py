@@ -60,6 +60,9 @@ from snapforensics.analysis.vocab import Phase
 SCHEMA = "snapforensics.pipeline_forecast/1"
 GPIPE, ONE_F_ONE_B = "gpipe", "1f1b"
 SCHEDULES = (GPIPE, ONE_F_ONE_B)
+# bounds of a scenario: each new micro-batch rebuilds its operations' blocks once more, so the
+# work grows with M' (the largest pipelines run tens of stages, a few hundred micro-batches)
+MAX_STAGES = MAX_MICROBATCHES = 1024
 
 
 @dataclass(frozen=True)
@@ -355,6 +358,13 @@ def rebuild(src: StageSource, sc: PipeScenario, stage: int, layer_ratio: float) 
     def after(b: int) -> int:  # a free after the last backward: its place after the step
         return int(f[b]) + tail if f[b] < src.stop else rows
 
+    runs_of: dict[tuple[str, int], list[tuple[str, int]]] = {}
+    for x in seq:
+        runs_of.setdefault(tmpl[x], []).append(x)
+
+    def runs_of_first(key: tuple[str, int]) -> tuple[str, int] | None:
+        return runs_of[key][0] if key in runs_of else None
+
     # alive when the step begins: parameters and their state scale with the layers; what is
     # freed inside the step (the batch's chunks) goes where its operation now runs
     for b in np.flatnonzero((a < src.start) & (f > src.start)).tolist():
@@ -362,8 +372,8 @@ def rebuild(src: StageSource, sc: PipeScenario, stage: int, layer_ratio: float) 
         if f[b] >= src.end:
             add(b, -1, after(b), sz)
             continue
-        runs = [x for x in seq if tmpl[x] == keys[dies_in[b]]]
-        add(b, -1, int(f[b]) + offsets[runs[0]] if runs else rows, sz)
+        runs = runs_of_first(keys[dies_in[b]])
+        add(b, -1, int(f[b]) + offsets[runs] if runs else rows, sz)
     # made inside the step, once per new operation its own stands for
     m_new, last = sc.microbatches, src.microbatches - 1
     # a stage before the last sends its outputs on; the last keeps them for the step's return
@@ -390,7 +400,7 @@ def rebuild(src: StageSource, sc: PipeScenario, stage: int, layer_ratio: float) 
         # the layers) and what crosses the stage's boundary (sends, receive buffers, outputs)
         per_layer = to_optimizer or (kind == "F" and freed == ("B", k))
         sz = size[b] * (layer_ratio if per_layer else 1.0) * (1.0 if to_optimizer else scale_mb)
-        for inst in [x for x in seq if tmpl[x] == (kind, k)]:
+        for inst in runs_of.get((kind, k), ()):
             ar = int(a[b]) + offsets[inst]
             nxt = (kind, inst[1] + 1)
             own = ("B", inst[1])
@@ -574,6 +584,11 @@ def pipeline_forecast(analyses: list[DeviceAnalysis], stages=(), microbatches=()
     schedule (empty = as recorded), from the recorded stages; the worst stage named."""
     from snapforensics.errors import SnapError
 
+    if any(not 1 <= int(x) <= MAX_STAGES for x in stages) or \
+            any(not 1 <= int(x) <= MAX_MICROBATCHES for x in microbatches):
+        raise SnapError(f"pipeline forecast: stages and micro-batches from 1 to {MAX_STAGES} "
+                        "(the largest pipelines run tens of stages and a few hundred "
+                        "micro-batches)")
     srcs: list[StageSource] = []
     why: list[str] = []
     for d in analyses:
