@@ -1,5 +1,6 @@
 """A pipeline-parallel run (``torch.distributed.pipelining``) with ground truth, for the pipeline
-rules: one stage per rank, a stack of MLP blocks split evenly, GPipe or 1F1B over M micro-batches.
+rules: one stage per rank, a stack of MLP blocks split evenly, GPipe or 1F1B over M micro-batches;
+with ``--dp N`` each stage is fully_shard-ed over N ranks (FSDP2 + PP on a (pp, dp_shard) mesh).
 
     snapforensics record --nproc-per-node 2 --device cpu --out DIR \\
         -m snapforensics.examples.pipeline -- --schedule gpipe --microbatches 8 --truth DIR
@@ -56,15 +57,31 @@ def main(argv: list[str] | None = None) -> None:
     p = parser(layers=4, dim=256, batch=32, seq=64, steps=2)
     p.add_argument("--schedule", choices=sorted(SCHEDULES), default="gpipe")
     p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--dp", type=int, default=1,
+                   help="dp_shard degree: each stage fully_shard-ed over it (FSDP2 + PP on a "
+                        "2-D mesh, as torchtitan composes them)")
     a = p.parse_args(argv)
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
+    stages, group = world // a.dp, None
+    rank = index = dist.get_rank()  # the stage index when there is no dp dimension
+    if a.dp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (stages, a.dp), mesh_dim_names=("pp", "dp_shard"))
+        index, group = mesh["pp"].get_local_rank(), mesh["pp"].get_group()
     torch.manual_seed(0)
     blocks = [Block(a.dim) for _ in range(a.layers)]
-    per = a.layers // world
-    module = nn.Sequential(*blocks[rank * per:(rank + 1) * per])
+    per = a.layers // stages
+    module = nn.Sequential(*blocks[index * per:(index + 1) * per])
     del blocks  # every rank drew the same weights; a stage holds only its own layers
-    stage = PipelineStage(module, rank, world, torch.device("cpu"))
+    if a.dp > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        for b in module:
+            fully_shard(b, mesh=mesh["dp_shard"])
+        fully_shard(module, mesh=mesh["dp_shard"])
+    stage = PipelineStage(module, index, stages, torch.device("cpu"), group=group)
     held: list[int] = []
     _count_in_flight(stage, held)
     schedule = SCHEDULES[a.schedule](stage, n_microbatches=a.microbatches,
@@ -73,16 +90,17 @@ def main(argv: list[str] | None = None) -> None:
     for _ in range(a.steps):
         held.append(0)
         x, y = torch.randn(a.batch, a.seq, a.dim), torch.randn(a.batch, a.seq, a.dim)
-        if rank == 0:
+        if index == 0:
             schedule.step(x)
-        elif rank == world - 1:
+        elif index == stages - 1:
             schedule.step(target=y, losses=[])
         else:
             schedule.step()
         opt.step()
         opt.zero_grad()
-    write_truth(a.truth, rank, {"schedule": a.schedule, "stage": rank, "stages": world,
-                                "microbatches": a.microbatches, "held_per_step": held})
+    write_truth(a.truth, rank, {"schedule": a.schedule, "stage": index, "stages": stages,
+                                "dp": a.dp, "microbatches": a.microbatches,
+                                "held_per_step": held})
     dist.destroy_process_group()
 
 

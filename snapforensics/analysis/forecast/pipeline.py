@@ -55,7 +55,7 @@ import numpy as np
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.identity import layer_of
 from snapforensics.analysis.mesh import mesh
-from snapforensics.analysis.vocab import Phase
+from snapforensics.analysis.vocab import FSDP_CATEGORIES, Phase
 
 SCHEMA = "snapforensics.pipeline_forecast/1"
 GPIPE, ONE_F_ONE_B = "gpipe", "1f1b"
@@ -532,6 +532,15 @@ PAIRS: tuple[tuple[str, str, float, float], ...] = (
     ("S=4 M=4 1f1b", "S=4 M=8 1f1b", -0.0219, 0.0219),
     ("S=4 M=4 1f1b", "S=4 M=4 gpipe", 0.0000, 0.0000),
 )
+# FSDP2 sharding each stage (FSDP + PP on a 2-D mesh, torchtitan's way): torch's stage runs every
+# backward but the last with set_reshard_after_backward(False), so under 1F1B the parameters
+# gathered by a stage's first backward stay until the step's end and the forwards after it
+# gather nothing; the operations of one schedule do not stand for the other's. Measured on
+# examples/pipeline.py --dp 2 (2 <-> 4 stages, 8 micro-batches, GPipe <-> 1F1B, 4 and 8 ranks):
+# -12.1%..+36.9% per stage (tests/test_forecast.py::test_pipeline_forecast_fsdp_not_validated).
+FSDP_NOT_MODELLED = ("FSDP shards the stages (FSDP + PP): the parameters a stage gathers in its "
+                     "first backward stay gathered to the step's end under torch's pipelining, "
+                     "which the rebuild does not model (measured -12%..+37%)")
 # what the pairs span: stage-count and micro-batch-count ratios (new / recorded)
 STAGE_RATIOS = (0.5, 2.0)
 MICROBATCH_RATIOS = (0.5, 2.0)
@@ -562,6 +571,8 @@ def band(sc: PipeScenario, src: StageSource) -> dict:
                    f"{MICROBATCH_RATIOS[1]:g}x)")
     if src.d.snapshot.kind.caching_allocator:
         why.append("the pairs are CPU recordings (no caching allocator, no NCCL buffers)")
+    if src.d.mask(*FSDP_CATEGORIES).any():
+        why.append(FSDP_NOT_MODELLED)
     return {"low": lo, "high": hi, "pairs": len(PAIRS), "validated": not why,
             "not_validated": why, "exact": False}
 
