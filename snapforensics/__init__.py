@@ -9,7 +9,8 @@ use, so `import snapforensics` stays cheap (no numpy, no pandas, never torch).
 
 __version__ = "0.1.0"
 
-_API = ("load", "diagnose", "compare", "forecast", "Report", "Comparison", "Forecast")
+_API = ("load", "diagnose", "compare", "forecast", "pipeline_forecast", "Report", "Comparison",
+        "Forecast")
 __all__ = ["__version__", *_API]
 
 

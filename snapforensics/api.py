@@ -93,6 +93,17 @@ def forecast(source: str | Path | Snapshot, world_sizes=(), strategies=(), check
                                       list(checkpointing), list(micro_batch_scales), cap))
 
 
+def pipeline_forecast(run: str | Path, stages=(), microbatches=(), schedules=()):
+    """Each pipeline stage's peak at other stage counts, micro-batch counts and schedules
+    (`snapforensics forecast RUN --pp ... --microbatches ... --schedule ...`), from a run folder
+    of one file per stage; the worst stage named. `.to_frame()` is one row per scenario and
+    stage."""
+    from snapforensics.runner import pipeline_forecast_paths
+
+    return pipeline_forecast_paths([run], list(stages), list(microbatches), list(schedules),
+                                   str(run))
+
+
 def _shown(cls: type, doc: Any) -> Any:
     """`doc` as `cls`, its subclass that a notebook displays (same fields, same JSON)."""
     import dataclasses

@@ -64,3 +64,20 @@ def compare_folders(a: str, b: str, **run):
     fa, fb = expand([a]), expand([b])
     diags = diagnose_paths(fa + fb, **run)
     return compare_runs(a, b, diags[:len(fa)], diags[len(fa):])
+
+
+def pipeline_forecast_paths(paths: Sequence[str | Path], stages=(), microbatches=(), schedules=(),
+                            source_name: str = ""):
+    """The pipeline forecast (analysis/forecast/pipeline.py) of the stage files at `paths` (a
+    run folder, a glob, files), each file's device with the longest trace."""
+    from snapforensics.analysis.context import analyse
+    from snapforensics.analysis.forecast.pipeline import pipeline_forecast
+    from snapforensics.snapshot import load
+
+    analyses = []
+    for path in expand(list(paths)):
+        snap = load(path)
+        traces = [t for t in snap.active_traces if len(t)]
+        if traces:
+            analyses.append(analyse(snap, max(traces, key=len)))
+    return pipeline_forecast(analyses, stages, microbatches, schedules, source_name)

@@ -623,3 +623,21 @@ def test_pipeline_forecast_fsdp_not_validated():
     for sc in doc.scenarios:
         assert not sc["error_band"]["validated"]
         assert pf.FSDP_NOT_MODELLED in sc["error_band"]["not_validated"]
+
+
+@slow
+def test_pipeline_forecast_api_frame():
+    """`sf.pipeline_forecast(folder, ...)`: the same document as the command, as a frame of one
+    row per scenario and stage with the worst flagged."""
+    import snapforensics as sf
+    from recordings import recorded_module
+
+    folder = recorded_module("snapforensics.examples.pipeline",
+                             ("--schedule", "gpipe", "--microbatches", "8", *PIPE_LAYOUT))
+    f = sf.pipeline_forecast(folder, stages=[2, 4], schedules=["1f1b"])
+    frame = f.to_frame()
+    assert list(frame.stages) == [2, 2, 4, 4, 4, 4]
+    assert list(frame.held_microbatches) == [2, 1, 4, 3, 2, 1]
+    assert frame.groupby("stages").worst.sum().tolist() == [1, 1]
+    worst = frame[frame.worst]
+    assert list(worst.stage) == [s["worst_stage"] for s in f.to_dict()["scenarios"]]

@@ -164,22 +164,13 @@ def _schedule(s: str) -> str:
 
 
 def _pipeline(snapshot: Path, pp, microbatches, schedule, fmt, output) -> int:
-    from snapforensics.analysis.context import analyse
-    from snapforensics.analysis.forecast.pipeline import pipeline_forecast
-    from snapforensics.parallel import expand
     from snapforensics.report.output import choose_format, emit
-    from snapforensics.snapshot import load
+    from snapforensics.runner import pipeline_forecast_paths
 
     choose_format("pipeline_forecast", fmt, output)
     stages = _list(pp, _positive_int, "pp")
     counts = _list(microbatches, _positive_int, "microbatches")
     schedules = _list(schedule, _schedule, "schedule")
-    analyses = []
-    for path in expand([snapshot]):
-        snap = load(path)
-        traces = [t for t in snap.active_traces if len(t)]
-        if traces:
-            analyses.append(analyse(snap, max(traces, key=len)))
-    emit("pipeline_forecast", pipeline_forecast(analyses, stages, counts, schedules,
-                                                str(snapshot)), fmt, output)
+    doc = pipeline_forecast_paths([snapshot], stages, counts, schedules, str(snapshot))
+    emit("pipeline_forecast", doc, fmt, output)
     return 0

@@ -588,6 +588,21 @@ class PipelineForecast:
         return {"schema": SCHEMA, "source": self.source, "recorded": self.recorded,
                 "notes": self.notes, "scenarios": self.scenarios}
 
+    def to_frame(self):
+        """One row per scenario and stage (pandas DataFrame), the worst stage flagged."""
+        import pandas as pd
+
+        rows = []
+        for sc in self.scenarios:
+            band = sc["error_band"]
+            for p in sc["per_stage"]:
+                rows.append({"stages": sc["stages"], "microbatches": sc["microbatches"],
+                             "schedule": sc["schedule"], **p,
+                             "worst": p["stage"] == sc["worst_stage"],
+                             "error_low": band["low"], "error_high": band["high"],
+                             "validated": band["validated"]})
+        return pd.DataFrame(rows)
+
 
 def pipeline_forecast(analyses: list[DeviceAnalysis], stages=(), microbatches=(),
                       schedules=(), source_name: str = "") -> PipelineForecast:
