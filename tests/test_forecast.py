@@ -629,8 +629,9 @@ def test_pipeline_forecast_fsdp_not_validated():
 def test_pipeline_forecast_api_frame():
     """`sf.pipeline_forecast(folder, ...)`: the same document as the command, as a frame of one
     row per scenario and stage with the worst flagged."""
-    import snapforensics as sf
     from recordings import recorded_module
+
+    import snapforensics as sf
 
     folder = recorded_module("snapforensics.examples.pipeline",
                              ("--schedule", "gpipe", "--microbatches", "8", *PIPE_LAYOUT))
@@ -641,3 +642,22 @@ def test_pipeline_forecast_api_frame():
     assert frame.groupby("stages").worst.sum().tolist() == [1, 1]
     worst = frame[frame.worst]
     assert list(worst.stage) == [s["worst_stage"] for s in f.to_dict()["scenarios"]]
+
+
+@slow
+def test_interleaved_schedule_is_refused_not_guessed():
+    """ScheduleInterleaved1F1B (two stages per rank, examples/pipeline.py --schedule
+    interleaved): the recorder's marks show two stage indices on each rank, so the pipeline
+    forecast refuses in one line (exit 2) and the GPipe rule says nothing."""
+    from recordings import recorded_module, run_cli
+
+    import snapforensics as sf
+
+    folder = recorded_module("snapforensics.examples.pipeline",
+                             ("--schedule", "interleaved", "--microbatches", "4", *PIPE_LAYOUT))
+    p = run_cli(["forecast", str(folder), "--pp", "4"])
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "2 pipeline stages" in p.stderr and "interleaved" in p.stderr
+    for r in (0, 1):
+        rules = {f.rule for f in sf.diagnose(folder / f"rank{r}.pickle").diagnosis.findings}
+        assert "pipeline.all_forward_before_backward" not in rules

@@ -16,11 +16,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
 
 from snapforensics.examples.common import parser, write_truth
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
+             "interleaved": ScheduleInterleaved1F1B}  # two stages per rank (a looped layout)
 
 
 class Block(nn.Module):
@@ -72,20 +78,27 @@ def main(argv: list[str] | None = None) -> None:
         index, group = mesh["pp"].get_local_rank(), mesh["pp"].get_group()
     torch.manual_seed(0)
     blocks = [Block(a.dim) for _ in range(a.layers)]
-    per = a.layers // stages
-    module = nn.Sequential(*blocks[index * per:(index + 1) * per])
+    v = 2 if a.schedule == "interleaved" else 1  # stages per rank: index, index + stages, ...
+    per = a.layers // (stages * v)
+    chunks = [nn.Sequential(*blocks[i * per:(i + 1) * per])
+              for i in range(index, stages * v, stages)]
     del blocks  # every rank drew the same weights; a stage holds only its own layers
     if a.dp > 1:
         from torch.distributed.fsdp import fully_shard
 
-        for b in module:
-            fully_shard(b, mesh=mesh["dp_shard"])
-        fully_shard(module, mesh=mesh["dp_shard"])
-    stage = PipelineStage(module, index, stages, torch.device("cpu"), group=group)
+        for chunk in chunks:
+            for b in chunk:
+                fully_shard(b, mesh=mesh["dp_shard"])
+            fully_shard(chunk, mesh=mesh["dp_shard"])
+    pipe = [PipelineStage(c, i, stages * v, torch.device("cpu"), group=group)
+            for c, i in zip(chunks, range(index, stages * v, stages))]
     held: list[int] = []
-    _count_in_flight(stage, held)
-    schedule = SCHEDULES[a.schedule](stage, n_microbatches=a.microbatches,
-                                     loss_fn=lambda out, tgt: ((out - tgt) ** 2).mean())
+    for st in pipe:
+        _count_in_flight(st, held)
+    loss = lambda out, tgt: ((out - tgt) ** 2).mean()  # noqa: E731
+    schedule = SCHEDULES[a.schedule](pipe if v > 1 else pipe[0], n_microbatches=a.microbatches,
+                                     loss_fn=loss)
+    module = nn.ModuleList(chunks)
     opt = torch.optim.SGD(module.parameters(), lr=0.01)
     for _ in range(a.steps):
         held.append(0)
