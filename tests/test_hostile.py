@@ -285,3 +285,29 @@ def test_workers_read_the_file_the_caller_opened(jobs, tmp_path, monkeypatch):
     docs = parallel.run(paths, jobs=jobs, progress=False, expanded=True)
     assert [d.get("error") for d in docs] == [None, None]
     assert docs[0]["peaks"] == docs[1]["peaks"] and docs[0]["peaks"]["overall_bytes"] > 0
+
+
+def test_numbers_in_names_longer_than_int_converts(tmp_path):
+    """Range names and versions whose digit runs exceed what int() converts (4300 digits,
+    Python 3.11+): not a pipeline micro-batch, an FSDP unit or a torch version (was exit 70,
+    a ValueError in the pipeline rule); module names with such runs still sort."""
+    import gzip
+    import pickle
+
+    from snapforensics.analysis.identity import _natural
+
+    raw = pickle.load(gzip.open(ROOT / "fixtures" / "fsdp2_ckpt_buggy_rank0.pickle.gz"))
+    digits = "9" * 5000
+    first = raw["external_annotations"][0]
+    for name in (f"Forward {digits}", f"snapforensics.pp forward 0 {digits}",
+                 f"FSDP::pre_forward (layers.{digits})"):
+        for stage in ("START", "END"):
+            raw["external_annotations"].append(first | {"name": name, "stage": stage})
+    raw["snapforensics"]["torch_version"] = f"{digits}.1"
+    path = tmp_path / "digits.pickle"
+    path.write_bytes(pickle.dumps(raw))
+    code, err, *_ = run("diagnose", str(path), "--no-cache", "-q")
+    assert code == 0, err
+    code, err, *_ = run("forecast", str(path), "--pp", "2")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "does not delimit" in err, err
+    assert sorted([f"l.{digits}", "l.10", "l.9"], key=_natural) == ["l.9", "l.10", f"l.{digits}"]

@@ -194,7 +194,10 @@ def layer_of(module: str | None) -> str:
 
 
 def _natural(s: str) -> list:
-    return [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", s)]
+    # a digit run as (its length, itself) without leading zeros, not int(): a name from a
+    # snapshot may hold more digits than int() converts (4300, Python 3.11+)
+    return [(len(x.lstrip("0")), x.lstrip("0")) if i % 2 else x
+            for i, x in enumerate(re.split(r"(\d+)", s))]
 
 
 def summary(d, names: BlockNames, rows: int = 24) -> dict:

@@ -118,7 +118,7 @@ def detect_format(raw: dict, traces: list[Trace], segments: list[Segment], it: I
 
 
 def _version(v) -> tuple[int, int] | None:
-    m = re.match(r"(\d+)\.(\d+)", v) if isinstance(v, str) else None
+    m = re.match(r"(\d{1,9})\.(\d{1,9})(?!\d)", v) if isinstance(v, str) else None
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 

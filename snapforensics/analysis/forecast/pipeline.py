@@ -125,7 +125,7 @@ def _layer_params(d: DeviceAnalysis) -> tuple[int | None, np.ndarray]:
 
 
 # ScheduleGPipe's own ranges around each micro-batch (torch/distributed/pipelining/schedules.py)
-RANGE = re.compile(r"^(Forward|Backward) (\d+)$")
+RANGE = re.compile(r"^(Forward|Backward) (\d{1,9})$")
 Span = tuple[int, int]
 
 
@@ -168,7 +168,7 @@ def made_in_forward(step: dict[tuple[str, int], Span], k: int, m: int) -> Span:
 
 Ops = dict[tuple[str, int], tuple[int, int]]
 # the recorder's marks around each micro-batch's forward and backward (record/_bootstrap.py)
-MARK = re.compile(r"^snapforensics\.pp (forward|backward) (-?\d+) (\d+)$")
+MARK = re.compile(r"^snapforensics\.pp (forward|backward) (-?\d{1,9}) (\d{1,9})$")
 
 
 def _gpipe_steps(d: DeviceAnalysis) -> list[Ops]:

@@ -51,7 +51,7 @@ _FSDP2_FILES = ("fsdp/_fully_shard/", "_composable/fsdp/")
 _FSDP1_FILES = ("fsdp/fully_sharded_data_parallel.py", "fsdp/_flat_param.py",
                 "fsdp/_runtime_utils.py")
 _MODULE = re.compile(r"^([A-Za-z_]\w*?)_(\d+)$")
-_UNIT = re.compile(r"^([A-Za-z_][\w.]*)\.(\d+)$")
+_UNIT = re.compile(r"^([A-Za-z_][\w.]*)\.(\d{1,9})$")
 # Path segments a wrapper module adds between the user's module and its parameters, so a unit
 # is named `model.layers.0._checkpoint_wrapped_module` when the layer is wrapped (accelerate's
 # FSDP2 activation_checkpointing): checkpoint_wrapper's `_CHECKPOINT_WRAPPED_MODULE`
