@@ -648,7 +648,8 @@ def test_pipeline_forecast_api_frame():
 def test_interleaved_schedule_is_refused_not_guessed():
     """ScheduleInterleaved1F1B (two stages per rank, examples/pipeline.py --schedule
     interleaved): the recorder's marks show two stage indices on each rank, so the pipeline
-    forecast refuses in one line (exit 2) and the GPipe rule says nothing."""
+    forecast refuses in one line (exit 2), the GPipe rule says nothing, and the schedule is named
+    interleaved."""
     from recordings import recorded_module, run_cli
 
     import snapforensics as sf
@@ -659,8 +660,9 @@ def test_interleaved_schedule_is_refused_not_guessed():
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert "2 pipeline stages" in p.stderr and "interleaved" in p.stderr
     for r in (0, 1):
-        rules = {f.rule for f in sf.diagnose(folder / f"rank{r}.pickle").diagnosis.findings}
-        assert "pipeline.all_forward_before_backward" not in rules
+        d = sf.diagnose(folder / f"rank{r}.pickle").diagnosis
+        assert "pipeline.all_forward_before_backward" not in {f.rule for f in d.findings}
+        assert d.framework["pipeline"]["schedule"] == "interleaved_1f1b"  # not taken for 1F1B
 
 
 # A layout the pipeline model was not tuned on: 12 thinner layers, longer sequences, 3 samples a

@@ -199,12 +199,18 @@ def _gpipe_steps(d: DeviceAnalysis) -> list[Ops]:
     return out
 
 
+def marked_stages(d: DeviceAnalysis, spans: list | None = None) -> set[int]:
+    """The stage indices the recorder's marks show on `d`'s device: more than one when a rank
+    runs several stages (an interleaved or zero-bubble schedule)."""
+    return {int(st) for _, (_, st, _), _ in (_spans(d, MARK) if spans is None else spans)}
+
+
 def _marked_steps(d: DeviceAnalysis) -> list[Ops] | str:
     """Steps cut from the recorder's marks (any schedule): each operation from its mark to the
     next one's (the receives and sends the schedule runs between them go with the operation
     before), the step's last to its own end; a step starts at micro-batch 0's forward."""
     spans = _spans(d, MARK)
-    stages = {st for _, (_, st, _), _ in spans}
+    stages = marked_stages(d, spans)
     if len(stages) > 1:
         return (f"this rank runs {len(stages)} pipeline stages (an interleaved or zero-bubble "
                 "schedule): not modelled")

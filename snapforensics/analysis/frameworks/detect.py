@@ -164,7 +164,11 @@ def pipeline(snapshot: Snapshot, analyses: list[DeviceAnalysis]) -> dict[str, An
     tensor-parallel collective (Megatron orders ranks tp fastest, pp slowest: with TP the rank is
     not the stage). Under 1F1B stage s holds at most min(M, S - s) micro-batches' activations:
     the first stage holds the most."""
-    from snapforensics.analysis.forecast.pipeline import all_forward_first, gpipe_ranges
+    from snapforensics.analysis.forecast.pipeline import (
+        all_forward_first,
+        gpipe_ranges,
+        marked_stages,
+    )
 
     names = {f.name for f in snapshot.frames
              if f.filename.replace("\\", "/").endswith(_MEGATRON_SCHEDULES)}
@@ -185,9 +189,14 @@ def pipeline(snapshot: Snapshot, analyses: list[DeviceAnalysis]) -> dict[str, An
         return {"stage": stage if ok else None, "stages": stages if ok else None,
                 "schedule": _MEGATRON_PIPELINED[min(megatron)]}
     steps = [st for d in analyses if d.lt.rows for st in gpipe_ranges(d) if st]
+    if steps and all(all_forward_first(st) for st in steps):
+        schedule = "gpipe"
+    elif any(len(marked_stages(d)) > 1 for d in analyses):  # the recorder's marks
+        schedule = "interleaved_1f1b"
+    else:
+        schedule = "1f1b"
     return {"stage": stage if ok else None, "stages": stages if ok else None,
-            "schedule": "gpipe" if steps and all(all_forward_first(st) for st in steps)
-            else "1f1b"}
+            "schedule": schedule}
 
 
 _MEGATRON_SCHEDULES = "megatron/core/pipeline_parallel/schedules.py"
