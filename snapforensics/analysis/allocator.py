@@ -105,7 +105,7 @@ class Allocator:
         # the trace shows segments coming and going; otherwise the file has no segment list
         if not n or (not segs and not delta.any()):
             return None
-        np.multiply(delta, d.trace.size, out=delta, casting="unsafe")
+        delta *= d.trace.size  # int64, in place
         # reserved after row r: the dump's total minus the changes of the rows after r, i.e.
         # the changes up to r plus (the dump's total - all the changes): forward, in place
         after_all = int(sum(s.total_size for s in segs)) - int(delta.sum())

@@ -210,7 +210,7 @@ def _mapped(entry: Any) -> mmap.mmap | None:
     try:  # private: copy-on-write; pages come in as they are touched (MAP_POPULATE, all at
         # once, took 0.7 s for the 1 GB file's 400 MB of entries, more than what is touched)
         return mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):  # AttributeError: no MAP_PRIVATE (Windows)
         return None
 
 
