@@ -238,10 +238,10 @@ def pipeline_terminal(f, screen: Screen = PLAIN) -> str:
         tab.add_column(c, justify="right" if c == "predicted peak" else "left", overflow="fold")
     for r in _pipe_rows(f):
         tab.add_row(*[t(x, TEXT) for x in r])
-    for line in _pipe_lines(f)[:1]:
-        console.print(t(line, TEXT))
+    recorded, *lines = _pipe_lines(f)
+    console.print(t(recorded, TEXT))
     console.print(tab)
-    for line in _pipe_lines(f)[1:] + [_PIPE_MODEL]:
+    for line in lines + [_PIPE_MODEL]:
         console.print(t(line, TEXT))
     return console.file.getvalue()
 
