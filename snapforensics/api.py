@@ -176,7 +176,11 @@ class Report:
         `tensor` (`layers.3.mlp.w1.weight`, `.grad`, `.exp_avg`; several names, comma
         separated, for a buffer holding several views), `tensor_kind`, `module` (the module
         that owns the parameter, or that saved the tensor for backward), `shape`, `dtype`,
-        `saved_for_backward`; None / False where unnamed or the file has no names."""
+        `saved_for_backward`; None / False where unnamed or the file has no names. In runs
+        with torch.compile (analysis/compiled.py): `compiled_region`, the compile id (`F/C`)
+        of the graph that made the block ("?" for a compiled backward no forward claims),
+        `compiled_pass` (`forward`: the region's graph, `backward`: its compiled backward) and
+        `compiled_source` (the user's function Dynamo compiled); None for eager blocks."""
         import pandas as pd
 
         from snapforensics.analysis.vocab import PHASE_LABELS
@@ -206,6 +210,7 @@ class Report:
                 "stack_id": lt.stack,
                 "top_frame": pd.Categorical.from_codes(frame_code, frame_names),
                 **_identity_columns(d),
+                **_compiled_columns(d),
             }))
         return _concat(parts)
 
@@ -293,6 +298,25 @@ def _identity_columns(d: DeviceAnalysis) -> dict[str, Any]:
         cols["shape"][b] = i.shape
         cols["dtype"][b] = i.dtype
     return cols
+
+
+def _compiled_columns(d: DeviceAnalysis) -> dict[str, Any]:
+    """compiled_region, compiled_pass, compiled_source per block (categoricals, None where
+    eager)."""
+    import pandas as pd
+
+    c = d.compiled
+    n = len(d.lt)
+    if c is None:
+        none = np.full(n, -1, np.int32)
+        return {k: pd.Categorical.from_codes(none, []) for k in
+                ("compiled_region", "compiled_pass", "compiled_source")}
+    sources = sorted({s for s in c.source if s})
+    src = np.array([sources.index(s) if s else -1 for s in c.source] + [-1], np.int32)
+    return {"compiled_region": pd.Categorical.from_codes(c.region, c.regions),
+            "compiled_pass": pd.Categorical.from_codes(
+                np.where(c.region < 0, -1, c.backward.astype(np.int32)), ["forward", "backward"]),
+            "compiled_source": pd.Categorical.from_codes(src[c.region], sources)}
 
 
 def _seconds(t: np.ndarray, n: int) -> np.ndarray:

@@ -129,10 +129,54 @@ def _same_findings(eager, compiled):
     return out
 
 
+def _backward_is_tied_to_its_region(paths, layers: int = 2, steps: int = 3):
+    """The compiled backward (no compile_context: the autograd engine runs it) is attributed
+    to the region whose forward saved what it consumes. Truth from the run: each of the `layers`
+    compiled MLPs runs one compiled backward per step; the gradients it makes are the MLPs'
+    parameters' (the recorder's names, from `named_parameters()`); its region's forward rows
+    ran under an MLP module (raw frames)."""
+    for p in paths:
+        rep = sf.diagnose(p)
+        (d,) = rep.analyses
+        c = d.compiled
+        assert c is not None, p
+        assert c.backward_calls == layers * steps, (c.backward_calls, p)
+        assert c.attributed_calls == c.backward_calls and "?" not in c.regions, c.regions
+        b = rep.blocks
+        bw = b[b.compiled_pass == "backward"]
+        grads = bw.tensor.dropna()
+        grads = grads[grads.str.endswith(".grad")]
+        assert len(grads) and grads.str.contains(r"\.mlp\.").all(), grads.tolist()
+        s = load(p)
+        t = s.active_traces[0]
+        for region in set(bw.compiled_region.astype(str)):
+            rows = [r for r, ctx in t.compile_context.items() if ctx == f"{REGION}: {region}"]
+            assert rows, region
+            assert all(any(f.name.startswith("MLP") for f in s.stack_frames(int(t.stack[r])))
+                       for r in rows), region
+        # the summary the reports render adds up to the blocks
+        js = rep.diagnosis.devices[0].compiled
+        assert js["compiled_bytes_at_peak"] == sum(
+            r["forward_bytes_at_peak"] + r["backward_bytes_at_peak"] for r in js["regions"])
+        assert js["backward_calls"] == layers * steps
+        assert sum(r["backward_blocks"] for r in js["regions"]) == len(bw)
+        assert "torch.compile regions" in rep.render("markdown")
+
+
 @slow
 def test_eager_twin_has_no_compiled_rows():
     for p in _paths("none"):
         assert not load(p).active_traces[0].compile_context
+        rep = sf.diagnose(p)
+        assert rep.analyses[0].compiled is None
+        assert rep.diagnosis.devices[0].compiled is None
+        assert rep.blocks.compiled_region.isna().all()
+        assert "torch.compile regions" not in rep.render("markdown")
+
+
+@slow
+def test_aot_eager_backward_is_tied_to_its_forward_region():
+    _backward_is_tied_to_its_region(_paths("aot_eager"))
 
 
 @slow
@@ -149,4 +193,5 @@ def test_aot_eager_gets_the_eager_verdicts_and_predictions():
 def test_inductor_cpu_gets_the_eager_verdicts_and_attribution():
     paths = _paths("inductor")
     _compiled_rows_are_the_compiled_modules(paths)
+    _backward_is_tied_to_its_region(paths)
     print(_same_findings(_paths("none"), paths))

@@ -57,7 +57,9 @@ def _edit(raw: dict) -> int:
     n, seen = 0, set()  # the unpickled file shares frame lists and dicts: edit each once
     top = {"filename": f"/x/{HOSTILE}.py", "line": 1, "name": HOSTILE}
     for trace in raw["device_traces"]:
-        for e in trace:
+        for i, e in enumerate(trace):
+            if i % 7 == 0:  # a torch.compile region named by the file (compiled.py's table)
+                e["compile_context"] = "Torch-Compiled Region: " + HOSTILE
             frames = e.get("frames") or []
             if not frames or id(frames) in seen:
                 continue
@@ -121,6 +123,8 @@ def test_the_strings_reached_the_diagnosis():
     assert names.get("recorded") is True and names.get("saved_by_layer"), names.keys()
     assert any(MODULE in m[0] for r in names["saved_by_layer"] for m in r["modules"])
     assert any(HOSTILE == r["dtype"] for r in names["largest_at_peak"])
+    regions = d.devices[0].compiled["regions"]
+    assert any(r["region"] == HOSTILE and HOSTILE in r["source"] for r in regions), regions
 
 
 # ------------------------------------------------------------------------------- terminal

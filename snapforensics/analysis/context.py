@@ -11,7 +11,7 @@ from functools import cached_property
 
 import numpy as np
 
-from snapforensics.analysis import identity, lifetimes, phases
+from snapforensics.analysis import compiled, identity, lifetimes, phases
 from snapforensics.analysis.allocator import Allocator
 from snapforensics.analysis.classify import PATHS, StackInfo, classify
 from snapforensics.analysis.fsdp.units import (
@@ -62,6 +62,12 @@ class DeviceAnalysis:
         None when the file has none."""
         t = self.snapshot.tensors
         return identity.join(t, self.lt, self.trace) if t is not None else None
+
+    @cached_property
+    def compiled(self) -> compiled.Compiled | None:
+        """The torch.compile graph (region, forward or backward) that made each block
+        (analysis/compiled.py); None when no row ran compiled code."""
+        return compiled.attribute(self)
 
     @property
     def device(self) -> int:

@@ -133,6 +133,9 @@ class DeviceSummary:
     # bytes at the peak and what was saved for backward by layer; without, what frames and
     # record_function ranges say and the recipe that names the next dump
     tensors: dict[str, Any] = field(default_factory=dict)
+    # the torch.compile regions that made blocks (analysis/compiled.py): per region its source,
+    # forward and backward bytes at the peak; None when nothing ran compiled
+    compiled: dict[str, Any] | None = None
     # the timeline plot's series (analysis/timeline.py), for renderers; not part of the JSON,
     # in the document (`Diagnosis.to_doc`) for the devices a report draws
     plot: Series | None = field(default=None, repr=False, compare=False, metadata=INTERNAL)

@@ -7,7 +7,7 @@ import re
 import numpy as np
 
 from snapforensics import __version__
-from snapforensics.analysis import identity, timeline
+from snapforensics.analysis import compiled, identity, timeline
 from snapforensics.analysis.context import DeviceAnalysis, analyse
 from snapforensics.analysis.diagnosis import DeviceSummary, Diagnosis, Finding, top_anomaly
 from snapforensics.analysis.evidence import human, top_stacks
@@ -103,6 +103,7 @@ def _summary(snapshot: Snapshot, d: DeviceAnalysis, findings: list[Finding]) -> 
         timeline=plot.timeline_rows() if plot else [],
         tensors=identity.summary(d, d.names) if d.names is not None else
         _without_names(snapshot),
+        compiled=compiled.summary(d, d.compiled) if d.compiled is not None else None,
         plot=plot,
     )
 

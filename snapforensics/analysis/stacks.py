@@ -62,10 +62,12 @@ _INSTANCE = re.compile(r"^(.*?)_(\d+)$")
 
 
 def user_frame(d: DeviceAnalysis, stack_id: int) -> str | None:
-    """The innermost frame of the user's own code (not torch, not an op or module marker)."""
+    """The innermost frame of the user's own code (not torch, not an op or module marker, not
+    the Python module Inductor generated for a compiled graph)."""
     for f in d.snapshot.stack_frames(stack_id):
         fn = f.filename.replace("\\", "/")
         if is_noise(f) or is_native(f) or fn.startswith("<") or "/torch/" in fn \
+                or "torchinductor" in fn \
                 or fn.startswith("torch/") or "site-packages/" in fn or "/runpy" in fn \
                 or f.name == "<module>":
             continue

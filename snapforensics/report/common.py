@@ -256,6 +256,27 @@ def largest_named(t: dict) -> list[tuple[str, str, str, int]]:
     return rows
 
 
+def compiled_regions(dev) -> tuple[str, list[tuple[str, str, int, int, int]]] | None:
+    """The torch.compile regions of a device (`DeviceSummary.compiled`): a title line and rows
+    (region, source, forward bytes at the peak, backward bytes at the peak, blocks); None when
+    nothing ran compiled. Strings are the file's: each renderer neutralizes them."""
+    c = getattr(dev, "compiled", None)
+    if not isinstance(c, dict):
+        return None
+    rows = []
+    for r in c.get("regions") or []:
+        if isinstance(r, dict):
+            rows.append((str(r.get("region")), str(r.get("source") or "(unknown)"),
+                         _int(r.get("forward_bytes_at_peak")),
+                         _int(r.get("backward_bytes_at_peak")),
+                         _int(r.get("forward_blocks")) + _int(r.get("backward_blocks"))))
+    calls, tied = _int(c.get("backward_calls")), _int(c.get("backward_calls_attributed"))
+    title = (f"torch.compile regions: {human(_int(c.get('compiled_bytes_at_peak')))} of the "
+             f"peak made by compiled graphs, {human(_int(c.get('eager_bytes_at_peak')))} eager; "
+             f"{tied} of {calls} compiled backward calls tied to their forward's region")
+    return title, rows
+
+
 def no_names(d: Diagnosis) -> dict | None:
     """What the report says once for a dump without the recorder's names: `said` lines and
     the `recipe` (the first device's; every device shares them)."""

@@ -17,6 +17,7 @@ from snapforensics.analysis.diagnosis import MODULES, STACKS, DeviceSummary, Dia
 from snapforensics.report import plot
 from snapforensics.report.common import (
     command_line,
+    compiled_regions,
     dump_line,
     finding_lines,
     framework_line,
@@ -260,7 +261,7 @@ def _device(dev: DeviceSummary, d: Diagnosis, drawn: set[int]) -> str:
         rows2 = sorted(((str(c), _num(b)) for c, b in dev.categories_at_peak.items()),
                        key=lambda x: -x[1])
         out += ["<h4>Alive at the peak, by what made it</h4>", _bars(rows2)]
-    out += _names(dev)
+    out += _names(dev) + _compiled(dev)
     if dev.top_stacks_at_peak:
         out.append("<h4>Top allocating stacks alive at the peak</h4>")
         for k, s in enumerate(peak_stacks(dev)):
@@ -295,6 +296,18 @@ def _names(dev: DeviceSummary) -> list[str]:
                    '<th>kind</th><th>shape</th><th class="n">bytes</th></tr>'
                    f'{body}</table>')
     return out
+
+
+def _compiled(dev: DeviceSummary) -> list[str]:
+    comp = compiled_regions(dev)
+    if comp is None:
+        return []
+    body = "".join(f'<tr><td><code>{e(r, NAME)}</code></td><td><code>{e(src, NAME)}</code></td>'
+                   f'<td class="n">{e(human(fw))}</td><td class="n">{e(human(bw))}</td>'
+                   f'<td class="n">{e(n)}</td></tr>' for r, src, fw, bw, n in comp[1][:ROWS])
+    return [f'<h4>{e(comp[0])}</h4><table><tr><th>region</th><th>source</th>'
+            '<th class="n">forward at peak</th><th class="n">backward at peak</th>'
+            f'<th class="n">blocks</th></tr>{body}</table>']
 
 
 def _no_names_card(d: Diagnosis) -> str:

@@ -16,6 +16,7 @@ from snapforensics.analysis.diagnosis import Diagnosis
 from snapforensics.report import mermaid
 from snapforensics.report.common import (
     command_line,
+    compiled_regions,
     dump_line,
     finding_lines,
     framework_line,
@@ -81,7 +82,7 @@ def render(d: Diagnosis, screen: Screen = PLAIN, image: str | None = None) -> st
             out += [f"| {md(c)} | {human(b)} | {100 * b / total:.0f}% |" for c, b in
                     sorted(dev.categories_at_peak.items(), key=lambda x: -x[1])[:ROWS]]
             out.append("")
-        out += _names(dev)
+        out += _names(dev) + _compiled(dev)
         if dev.top_stacks_at_peak:
             out += ["Top allocating stacks alive at the peak:", ""]
             for s in peak_stacks(dev)[:3]:
@@ -127,6 +128,19 @@ def _names(dev) -> list[str]:
         out += [f"| {md(a)} | {md(k)} | {md(s)} | {human(b)} |" for a, k, s, b in big]
         out.append("")
     return out
+
+
+def _compiled(dev) -> list[str]:
+    """The torch.compile regions that made blocks, and what of the peak each holds."""
+    comp = compiled_regions(dev)
+    if comp is None:
+        return []
+    out = [md(comp[0], TEXT) + ":", "",
+           "| region | source | forward at peak | backward at peak | blocks |",
+           "|---|---|--:|--:|--:|"]
+    out += [f"| {md(r)} | {md(src, TEXT)} | {human(fw)} | {human(bw)} | {n} |"
+            for r, src, fw, bw, n in comp[1][:ROWS]]
+    return out + [""]
 
 
 def _no_names(d: Diagnosis) -> list[str]:

@@ -16,6 +16,7 @@ from rich.text import Text
 from snapforensics.analysis.diagnosis import Diagnosis, Finding
 from snapforensics.report.common import (
     command_line,
+    compiled_regions,
     finding_lines,
     framework_line,
     headline,
@@ -110,6 +111,14 @@ def _device(console: Console, d: Diagnosis, dev) -> None:
             for a, b, n, i in rows[:ROWS]:
                 tab.add_row(t(a), human(b), str(n), t(i, TEXT))
             console.print(tab)
+    comp = compiled_regions(dev)
+    if comp is not None:
+        tab = Table(title=t(comp[0], TEXT), title_justify="left", show_edge=False)
+        for name in ("region", "source", "forward at peak", "backward at peak", "blocks"):
+            tab.add_column(name, justify="left" if name in ("region", "source") else "right")
+        for r, src, fw, bw, n in comp[1][:ROWS]:
+            tab.add_row(t(r), t(src, TEXT), human(fw), human(bw), str(n))
+        console.print(tab)
     if not dev.categories_at_peak and not (len(dev.iterations) > 1 or any(
             i["backward_peak_bytes"] for i in dev.iterations)):
         console.print(f"device {dev.device}: {human(dev.segments['allocated_bytes'])} "

@@ -1,0 +1,237 @@
+"""Which torch.compile graph made each block: its region, forward or backward, and the source.
+
+Forward: c10 writes each allocation's `compile_context` (`Trace.compile_context`), the
+`Torch-Compiled Region: F/C` range Dynamo's eval-frame opens around the compiled frame's code,
+so a block made there belongs to region `F/C`.
+
+Backward: AOTAutograd's compiled backward runs from the autograd engine
+(`CompiledFunctionBackward`, `CompiledFunction.backward` in `_functorch/_aot_autograd/`), not
+from Dynamo's frame, so c10 has no region open there and writes "N/A" (on CUDA and in the CPU
+recorder alike). What ties a backward to its region is what it consumes: the graph frees the
+activations its forward saved (`ctx.maybe_clear_saved_tensors()`, then the graph's own `del`s),
+and those were made inside the forward's region. So each run of consecutive compiled-backward
+rows (one graph's call; a change of graph code, `<eval_with_key>.N` or Inductor's module,
+starts another) takes the region whose forward-made blocks it frees the most bytes of. A call
+that frees none takes the region of other calls of the same graph code; else it stays unknown.
+
+The source of a region is the user's function Dynamo compiled: the innermost frame of the
+user's own code (not torch, not a library, not generated graph code) in its forward rows'
+stacks, the most frequent by bytes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from snapforensics.analysis.stacks import is_native, is_noise, user_frame
+from snapforensics.snapshot.model import NO_STACK
+
+if TYPE_CHECKING:
+    from snapforensics.analysis.context import DeviceAnalysis
+
+REGION = "Torch-Compiled Region: "
+UNKNOWN = "?"  # a compiled backward whose region nothing in the trace says
+_AOT = "_functorch/_aot_autograd/"
+# eager code a compiled backward calls back into: the recompute of a checkpointed region (its
+# saved-tensor unpack hook), which makes its own rows
+_EAGER_FILES = ("torch/utils/checkpoint.py",)
+_AOT_BACKWARD = {"backward", "_backward_impl", "call_compiled_backward", "_backward_prologue"}
+# generated graph code: FX's `<eval_with_key>.N` (aot_eager, and every FX graph module), and the
+# Python module Inductor writes per graph (`/tmp/torchinductor_<user>/xx/cxxxx.py`)
+_GRAPH_FILE = re.compile(r"^<eval_with_key>|torchinductor")
+
+
+def _is_backward(frames) -> bool:
+    """The row ran in a compiled backward graph: walking out from the allocation, AOTAutograd's
+    backward comes before any eager code the graph called back into (a checkpoint's recompute
+    from a saved-tensor unpack hook, a module, the user's own code)."""
+    for f in frames:
+        fn = f.filename.replace("\\", "/")
+        if f.name == "CompiledFunctionBackward" or (f.name in _AOT_BACKWARD and _AOT in fn):
+            return True
+        if fn.endswith(_EAGER_FILES) or (fn == "<nn.Module>" and not
+                                         f.name.startswith("GraphModule")) or \
+                (not fn.startswith("<") and "torch/" not in fn and not _GRAPH_FILE.search(fn)
+                 and "site-packages/" not in fn and not is_native(f) and not is_noise(f)):
+            return False
+    return False
+
+
+def _graph_code(frames) -> str | None:
+    """The generated graph the row ran in (innermost), or None."""
+    return next((f.filename for f in frames if _GRAPH_FILE.search(f.filename)), None)
+
+
+@dataclass
+class Compiled:
+    """Per block of one device (`lt` order): its region (index into `regions`, -1 eager) and
+    whether the region's compiled backward made it."""
+
+    regions: list[str]  # "F/C" (the compile id), or UNKNOWN
+    region: np.ndarray  # int32 per block, -1 when made outside every compiled graph
+    backward: np.ndarray  # bool per block
+    source: list[str | None]  # per region: the user's function Dynamo compiled
+    backward_calls: int  # runs of compiled-backward rows
+    attributed_calls: int  # of them, tied to a region
+
+    def name(self, b: int) -> str | None:
+        r = int(self.region[b])
+        return self.regions[r] if r >= 0 else None
+
+    def pass_of(self, b: int) -> str | None:
+        if self.region[b] < 0:
+            return None
+        return "backward" if self.backward[b] else "forward"
+
+
+def attribute(d: DeviceAnalysis) -> Compiled | None:
+    """Each block's compiled region, or None when no row of this device ran compiled code."""
+    t, lt, snap = d.trace, d.lt, d.snapshot
+    n = len(t)
+    if not n:
+        return None
+    # per distinct stack: does it run a compiled backward, and in which graph code
+    uniq, inv = np.unique(t.stack, return_inverse=True)
+    bw_of = np.zeros(len(uniq), bool)
+    codes: dict[str, int] = {}
+    code_of = np.full(len(uniq), -1, np.int32)
+    for i, s in enumerate(uniq.tolist()):
+        if s == NO_STACK:
+            continue
+        frames = snap.stack_frames(s)
+        bw_of[i] = _is_backward(frames)
+        g = _graph_code(frames)
+        if g is not None:
+            code_of[i] = codes.setdefault(g, len(codes))
+    if not t.compile_context and not bw_of.any():
+        return None
+
+    # forward: the row's region from compile_context
+    names: dict[str, int] = {}
+    fwd = np.full(n, -1, np.int32)
+    for row, ctx in t.compile_context.items():
+        if 0 <= row < n:
+            fwd[row] = names.setdefault(ctx[len(REGION):] if ctx.startswith(REGION) else ctx,
+                                        len(names))
+    regions = list(names)
+
+    # backward: runs of consecutive compiled-backward rows outside every region, split where
+    # the graph code changes
+    is_bw = bw_of[inv] & (fwd < 0)
+    code = code_of[inv]
+    rows = np.flatnonzero(is_bw)
+    call = np.full(n, -1, np.int64)
+    calls = 0
+    if len(rows):
+        gap = np.diff(rows) != 1
+        rc = code[rows]
+        changed = (rc[1:] != rc[:-1]) & (rc[1:] >= 0) & (rc[:-1] >= 0)
+        starts = np.concatenate(([True], gap | changed))
+        call[rows] = np.cumsum(starts) - 1
+        calls = int(starts.sum())
+
+    # each call's region: the forward region whose blocks it frees the most bytes of
+    call_region = np.full(calls, -1, np.int64)
+    if calls and regions:
+        freed = (lt.free_row < lt.rows) & (lt.alloc_row >= 0)
+        fr = np.where(freed, lt.free_row, 0)
+        ar = np.where(freed, lt.alloc_row, 0)
+        c, r = call[fr], fwd[ar]
+        m = freed & (c >= 0) & (r >= 0)
+        if m.any():  # bytes per (call, region) pair present, the heaviest pair per call
+            nr = len(regions)
+            pairs, pinv = np.unique(c[m] * nr + r[m], return_inverse=True)
+            votes = np.bincount(pinv, weights=lt.size[m])
+            order = np.lexsort((-votes, pairs // nr))
+            best = pairs[order]
+            first = np.ones(len(best), bool)
+            first[1:] = best[1:] // nr != best[:-1] // nr
+            call_region[best[first] // nr] = best[first] % nr
+        # a call that freed nothing of a forward: the region of the same graph code's calls
+        first_code = np.full(calls, -1, np.int64)
+        first_code[call[rows]] = code[rows]  # a call's rows share one code (or none)
+        by_code: dict[int, int] = {}
+        for k in np.flatnonzero(call_region >= 0).tolist():
+            if first_code[k] >= 0:
+                by_code.setdefault(int(first_code[k]), int(call_region[k]))
+        for k in np.flatnonzero(call_region < 0).tolist():
+            call_region[k] = by_code.get(int(first_code[k]), -1)
+    attributed = int((call_region >= 0).sum())
+    if attributed < calls:
+        regions.append(UNKNOWN)
+        call_region[call_region < 0] = len(regions) - 1
+
+    # per block, from its alloc row
+    a = lt.alloc_row
+    made = a >= 0
+    ar = np.where(made, a, 0)
+    region = np.where(made, fwd[ar], -1).astype(np.int32)
+    bw_call = np.where(made, call[ar], -1)
+    backward = bw_call >= 0
+    region[backward] = call_region[bw_call[backward]]
+    return Compiled(regions, region, backward, _sources(d, regions, region, backward),
+                    calls, attributed)
+
+
+def _sources(d: DeviceAnalysis, regions: list[str], region: np.ndarray,
+             backward: np.ndarray) -> list[str | None]:
+    """Per region, the user frame that made the most of its forward blocks' bytes (one pass over
+    the (region, stack) pairs: a file names as many regions as it likes)."""
+    lt = d.lt
+    m = (region >= 0) & ~backward
+    stacks, sinv = np.unique(lt.stack[m], return_inverse=True)
+    frame_names: dict[str, int] = {}
+    frame = np.array([-1 if s == NO_STACK else
+                      frame_names.setdefault(f, len(frame_names))
+                      if (f := user_frame(d, s)) is not None else -1
+                      for s in stacks.tolist()], np.int64)[sinv] if len(stacks) else \
+        np.zeros(0, np.int64)
+    r, size = region[m].astype(np.int64), lt.size[m]
+    ok = frame >= 0
+    out: list[str | None] = [None] * len(regions)
+    if ok.any():
+        nf = len(frame_names)
+        pairs, pinv = np.unique(r[ok] * nf + frame[ok], return_inverse=True)
+        by = np.bincount(pinv, weights=size[ok])
+        order = np.lexsort((-by, pairs // nf))  # per region, the heaviest frame first
+        first = np.ones(len(order), bool)
+        first[1:] = (pairs[order] // nf)[1:] != (pairs[order] // nf)[:-1]
+        names = list(frame_names)
+        for p in pairs[order][first].tolist():
+            out[p // nf] = names[p % nf]
+    return out
+
+
+ROWS = 64  # regions listed per device (the rest summed in `left_out`)
+
+
+def summary(d: DeviceAnalysis, c: Compiled) -> dict:
+    """What the device summary carries: per region (the ROWS holding the most at the peak),
+    its source and its forward and backward bytes alive at the peak and made over the trace;
+    the compiled and eager bytes at the peak."""
+    lt = d.lt
+    alive = lt.alive_at(d.peak_row) if d.peak_row >= 0 else np.zeros(len(lt), bool)
+    n = len(c.regions)
+    comp = c.region >= 0
+    reg = c.region[comp].astype(np.int64)
+    bw, size, live = c.backward[comp], lt.size[comp], alive[comp]
+
+    def per(mask: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+        return np.bincount(reg[mask], weights=None if weights is None else weights[mask],
+                           minlength=n)
+
+    fwd_peak, bwd_peak = per(~bw & live, size), per(bw & live, size)
+    fwd_blocks, bwd_blocks, made = per(~bw), per(bw), per(np.ones(len(reg), bool), size)
+    order = np.argsort(-(fwd_peak + bwd_peak), kind="stable")
+    rows = [{"region": c.regions[r], "source": c.source[r],
+             "forward_bytes_at_peak": int(fwd_peak[r]), "backward_bytes_at_peak": int(bwd_peak[r]),
+             "forward_blocks": int(fwd_blocks[r]), "backward_blocks": int(bwd_blocks[r]),
+             "bytes_allocated": int(made[r])} for r in order[:ROWS].tolist()]
+    return {"regions": rows, "regions_left_out": max(0, n - ROWS),
+            "compiled_bytes_at_peak": int(lt.size[comp & alive].sum()),
+            "eager_bytes_at_peak": int(lt.size[~comp & alive].sum()),
+            "backward_calls": c.backward_calls, "backward_calls_attributed": c.attributed_calls}
