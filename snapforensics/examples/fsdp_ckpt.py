@@ -418,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _compile(model: Transformer, backend: str) -> None:
+def compile_blocks(model: Transformer, backend: str) -> None:
     """`torch.compile` each block's mlp in place (`nn.Module.compile`: the module object stays,
     so the layouts wrap and shard it as in eager). Allocations its graphs make run under the
     profiler range "Torch-Compiled Region: F/C" that the recorder writes as `compile_context`."""
@@ -440,12 +440,12 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     if args.variant == "full_init":
         with torch.device(device):
             model = Transformer(args.vocab, args.dim, args.layers, args.heads)
-        _compile(model, compiled)
+        compile_blocks(model, compiled)
         plan = apply(model, mesh)
     else:
         with torch.device("meta"):
             model = Transformer(args.vocab, args.dim, args.layers, args.heads)
-        _compile(model, compiled)
+        compile_blocks(model, compiled)
         plan = apply(model, mesh)
         if not plan.materialized:
             model.to_empty(device=device)

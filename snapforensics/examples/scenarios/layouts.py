@@ -40,6 +40,7 @@ class Layout:
     micro_batches: int = 1
     accumulation: str = "none"  # none | right | wrong | sync_only | no_sync
     optimizer: str = "adamw"  # adamw | sgd
+    compile: str = "none"  # none | aot_eager | inductor: each block's mlp torch.compile-d
     steps: int = 3
     twin: str | None = None  # the fixed layout this one should match once its bug is removed
     note: str = ""
@@ -87,6 +88,17 @@ def _layouts() -> list[Layout]:
           note="gradient accumulation with set_reshard_after_backward(False) set once, never True"),
         L("f2_ga_sync_only", cw, micro_batches=2, accumulation="sync_only",
           note="gradient accumulation: set_requires_gradient_sync(is_last) only"),
+        # the same layouts with each block's mlp torch.compile-d (FSDP and checkpointing eager,
+        # as fsdp_ckpt --compile): the compiled backward runs from the autograd engine
+        L("f2_block_cw_c", cw, compile="aot_eager",
+          note="f2_block_cw with each block's mlp compiled (aot_eager)"),
+        L("f2_block_cw_rab_false_c", w_block(ac="wrapper", rab=False), compile="aot_eager",
+          twin="f2_block_cw_c", note="the seed bug, each block's mlp compiled (aot_eager)"),
+        L("f2_block_noac_c", w_block(), compile="aot_eager",
+          note="no checkpointing, each block's mlp compiled (aot_eager)"),
+        L("f2_block_noac_rab_false_c", w_block(rab=False), compile="aot_eager",
+          twin="f2_block_noac_c",
+          note="no checkpointing, set_reshard_after_backward(False), mlp compiled (aot_eager)"),
         L("f2_leak_cache", cw, block="caching", steps=4, twin="f2_block_cw",
           note="every block keeps its outputs (with their graph) in a list"),
         # ---- FSDP2, other families

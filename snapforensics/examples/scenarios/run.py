@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from snapforensics.examples.fsdp_ckpt import Transformer
+from snapforensics.examples.fsdp_ckpt import Transformer, compile_blocks
 from snapforensics.examples.scenarios.layouts import LAYOUTS, Layout
 from snapforensics.examples.scenarios.models import (
     BATCH,
@@ -102,15 +102,18 @@ def run_layout(lay: Layout, ctx: Ctx, check: bool) -> dict:
     if lay.init == "build":
         with torch.device(ctx.device):
             model = _build(lay, ctx.device)
+        compile_blocks(model, lay.compile)
         truth["full_model_bytes"] = tensor_bytes(model.parameters())
         model = lay.wrap(ctx, model)
     elif lay.init == "local":
         with torch.device(ctx.device):
             model = _build(lay, ctx.device)
+        compile_blocks(model, lay.compile)
         model = lay.wrap(ctx, model)
     else:
         with torch.device("meta"):
             model = _build(lay, ctx.device)
+        compile_blocks(model, lay.compile)
         wrapped = lay.wrap(ctx, model)
         if wrapped is model:
             model.to_empty(device=ctx.device)
