@@ -239,7 +239,22 @@ _DEEPSPEED_BUCKET = {"stage_1_and_2.py": {"setup_buckets", "backward", "reduce_g
                      "stage3.py": {"_setup_for_real_optimizer"}}
 
 
+# ZeRO-3's parameter all-gathers (`partition_parameters.py`, deepspeed 0.19.8): the flat output
+# buffer each gathered parameter's `.data` becomes a view of, made under the coordinator's
+# `fetch_sub_module` (a module's forward or backward), `_post_step` (persistent parameters) or
+# the optimizer's set-up, and the parameter a handle's `wait` concatenates from the gathered
+# partitions (`AllGatherCoalescedHandle.wait`: `torch.cat(partitions)`). Any of these frames on
+# the stack names the buffer: every one of them only gathers parameters.
+_DEEPSPEED_GATHER = {"wait", "_all_gather_dtype", "_all_gather_sequential", "_all_gather_coalesced",
+                     "all_gather_coalesced", "_all_gather", "_allgather_param",
+                     "_allgather_params_coalesced", "_allgather_params_sequential",
+                     "_dist_allgather_fn", "all_gather"}
+
+
 def _deepspeed_category(frames: list[Frame]) -> Category | None:
+    if any(g.name in _DEEPSPEED_GATHER and g.filename.replace("\\", "/").endswith(
+            "deepspeed/runtime/zero/partition_parameters.py") for g in frames):
+        return Category.DEEPSPEED_GATHERED_PARAM
     f = next((f for f in frames if not f.filename.startswith("<")), None)
     if f is None or any(g.name == "aten::zeros" for g in frames if g.filename == "<op>"):
         # ZeRO-3 makes its flat gradient partitions there too, with torch.zeros (told apart

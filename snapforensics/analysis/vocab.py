@@ -72,6 +72,9 @@ class Category(StrEnum):
     MEGATRON_BUCKET_COMM = "megatron.bucket_comm"
     # DeepSpeed ZeRO: its gradient reduction bucket (`reduce_bucket_size` elements)
     DEEPSPEED_REDUCE_BUCKET = "deepspeed.reduce_bucket"
+    # DeepSpeed ZeRO-3: the flat buffers its parameter all-gathers fill (a module's parameters
+    # for its forward or backward, the persistent ones kept gathered)
+    DEEPSPEED_GATHERED_PARAM = "deepspeed.gathered_param"
 
 
 CATEGORIES = tuple(Category)

@@ -6,13 +6,18 @@ whatever the model's size (ZeRO-1/2 ``setup_buckets``, ZeRO-3 ``_setup_for_real_
 
 The truth (``--truth DIR``, per rank): the bucket buffers' storages (address and bytes) read
 from the running optimizer's ``ipg_buckets`` (after each ``setup_buckets`` under ZeRO-1/2, each
-storage once), the configured bucket size, the model's parameter count and the stage. Needs
+storage once), the configured bucket size, the model's parameter count and the stage; under
+ZeRO-3 also the storages of the parameters DeepSpeed all-gathered (``gathered``: each
+available parameter's storage and the time, read as DeepSpeed's coordinator returns from
+``fetch_sub_module``, forward and backward, and after each optimizer step, which re-gathers the
+persistent ones). Needs
 ``deepspeed`` (the Makefile installs it for the tests).
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 import torch.nn as nn
@@ -62,14 +67,38 @@ def main(argv: list[str] | None = None) -> None:
             return out
         opt.setup_buckets = setup_buckets
     seen()
+    gathered: list[dict] = []
+
+    def available(*_) -> None:  # ZeRO-3: the parameters' gathered storages, and when seen
+        now = time.time() * 1e6  # the recorder's clock: epoch microseconds
+        for q in model.parameters():
+            if q.data.numel() and getattr(q, "ds_status", None) is not None and \
+                    q.ds_status.name == "AVAILABLE":
+                gathered.append({**_storage(q.data), "time_us": now})
+
+    if a.stage == 3:
+        from deepspeed.runtime.zero.partitioned_param_coordinator import (
+            PartitionedParameterCoordinator as Coordinator,
+        )
+
+        fetch = Coordinator.fetch_sub_module
+
+        def fetch_sub_module(self, *args, **kwargs):
+            out = fetch(self, *args, **kwargs)
+            available()
+            return out
+
+        Coordinator.fetch_sub_module = fetch_sub_module
     for _ in range(a.steps):
         loss = engine(torch.randn(a.batch, a.dim)).pow(2).mean()
         engine.backward(loss)
         engine.step()
+        if a.stage == 3:
+            available()
     write_truth(a.truth, dist.get_rank(), {
         "stage": a.stage, "reduce_bucket_size": int(opt.reduce_bucket_size),
         "params": sum(int(getattr(q, "ds_numel", q.numel())) for q in model.parameters()),
-        "buckets": buckets, "world": dist.get_world_size()})
+        "buckets": buckets, "gathered": gathered, "world": dist.get_world_size()})
     dist.destroy_process_group()
 
 

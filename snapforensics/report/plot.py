@@ -62,6 +62,7 @@ CATEGORY_COLORS = {
     "megatron.main_param": "#225500",
     "megatron.bucket_comm": "#990044",
     "deepspeed.reduce_bucket": "#11eecc",
+    "deepspeed.gathered_param": "#aa66ff",
 }
 _PALETTE = ("#393b79", "#e7ba52", "#843c39", "#637939", "#7b4173", "#3182bd", "#e6550d")
 PHASE_ALPHA = 0.13  # the shading's opacity, the same in the key

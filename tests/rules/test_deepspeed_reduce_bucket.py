@@ -66,3 +66,30 @@ def test_the_bucket_is_named_and_its_twin_predicted(stage, dims, params):
         assert peak < d.peak_bytes / 100
         assert abs(f.predicted_peak_bytes - peak) / peak < 0.05, (f.predicted_peak_bytes, peak)
         assert _finding(twin_path) is None  # a bucket the gradients fill: nothing to say
+
+
+@slow
+def test_zero3_gathered_parameters_are_named():
+    """`deepspeed.gathered_param`: what ZeRO-3's parameter all-gathers fill. Truth from the
+    running coordinator: every storage DeepSpeed made available (as `fetch_sub_module` returns,
+    forward and backward, and after each step) is, at that moment, a block of this category;
+    every block of it holds one module's parameters (a weight, a bias, or both coalesced: sizes
+    from the model's shapes); ZeRO-2, which never gathers parameters, has none."""
+    dim = 256
+    sizes = {dim * dim * 4, dim * 4, (dim * dim + dim) * 4}  # fp32 weight, bias, both
+    for path, truth in _run(3, ()):
+        snap = load(path)
+        d = analyse(snap, snap.active_traces[0])
+        gathered = d.category == CAT_CODE[Category.DEEPSPEED_GATHERED_PARAM]
+        assert truth["gathered"]
+        for st in truth["gathered"]:
+            row = int(np.searchsorted(d.trace.time_us, st["time_us"], "right")) - 1
+            at = np.flatnonzero((d.lt.addr == st["addr"]) & (d.lt.alloc_row <= row)
+                                & (d.lt.free_row > row))
+            assert len(at) == 1 and gathered[at[0]] and d.lt.size[at[0]] >= st["bytes"], st
+        assert set(d.lt.size[gathered].tolist()) <= sizes
+    for path, truth in _run(2, ()):
+        snap = load(path)
+        d = analyse(snap, snap.active_traces[0])
+        assert not truth["gathered"]
+        assert not (d.category == CAT_CODE[Category.DEEPSPEED_GATHERED_PARAM]).any()
