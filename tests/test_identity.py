@@ -378,3 +378,19 @@ def fsdp1_units_from_names(path: Path, tmp_path: Path) -> None:
 
 def test_fsdp1_units_named_by_the_names_where_frames_have_no_modules(recording, tmp_path):
     fsdp1_units_from_names(recording("fsdp1"), tmp_path)
+
+
+def test_findings_name_their_tensors(probe):
+    """Every rule that lists its blocks gets their names (`evidence.tensors`, one mechanism in
+    the engine): the probe's reduce-scatter finding names the units' gradient buffers, and
+    every name it lists is a gradient the probe saw (`param.grad` after backward), all of them
+    (3 units, within the 8 rows); each listed row is one of the finding's blocks. The reports
+    show them."""
+    for d, truth, _ in probe:
+        (f,) = [f for f in d.diagnosis.findings if f.rule == "fsdp.reduce_scatter_accumulation"]
+        assert f.tensors and all(t["kind"] == "gradient" for t in f.tensors)
+        names = {n for t in f.tensors for n in t["tensor"].split(", ")}
+        assert names == {e["name"] for e in truth["grads"]}
+        members = d.blocks[d.blocks.device == f.device].iloc[np.asarray(f.members)]
+        assert {t["tensor"] for t in f.tensors} <= set(members.tensor.dropna())
+        assert f.tensors[0]["tensor"].split(", ")[0] in d.render("markdown")

@@ -14,7 +14,7 @@ SCHEMA = "snapforensics.diagnosis/1"
 INTERNAL = {"json": False}  # field metadata: kept for renderers and the API, not in the JSON
 # the evidence every renderer shows as tables (`Finding.modules`, `Finding.stacks`), written by
 # `evidence.by_module` and `evidence.top_stacks`; the rest of a finding's evidence is its own
-MODULES, STACKS = "modules", "stacks"
+MODULES, STACKS, TENSORS = "modules", "stacks", "tensors"
 
 
 def public(obj: Any) -> dict[str, Any]:
@@ -97,6 +97,12 @@ class Finding:
     def modules(self) -> list[dict[str, Any]]:
         """Its blocks' bytes by module, largest first (`evidence.by_module`): may be empty."""
         return (self.evidence or {}).get(MODULES) or []
+
+    @property
+    def tensors(self) -> list[dict[str, Any]]:
+        """The recorder's names of its largest blocks (`evidence.tensors`: tensor, kind, module,
+        shape, dtype, bytes), where the file has names and the rule lists its blocks."""
+        return (self.evidence or {}).get(TENSORS) or []
 
     @property
     def stacks(self) -> list[dict[str, Any]]:

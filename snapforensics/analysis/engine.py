@@ -9,7 +9,13 @@ import numpy as np
 from snapforensics import __version__
 from snapforensics.analysis import compiled, identity, timeline
 from snapforensics.analysis.context import DeviceAnalysis, analyse
-from snapforensics.analysis.diagnosis import DeviceSummary, Diagnosis, Finding, top_anomaly
+from snapforensics.analysis.diagnosis import (
+    TENSORS,
+    DeviceSummary,
+    Diagnosis,
+    Finding,
+    top_anomaly,
+)
 from snapforensics.analysis.evidence import human, top_stacks
 from snapforensics.analysis.evidence import peaks as phase_peaks
 from snapforensics.analysis.frameworks import detect as frameworks
@@ -38,6 +44,7 @@ def diagnose_devices(snapshot: Snapshot, categories: dict[str, re.Pattern] | Non
                         (columns or {}).get(t.device) if lifetimes else None)
                 for t in snapshot.active_traces]
     findings = [f for d in analyses for f in run_rules(d)]
+    _name_findings(findings, analyses)
     framework = frameworks.detect(snapshot, analyses)
     framework_fixes.localize(findings, framework)
     warnings = list(snapshot.warnings)
@@ -72,6 +79,19 @@ def diagnose_devices(snapshot: Snapshot, categories: dict[str, re.Pattern] | Non
                           findings=findings, tool=f"snapforensics {__version__}",
                           framework=framework.to_dict())
     return diagnosis, analyses
+
+
+def _name_findings(findings: list[Finding], analyses: list[DeviceAnalysis]) -> None:
+    """Every rule that lists its blocks gets their tensor names, where the file has them (one
+    mechanism for all rules: `identity.finding_tensors` over `Finding.members`)."""
+    by_device = {d.device: d for d in analyses}
+    for f in findings:
+        d = by_device.get(f.device)
+        if f.members is None or d is None or d.names is None or TENSORS in f.evidence:
+            continue
+        named = identity.finding_tensors(d.names, d.lt, f.members)
+        if named:
+            f.evidence[TENSORS] = named
 
 
 def _summary(snapshot: Snapshot, d: DeviceAnalysis, findings: list[Finding]) -> DeviceSummary:

@@ -246,6 +246,29 @@ def summary(d, names: BlockNames, rows: int = 24) -> dict:
     return out
 
 
+def finding_tensors(names: BlockNames, lt, members: np.ndarray, rows: int = 8) -> list[dict]:
+    """A finding's largest named blocks (`Finding.members`), each tensor once (a unit re-gathered
+    every iteration names the same parameter in each): what the reports list under it."""
+    m = np.asarray(members, np.int64)
+    m = m[(m >= 0) & (m < len(names.ident))]
+    m = m[names.ident[m] >= 0]
+    out: list[dict] = []
+    seen = set()
+    for b in m[np.argsort(-lt.size[m], kind="stable")].tolist():
+        i = names.identity(b)
+        if i is None:
+            continue
+        key = (names.tensor(b), i.kind, names.module(b))
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append({"tensor": key[0], "kind": i.kind, "module": key[2], "shape": list(i.shape),
+                    "dtype": i.dtype, "bytes": int(lt.size[b])})
+        if len(out) == rows:
+            break
+    return out
+
+
 def without_names(snapshot) -> dict:
     """For a dump with no recorder names: what its frames and record_function ranges say
     about modules, and the recipe for the next dump (once per file: every device shares it)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from snapforensics.analysis.diagnosis import Diagnosis, Finding, saving_rank
 from snapforensics.analysis.evidence import human
+from snapforensics.analysis.identity import WRAPPERS
 from snapforensics.analysis.rules import BY_ID
 from snapforensics.analysis.vocab import Verdict
 from snapforensics.report.sanitize import NAME, cap
@@ -243,13 +244,18 @@ def saved_by_layer(t: dict) -> list[tuple[str, int, int, str]]:
     return rows
 
 
-def largest_named(t: dict) -> list[tuple[str, str, str, int]]:
-    """Rows (tensor, kind, 'shape dtype', bytes) of the largest named blocks at the peak."""
+def largest_named(t: dict | list) -> list[tuple[str, str, str, int]]:
+    """Rows (tensor, kind, 'shape dtype', bytes) of the largest named blocks at the peak (a
+    device's names), or of a finding's (`Finding.tensors`: the same records)."""
     rows = []
-    for r in t.get("largest_at_peak") or []:
+    for r in (t if isinstance(t, list) else t.get("largest_at_peak") or []):
         if not isinstance(r, dict):
             continue
         name = r.get("tensor") or f"(saved by {r.get('module') or '?'})"
+        # wrapper segments (`_checkpoint_wrapped_module`, `_orig_mod`, ...) dropped: the name
+        # the user's model gives it; a buffer holding several tensors by its first
+        names = [WRAPPERS.sub("", n).strip(".") or n for n in str(name).split(", ")]
+        name = names[0] + (f" (+{len(names) - 1} more)" if len(names) > 1 else "")
         shape = r.get("shape") if isinstance(r.get("shape"), list) else []
         rows.append((str(name), str(r.get("kind")).replace("_", " "),
                      f"{tuple(shape)} {r.get('dtype')}", _int(r.get("bytes"))))

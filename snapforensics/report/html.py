@@ -13,7 +13,14 @@ import re
 import shlex
 from typing import Any
 
-from snapforensics.analysis.diagnosis import MODULES, STACKS, DeviceSummary, Diagnosis, Finding
+from snapforensics.analysis.diagnosis import (
+    MODULES,
+    STACKS,
+    TENSORS,
+    DeviceSummary,
+    Diagnosis,
+    Finding,
+)
 from snapforensics.report import plot
 from snapforensics.report.common import (
     command_line,
@@ -349,6 +356,13 @@ def _finding(i: int, f: Finding, d: Diagnosis) -> str:
                        f'<td class="n">{e(_num(m.get("blocks")))}</td></tr>' for m in mods[:ROWS])
         out.append('<h4>By module</h4><table><tr><th>module</th><th class="n">bytes</th>'
                    f'<th class="n">blocks</th></tr>{rows}</table>')
+    named = largest_named(f.tensors)
+    if named:
+        rows = "".join(f'<tr><td><code>{e(a, NAME)}</code></td><td>{e(k, NAME)}</td>'
+                       f'<td>{e(sh, NAME)}</td><td class="n">{e(human(b))}</td></tr>'
+                       for a, k, sh, b in named)
+        out.append('<h4>Tensors</h4><table><tr><th>tensor</th><th>kind</th><th>shape</th>'
+                   f'<th class="n">bytes</th></tr>{rows}</table>')
     for s in f.stacks[:1]:
         out.append(f'<details open><summary>Representative stack '
                    f'({e(human(_num(s.get("bytes"))))} in {e(_num(s.get("blocks")))} blocks)'
@@ -369,7 +383,7 @@ def _finding(i: int, f: Finding, d: Diagnosis) -> str:
 def _extra_evidence(ev: dict[str, Any]) -> str:
     rows = []
     for k, v in list(ev.items())[:ROWS]:
-        if k in (MODULES, STACKS):  # shown above
+        if k in (MODULES, STACKS, TENSORS):  # shown above
             continue
         if k in ("by_path", "per_iteration_bytes", "predicted_peaks") and isinstance(v, dict):
             txt = ", ".join(f"{kk}: {human(_num(vv))}" for kk, vv in list(v.items())[:ROWS])

@@ -102,6 +102,11 @@ def render(d: Diagnosis, screen: Screen = PLAIN, image: str | None = None) -> st
             out += [f"| {md(m['module'])} | {human(m['bytes'])} | {m['blocks']} |"
                     for m in mods[:ROWS]]
             out.append("")
+        named = largest_named(f.tensors)
+        if named:
+            out += ["| tensor | kind | shape | bytes |", "|---|---|---|--:|"]
+            out += [f"| {md(a)} | {md(k)} | {md(sh)} | {human(b)} |" for a, k, sh, b in named]
+            out.append("")
         if f.fix:
             out += ["Fix:", "", *code(lines(f.fix, FRAMES), "python"), ""]
         for s in f.stacks[:1]:

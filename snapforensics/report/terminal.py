@@ -21,6 +21,7 @@ from snapforensics.report.common import (
     framework_line,
     headline,
     human,
+    largest_named,
     names_line,
     no_names,
     peak_line,
@@ -156,6 +157,14 @@ def _finding(console: Console, d: Diagnosis, f: Finding) -> None:
         for m in mods[:8]:
             mt.add_row(t(m["module"]), human(m["bytes"]), str(m["blocks"]))
         console.print(mt)
+    named = largest_named(f.tensors)
+    if named:
+        nt = Table(show_edge=False, box=None)
+        for name in ("tensor", "kind", "shape", "bytes"):
+            nt.add_column(name, justify="right" if name == "bytes" else "left", overflow="fold")
+        for a, k, sh, b in named:
+            nt.add_row(t(a), t(k), t(sh), human(b))
+        console.print(nt)
     for s in f.stacks[:1]:
         console.print(Text("stack:", style="dim"))
         for frame in s["stack"][:8]:
