@@ -37,9 +37,17 @@ in this repository's history until a line saying so is committed with its output
    ``torch.cuda.mem_get_info``; NVML is not read, ``cudaMemGetInfo`` already gives the whole
    device).
 
+9. compiled: the bundled example (2 blocks of dim 128, 3 steps) with each block's mlp
+   ``torch.compile``-d by Inductor (Triton on CUDA) and its eager twin, on the GPU: the CUDA
+   allocator's ``compile_context`` names the regions, every compiled backward (2 blocks x 3
+   steps, run by the autograd engine with no region open) is tied to its forward's region
+   (issue 29 item 3, ``analysis/compiled.py``), and the compiled run gets the eager run's
+   anomalous rules and predicted peaks within 5%.
+
 ``--keep-fixtures DIR`` copies the small CUDA recordings there (to commit as fixtures).
 ``--dry-run`` runs what needs no GPU (checks 6 and 8 recorded on the CPU, their verification
-code included; the analyzer side of 7 on a torch-format file with two graph pools) and marks
+code included; the analyzer side of 7 on a torch-format file with two graph pools; 9 with
+aot_eager on the CPU) and marks
 the CUDA-only checks SKIP: it proves the script imports and its checking code runs. A table of
 every check ends the output; exit 1 when any failed.
 """
@@ -98,9 +106,10 @@ def summary(path: Path) -> tuple[set[str], dict[str, tuple[int, int]]]:
     f = d.findings
     anomalous = set(f[f["verdict"] == "anomalous"]["rule"])
     preds = {}
+    import pandas as pd
+
     for _, row in f.iterrows():
-        if row.get("predicted_peak_bytes") is not None and row["predicted_peak_bytes"] == \
-                row["predicted_peak_bytes"]:
+        if pd.notna(row.get("predicted_peak_bytes")):  # None, NaN or pandas' NA: no prediction
             preds[row["rule"]] = (int(row["predicted_peak_bytes"]), int(d.peaks["overall_bytes"]))
     return anomalous, preds
 
@@ -409,6 +418,40 @@ def device_memory(work: Path, device: str = "cuda") -> None:
         f"runtime.memory_outside_allocator: {has}")
 
 
+COMPILED = ["-m", "snapforensics.examples.fsdp_ckpt", "--", "--steps", "3", "--variant", "buggy",
+            "--layers", "2", "--dim", "128"]
+
+
+def compiled(work: Path, device: str = "cuda", keep: Path | None = None) -> None:
+    """torch.compile on the device: regions named, compiled backward tied, eager's verdicts."""
+    backend = "inductor" if device == "cuda" else "aot_eager"
+    runs = {}
+    for b in ("none", backend):
+        out = work / f"compiled-{b}-{device}"
+        p = record(out, [*COMPILED, "--compile", b], device=device, timeout=420)
+        if p.returncode or not (out / "rank0.pickle").is_file():
+            say(f"compiled[{device}]", False, f"{b}: exit {p.returncode}: "
+                f"{p.stderr.strip()[-300:]}")
+            return
+        runs[b] = out / "rank0.pickle"
+    sys.path.insert(0, str(REPO))
+    import snapforensics
+
+    rep = snapforensics.diagnose(str(runs[backend]))
+    c = rep.diagnosis.devices[0].compiled or {}
+    calls, tied = c.get("backward_calls"), c.get("backward_calls_attributed")
+    regions = [r["region"] for r in c.get("regions", [])]
+    ae, pe = summary(runs["none"])
+    ac, pc = summary(runs[backend])
+    worst = max([abs(pc[r][0] - pe[r][0]) / pe[r][0] for r in set(pe) & set(pc)] + [0.0])
+    say(f"compiled[{device}]", bool(regions) and calls == tied == 2 * 3 and ae == ac
+        and worst <= 0.05, f"{backend}: regions {regions}, compiled backward calls tied "
+        f"{tied}/{calls} (truth 6), anomalous eager {sorted(ae)} compiled {sorted(ac)}, "
+        f"predictions differ by {worst:.1%} at most")
+    if keep and device == "cuda":
+        shutil.copy(runs[backend], keep / "fsdp2_ckpt_buggy_inductor_cuda_rank0.pickle")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=None)
@@ -428,9 +471,11 @@ def main() -> int:
             "visible_devices": lambda: visible_devices(work),
             "stacks_all": lambda: stacks_all(work), "names": lambda: names(work),
             "graph_pools": lambda: graph_pools(work),
-            "device_memory": lambda: device_memory(work)}
+            "device_memory": lambda: device_memory(work),
+            "compiled": lambda: compiled(work, keep=keep)}
     dry = {"names": lambda: names(work, "cpu"), "graph_pools": graph_pools_dry,
-           "device_memory": lambda: device_memory(work, "cpu")}
+           "device_memory": lambda: device_memory(work, "cpu"),
+           "compiled": lambda: compiled(work, "cpu")}
     only = {x.strip() for x in a.only.split(",") if x.strip()}
     if only - set(cuda):
         ap.error(f"unknown check(s) {sorted(only - set(cuda))}; known: {sorted(cuda)}")
