@@ -105,6 +105,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--recompute", action="store_true", help="recompute_granularity='full'")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=128)
+    p.add_argument("--no-distributed-optimizer", dest="dist_opt", action="store_false",
+                   help="Megatron's non-distributed mixed-precision optimizer: every data-"
+                        "parallel rank keeps fp32 main parameters and Adam's states whole")
     a = p.parse_args(argv)
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron's SP check reads it
     dist.init_process_group("gloo")
@@ -136,9 +139,9 @@ def main(argv: list[str] | None = None) -> None:
                      post_process=parallel_state.is_pipeline_last_stage())
     model = Float16Module(cfg, model)  # as megatron.training's get_model wraps a bf16 model
     model = DistributedDataParallel(cfg, DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=True), model)
+        grad_reduce_in_fp32=True, use_distributed_optimizer=a.dist_opt), model)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-4, bf16=True,
-                                                 use_distributed_optimizer=True), [model])
+                                                 use_distributed_optimizer=a.dist_opt), [model])
     step_fn = get_forward_backward_func()
     g = torch.Generator().manual_seed(0)
 
@@ -167,8 +170,14 @@ def main(argv: list[str] | None = None) -> None:
                 forward_only=False)
         opt.step()
     bufs = [b for b in model.buffers + model.expert_parallel_buffers]
-    mains = [t for o in getattr(opt, "chained_optimizers", [opt])
-             for grp in getattr(o, "shard_fp32_from_float16_groups", []) for t in grp]
+    inner = getattr(opt, "chained_optimizers", [opt])
+    # the fp32 main parameters: the distributed optimizer's shards, or the whole copies of the
+    # non-distributed one (Float16OptimizerWithFloat16Params); and Adam's states of them
+    mains = [t for o in inner for grp in (getattr(o, "shard_fp32_from_float16_groups", None) or
+                                          getattr(o, "fp32_from_float16_groups", []))
+             for t in grp]
+    states = [v for o in inner for st in o.optimizer.state.values() for v in st.values()
+              if isinstance(v, torch.Tensor) and v.numel() > 1]
     write_truth(a.truth, dist.get_rank(), {
         "tp": parallel_state.get_tensor_model_parallel_world_size(), "sp": a.sp,
         "dp": parallel_state.get_data_parallel_world_size(), "recompute": a.recompute,
@@ -177,6 +186,7 @@ def main(argv: list[str] | None = None) -> None:
         "param_buffers": [_storage(b.param_data) for b in bufs if b.param_data is not None],
         "grad_buffers": [_storage(b.grad_data) for b in bufs],
         "main_params": [_storage(t) for t in mains], "pp": a.pp,
+        "distributed_optimizer": a.dist_opt, "optimizer_states": [_storage(t) for t in states],
         "stage": parallel_state.get_pipeline_model_parallel_rank(), "received": received})
     with contextlib.suppress(Exception):
         parallel_state.destroy_model_parallel()
