@@ -61,6 +61,17 @@ def _is_backward(frames) -> bool:
     return False
 
 
+def _any_compiled_backward(snap) -> bool:
+    """Whether any frame of the file is AOTAutograd's backward (once per file, cached)."""
+    got = getattr(snap, "_compiled_backward", None)
+    if got is None:
+        got = any(f.name == "CompiledFunctionBackward" or
+                  (f.name in _AOT_BACKWARD and _AOT in f.filename.replace("\\", "/"))
+                  for f in snap.frames)
+        object.__setattr__(snap, "_compiled_backward", got)
+    return got
+
+
 def _graph_code(frames) -> str | None:
     """The generated graph the row ran in (innermost), or None."""
     return next((f.filename for f in frames if _GRAPH_FILE.search(f.filename)), None)
@@ -92,8 +103,8 @@ def attribute(d: DeviceAnalysis) -> Compiled | None:
     """Each block's compiled region, or None when no row of this device ran compiled code."""
     t, lt, snap = d.trace, d.lt, d.snapshot
     n = len(t)
-    if not n:
-        return None
+    if not n or not t.compile_context and not _any_compiled_backward(snap):
+        return None  # an eager run: nothing to walk (the frame table is read once per file)
     # per distinct stack: does it run a compiled backward, and in which graph code
     uniq, inv = np.unique(t.stack, return_inverse=True)
     bw_of = np.zeros(len(uniq), bool)
