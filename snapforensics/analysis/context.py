@@ -216,6 +216,15 @@ def analyse(snapshot: Snapshot, trace: Trace, lt: lifetimes.Lifetimes | None = N
     for ph, c in ((Phase.FORWARD, Category.ACTIVATION), (Phase.BACKWARD, Category.GRADIENT),
                   (Phase.RECOMPUTE, Category.RECOMPUTE_ACTIVATION)):
         cat[unnamed & (phase == ph)] = CAT_CODE[c]
+    # ... and one made before any forward (a model of plain functions, no module call to mark
+    # it: silmont2000's attention, 17% of its peak) that a backward frees: the autograd engine
+    # frees what a forward saved once the backward consumed it, so it was an activation.
+    if len(trace):
+        freed = lt.free_row < lt.rows
+        fph = tl.phase[np.clip(lt.free_row, 0, len(trace) - 1)]
+        cat[unnamed & (cat == CAT_CODE[Category.OTHER]) & np.isin(phase, (Phase.INIT,
+            Phase.UNKNOWN)) & born & freed & np.isin(fph, BACKWARD_PHASES)] = \
+            CAT_CODE[Category.ACTIVATION]
     # A free with no alloc only shows where it was freed; what made it is not in the file.
     untraced = (lt.alloc_row < 0) & ((lt.free_row < lt.rows) | pyless[blk_info]) if len(infos) \
         else lt.alloc_row < 0
