@@ -92,6 +92,9 @@ def test_page_loads_offline_and_a_click_shows_the_block(served, page):
     assert f"({int(b['size'][big])} B)" in page.locator("[data-field=size]").inner_text()
     assert page.locator("[data-field='FSDP unit']").inner_text() == \
         f"FSDP unit: {b['fsdp_unit'][big]}"
+    # the fixture has no recorder names and ran eager: both rows say so
+    assert page.locator("[data-field=tensor]").inner_text() == "tensor: —"
+    assert page.locator("[data-field=compiled]").inner_text() == "compiled: —"
     from snapforensics.analysis.stacks import is_native
 
     python = [f for f in rep.stack(int(b.stack_id[big])) if not is_native(f)]
