@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> None:
     p = parser(layers=4, dim=256, batch=4, seq=1, steps=2)
     p.add_argument("--stage", type=int, default=2, choices=(1, 2, 3))
     p.add_argument("--bucket", type=int, help="reduce_bucket_size (elements)")
+    p.add_argument("--persistence", type=int,
+                   help="ZeRO-3 stage3_param_persistence_threshold (elements; DeepSpeed's "
+                        "default 1e5 keeps every parameter below it gathered)")
     a = p.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
@@ -44,6 +47,8 @@ def main(argv: list[str] | None = None) -> None:
     zero: dict = {"stage": a.stage}
     if a.bucket:
         zero["reduce_bucket_size"] = a.bucket
+    if a.persistence is not None:
+        zero["stage3_param_persistence_threshold"] = a.persistence
     cfg = {"train_micro_batch_size_per_gpu": a.batch, "gradient_accumulation_steps": 1,
            "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
            "zero_optimization": zero}
@@ -98,7 +103,11 @@ def main(argv: list[str] | None = None) -> None:
     write_truth(a.truth, dist.get_rank(), {
         "stage": a.stage, "reduce_bucket_size": int(opt.reduce_bucket_size),
         "params": sum(int(getattr(q, "ds_numel", q.numel())) for q in model.parameters()),
-        "buckets": buckets, "gathered": gathered, "world": dist.get_world_size()})
+        "buckets": buckets, "gathered": gathered, "world": dist.get_world_size(),
+        # ZeRO-3's persistent parameters (ds_persist: under the threshold, kept gathered), their
+        # full bytes
+        "persistent": [int(q.ds_numel) * q.element_size() for q in model.parameters()
+                       if getattr(q, "ds_persist", False)]})
     dist.destroy_process_group()
 
 
