@@ -39,6 +39,10 @@ _AOT = "_functorch/_aot_autograd/"
 # eager code a compiled backward calls back into: the recompute of a checkpointed region (its
 # saved-tensor unpack hook), which makes its own rows
 _EAGER_FILES = ("torch/utils/checkpoint.py",)
+# AOTAutograd compiles a backward graph lazily, on its first call, under its backward frames:
+# what the compiler allocates there (Inductor's fake-tensor propagation, constants) is not the
+# graph's
+_COMPILING = {"get_or_compile"}
 _AOT_BACKWARD = {"backward", "_backward_impl", "call_compiled_backward", "_backward_prologue"}
 # generated graph code: FX's `<eval_with_key>.N` (aot_eager, and every FX graph module), and the
 # Python module Inductor writes per graph (`/tmp/torchinductor_<user>/xx/cxxxx.py`)
@@ -48,11 +52,14 @@ _GRAPH_FILE = re.compile(r"^<eval_with_key>|torchinductor")
 def _is_backward(frames) -> bool:
     """The row ran in a compiled backward graph: walking out from the allocation, AOTAutograd's
     backward comes before any eager code the graph called back into (a checkpoint's recompute
-    from a saved-tensor unpack hook, a module, the user's own code)."""
+    from a saved-tensor unpack hook, a module, the user's own code) and before the compiler
+    that makes the graph on its first call."""
     for f in frames:
         fn = f.filename.replace("\\", "/")
         if f.name == "CompiledFunctionBackward" or (f.name in _AOT_BACKWARD and _AOT in fn):
             return True
+        if f.name in _COMPILING and _AOT in fn:
+            return False  # the lazy compile of the backward graph on its first call
         if fn.endswith(_EAGER_FILES) or (fn == "<nn.Module>" and not
                                          f.name.startswith("GraphModule")) or \
                 (not fn.startswith("<") and "torch/" not in fn and not _GRAPH_FILE.search(fn)
