@@ -96,15 +96,6 @@ class Compiled:
     backward_calls: int  # runs of compiled-backward rows
     attributed_calls: int  # of them, tied to a region
 
-    def name(self, b: int) -> str | None:
-        r = int(self.region[b])
-        return self.regions[r] if r >= 0 else None
-
-    def pass_of(self, b: int) -> str | None:
-        if self.region[b] < 0:
-            return None
-        return "backward" if self.backward[b] else "forward"
-
 
 def attribute(d: DeviceAnalysis) -> Compiled | None:
     """Each block's compiled region, or None when no row of this device ran compiled code."""
