@@ -5,13 +5,15 @@ are; ``cuda_allocator(monkeypatch)`` replaces the ``torch._C._cuda_*`` bindings 
 ctypes NVML count) with a ``StubAllocator``.
 
 Ascend: ``torch_npu_memory(version, monkeypatch)`` takes ``torch_npu/npu/memory.py`` (and the pure
-Python ``_memory_viz.py``, ``utils/_error_code.py`` it imports) from the PUBLISHED wheel of that
-torch_npu release, fetched at set-up time with ``pip download --no-deps`` into a cache folder
-(``SNAPFORENSICS_WHEEL_CACHE``, default ``~/.cache/snapforensics-tests/wheels``): nothing of
-torch_npu is in this repository. The package ``__init__``s around it (``torch_npu``,
-``torch_npu.npu``: the lazy-init queue, ``set_device``, ``device_count``) are shells written after
-torch_npu's ``npu/__init__.py`` (``_lazy_call``/``_lazy_init``) and ``npu/utils.py``
-(``set_device``), because the real ones load the C extension; ``torch_npu._C`` is the stub.
+Python ``_memory_viz.py``, ``utils/_error_code.py`` it imports), and the one function
+``mem_get_info`` (read with ``ast`` from ``npu/__init__.py`` in 2.14, ``npu/utils.py`` in 2.1),
+from the PUBLISHED wheel of that torch_npu release, fetched at set-up time with ``pip download
+--no-deps`` into a cache folder (``SNAPFORENSICS_WHEEL_CACHE``, default
+``~/.cache/snapforensics-tests/wheels``): nothing of torch_npu is in this repository. The package
+``__init__``s around it (``torch_npu``, ``torch_npu.npu``: the lazy-init queue, ``set_device``,
+``device_count``, ``current_device``) are shells written after torch_npu's ``npu/__init__.py``
+(``_lazy_call``/``_lazy_init``) and ``npu/utils.py`` (``set_device``, ``current_device``), because
+the real ones load the C extension; ``torch_npu._C`` is the stub.
 Skips (pytest.skip with the reason) when the wheel cannot be fetched.
 
 What the stubs do is written from the C++ (Ascend/pytorch master 9e73e708a and v2.1.0 82f7ccc5b;
@@ -46,11 +48,21 @@ pytorch 2.13 sources):
   allocator's ``reserved_bytes.all.current``/``allocated_bytes.all.current`` stats
   (c10/cuda/CUDACachingAllocator.cpp: a freed block stays reserved in its cached segment).
   The stub's device holds ``context`` bytes outside the allocator (set per test) plus what the
-  allocator reserved.
+  allocator reserved. torch_npu's ``mem_get_info`` (same Python in both releases) returns
+  ``(prop.free_memory, prop.total_memory)`` of ``torch_npu._C._npu_getDeviceMemories(device_id)``:
+  ``torch_npu/csrc/npu/Module.cpp`` ``GetDeviceMemories`` (master lines 293-301, v2.1 lines
+  178-187) takes an ``NPUGuard(deviceid)`` and calls ``aclrtGetMemInfo(ACL_HBM_MEM, &free,
+  &total)`` (the device's HBM, free and total, like cudaMemGetInfo), stores them in the ONE
+  global ``NPUDeviceMem memory`` and returns a pointer to it
+  (``BindGetDeviceMemories``, ``py::return_value_policy::reference``: every call returns that
+  same object, overwritten); ``RegisterNPUDeviceMemories`` binds it as ``_NPUDeviceMemories``
+  with ``def_readonly`` ``total_memory``/``free_memory``.
 """
 
 from __future__ import annotations
 
+import ast
+import builtins
 import os
 import subprocess
 import sys
@@ -68,6 +80,49 @@ NPU_RELEASES = {  # version -> (python version, platform) of a published x86_64 
 }
 _NPU_FILES = ("torch_npu/npu/memory.py", "torch_npu/npu/_memory_viz.py",
               "torch_npu/utils/_error_code.py")
+_NPU_MEM_GET_INFO = {  # version -> the wheel's file defining ``mem_get_info`` (only it is used)
+    "2.14.0": "torch_npu/npu/__init__.py",
+    "2.1.0.post17": "torch_npu/npu/utils.py",
+}
+
+
+def _npu_files(version: str) -> tuple[str, ...]:
+    return (*_NPU_FILES, _NPU_MEM_GET_INFO[version])
+
+
+class NPUDeviceMemories:
+    """``torch_npu._C._NPUDeviceMemories``: ``py::class_<NPUDeviceMem>`` with ``def_readonly``
+    ``total_memory``/``free_memory`` (Module.cpp ``RegisterNPUDeviceMemories``)."""
+
+    __slots__ = ("_free", "_total")
+
+    def __init__(self) -> None:
+        self._free = self._total = 0  # NPUDeviceMem's ``size_t ... = 0``
+
+    @property
+    def free_memory(self) -> int:
+        return self._free
+
+    @property
+    def total_memory(self) -> int:
+        return self._total
+
+
+def real_function(path: Path, name: str, namespace: dict):
+    """The top-level ``def name`` of the file at ``path``, alone, executed in ``namespace`` (its
+    file name and line numbers kept). Every global it reads must be in ``namespace``."""
+    tree = ast.parse(path.read_text(), str(path))
+    (node,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name]
+    a = node.args
+    local = {x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg) if x}
+    local |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name)
+              and isinstance(n.ctx, ast.Store)}
+    read = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)
+            and isinstance(n.ctx, ast.Load)}
+    missing = read - local - set(namespace) - set(vars(builtins))
+    assert not missing, f"{path}:{node.lineno} {name} reads {sorted(missing)}"
+    exec(compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec"), namespace)
+    return namespace[name]
 
 
 class StubAllocator:
@@ -223,7 +278,7 @@ def _wheel_cache() -> Path:
 def npu_sources(version: str) -> Path:
     """The folder holding the published wheel's ``torch_npu/...`` Python files (fetched once)."""
     dest = _wheel_cache() / f"torch_npu-{version}"
-    if all((dest / f).is_file() for f in _NPU_FILES):
+    if all((dest / f).is_file() for f in _npu_files(version)):
         return dest
     py, platform = NPU_RELEASES[version]
     wheels = _wheel_cache() / "downloads"
@@ -243,7 +298,7 @@ def npu_sources(version: str) -> Path:
             last = (proc.stderr.strip().splitlines() or ["no wheel"])[-1]
             pytest.skip(f"cannot download torch_npu=={version}: {last}")
     with zipfile.ZipFile(found[0]) as z:
-        for f in _NPU_FILES:
+        for f in _npu_files(version):
             (dest / f).parent.mkdir(parents=True, exist_ok=True)
             (dest / f).write_bytes(z.read(f))
     return dest
@@ -280,8 +335,18 @@ def torch_npu_memory(version: str, monkeypatch, *, devices: int = 2):
     def record_history(enabled, context, stacks, max_entries):  # the pybind signature
         a.record_memory_history(enabled, context, stacks, max_entries)
 
+    the_memory = NPUDeviceMemories()  # Module.cpp's one global ``NPUDeviceMem memory``
+
+    def get_device_memories(deviceid):  # pybind ``(int deviceid)``: GetDeviceMemories
+        if not isinstance(deviceid, int):
+            raise TypeError("_npu_getDeviceMemories(): incompatible function arguments")
+        # aclrtGetMemInfo(ACL_HBM_MEM) under NPUGuard(deviceid): the whole device's HBM
+        the_memory._free, the_memory._total = a.mem_get_info(deviceid)
+        return the_memory  # py::return_value_policy::reference: the same object every call
+
     C = types.ModuleType("torch_npu._C")
     C.__dict__.update(
+        _NPUDeviceMemories=NPUDeviceMemories, _npu_getDeviceMemories=get_device_memories,
         _npu_record_memory_history=record_history, _npu_memorySnapshot=memory_snapshot,
         _npu_attach_out_of_memory_observer=a.observers.append, _npu_init=a.init,
         _npu_setDevice=a.set_device, _npu_getDevice=lambda: a.current_device,
@@ -331,13 +396,18 @@ def torch_npu_memory(version: str, monkeypatch, *, devices: int = 2):
     def device_count():
         return C._npu_getDeviceCount()
 
+    def current_device():
+        _lazy_init()
+        return C._npu_getDevice()
+
     def is_available():
         return C._npu_getDeviceCount() > 0
 
     npu.__dict__.update(is_initialized=is_initialized, _lazy_call=_lazy_call,
                         is_available=is_available,
                         _lazy_init=_lazy_init, _get_device_index=_get_device_index,
-                        set_device=set_device, device_count=device_count, init=_lazy_init)
+                        set_device=set_device, device_count=device_count, init=_lazy_init,
+                        current_device=current_device)
     npu_utils = types.ModuleType("torch_npu.npu.utils")
     npu_utils._dummy_type = _dummy_type
     pkg.npu = npu
@@ -358,6 +428,13 @@ def torch_npu_memory(version: str, monkeypatch, *, devices: int = 2):
     assert memory.__file__.startswith(str(root)), memory.__file__
     npu.memory = memory
     npu.memory_stats = memory.memory_stats
+    # the wheel's own mem_get_info, in a namespace giving what its module would
+    err = importlib.import_module("torch_npu.utils._error_code")
+    src = _NPU_MEM_GET_INFO[version]
+    npu.mem_get_info = real_function(root.parent / src, "mem_get_info", {
+        "__name__": "torch_npu.npu" if src.endswith("__init__.py") else "torch_npu.npu.utils",
+        "torch_npu": pkg, "_get_device_index": _get_device_index, "device_count": device_count,
+        "pta_error": err.pta_error, "ErrCode": err.ErrCode})
     monkeypatch.setattr(torch, "npu", npu, raising=False)
     return memory, a
 

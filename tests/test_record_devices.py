@@ -263,28 +263,22 @@ def test_record_extra_is_a_range_that_admits_each_torch_npu_releases_torch(versi
 # ------------------------------------------------- memory the allocator cannot see (issue 29 #5)
 
 
-def test_cuda_device_memory_sampled_at_each_step_beside_the_reserved_bytes(monkeypatch, tmp_path):
-    """torch's real `mem_get_info` / `memory_reserved` over the stubbed cudart and stats: one
-    sample at the start, one after each optimizer step (torch's global post hook), one at the
-    end; the gap used - reserved is what the device holds outside the allocator."""
-    import torch._dynamo  # noqa: F401  (the optimizer imports it: before the CUDA stubs)
+STEPS_SCRIPT = """
+    import builtins, torch
+    {init}
+    class Opt(torch.optim.Optimizer):        # torch's step wrapper runs the hooks
+        def step(self, closure=None):
+            pass
+    opt = Opt([torch.nn.Parameter(torch.zeros(4))], {{}})
+    for i in range(3):
+        x = builtins._sf_dev.alloc(64 << 20)
+        builtins._sf_dev.context += 100 << 20    # NCCL/HCCL grows a buffer each step
+        opt.step()
+        builtins._sf_dev.free(x, 64 << 20)
+"""
 
-    a = cuda_allocator(monkeypatch)
-    a.context = 600 << 20
-    monkeypatch.setattr(builtins, "_sf_dev", a, raising=False)
-    status, out = _run(tmp_path, """
-        import builtins, torch
-        torch.cuda.init()
-        class Opt(torch.optim.Optimizer):        # torch's step wrapper runs the hooks
-            def step(self, closure=None):
-                pass
-        opt = Opt([torch.nn.Parameter(torch.zeros(4))], {})
-        for i in range(3):
-            x = builtins._sf_dev.alloc(64 << 20)
-            builtins._sf_dev.context += 100 << 20    # NCCL grows a buffer each step
-            opt.step()
-            builtins._sf_dev.free(x, 64 << 20)
-    """, "cuda")
+
+def _check_device_memory(status, out):
     assert status["exit_code"] == 0, status
     dm = load_strict(out / "rank0.pickle")["snapforensics"]["device_memory"]
     assert dm["error"] is None
@@ -294,7 +288,46 @@ def test_cuda_device_memory_sampled_at_each_step_beside_the_reserved_bytes(monke
     assert gaps == [600 << 20, 700 << 20, 800 << 20, 900 << 20, 900 << 20]
     assert all(s["reserved_bytes"] == 64 << 20 for s in dm["samples"][1:])
     assert dm["samples"][1]["allocated_bytes"] == 64 << 20  # sampled inside the step
+    assert all(s["total_bytes"] == 80 << 30 for s in dm["samples"])
 
+
+def test_cuda_device_memory_sampled_at_each_step_beside_the_reserved_bytes(monkeypatch, tmp_path):
+    """torch's real `mem_get_info` / `memory_reserved` over the stubbed cudart and stats: one
+    sample at the start, one after each optimizer step (torch's global post hook), one at the
+    end; the gap used - reserved is what the device holds outside the allocator."""
+    import torch._dynamo  # noqa: F401  (the optimizer imports it: before the CUDA stubs)
+
+    a = cuda_allocator(monkeypatch)
+    a.context = 600 << 20
+    monkeypatch.setattr(builtins, "_sf_dev", a, raising=False)
+    status, out = _run(tmp_path, STEPS_SCRIPT.format(init="torch.cuda.init()"), "cuda")
+    _check_device_memory(status, out)
+
+
+@pytest.mark.parametrize("version", NPU_VERSIONS)
+def test_npu_device_memory_sampled_at_each_step_beside_the_reserved_bytes(version, monkeypatch,
+                                                                          tmp_path):
+    """The NPU twin: the published wheel's own ``mem_get_info`` (``npu/__init__.py`` in 2.14,
+    ``npu/utils.py`` in 2.1) over the stubbed ``_npu_getDeviceMemories`` (aclrtGetMemInfo), and
+    its ``memory.py`` ``memory_reserved``/``memory_allocated`` over the stubbed stats."""
+    import sys
+
+    import torch._dynamo  # noqa: F401  (the optimizer imports it: before the NPU stubs)
+
+    memory, a = torch_npu_memory(version, monkeypatch)
+    npu = sys.modules["torch_npu.npu"]
+    where = {"2.14.0": "torch_npu/npu/__init__.py", "2.1.0.post17": "torch_npu/npu/utils.py"}
+    assert npu.mem_get_info.__code__.co_filename.endswith(where[version])
+    calls = []
+    C = sys.modules["torch_npu._C"]
+    real = C._npu_getDeviceMemories
+    monkeypatch.setattr(C, "_npu_getDeviceMemories", lambda d: calls.append(d) or real(d))
+    a.context = 600 << 20
+    monkeypatch.setattr(builtins, "_sf_dev", a, raising=False)
+    status, out = _run(tmp_path, STEPS_SCRIPT.format(
+        init="import torch_npu; torch_npu.npu.init()"), "npu")
+    _check_device_memory(status, out)
+    assert calls == [0] * 5  # one aclrtGetMemInfo per sample, on the current NPU
 
 
 # ------------------------------------------------------- tensor names on CUDA / NPU (issue 29 #1)
