@@ -180,7 +180,10 @@ class Report:
         with torch.compile (analysis/compiled.py): `compiled_region`, the compile id (`F/C`)
         of the graph that made the block ("?" for a compiled backward no forward claims),
         `compiled_pass` (`forward`: the region's graph, `backward`: its compiled backward) and
-        `compiled_source` (the user's function Dynamo compiled); None for eager blocks."""
+        `compiled_source` (the user's function Dynamo compiled); None for eager blocks. With
+        Inductor under the recorder (its map of the generated code): `compiled_buffer`, the
+        generated buffer (`buf3`) and `compiled_line`, the model source line its node came
+        from (`forward  model.py:57: h = F.gelu(self.fc1(x))`)."""
         import pandas as pd
 
         from snapforensics.analysis.vocab import PHASE_LABELS
@@ -301,22 +304,26 @@ def _identity_columns(d: DeviceAnalysis) -> dict[str, Any]:
 
 
 def _compiled_columns(d: DeviceAnalysis) -> dict[str, Any]:
-    """compiled_region, compiled_pass, compiled_source per block (categoricals, None where
-    eager)."""
+    """compiled_region, compiled_pass, compiled_source, compiled_buffer, compiled_line per
+    block (categoricals, None where eager or not known)."""
     import pandas as pd
 
     c = d.compiled
     n = len(d.lt)
+    none = np.full(n, -1, np.int32)
     if c is None:
-        none = np.full(n, -1, np.int32)
         return {k: pd.Categorical.from_codes(none, []) for k in
-                ("compiled_region", "compiled_pass", "compiled_source")}
+                ("compiled_region", "compiled_pass", "compiled_source", "compiled_buffer",
+                 "compiled_line")}
     sources = sorted({s for s in c.source if s})
     src = np.array([sources.index(s) if s else -1 for s in c.source] + [-1], np.int32)
+    has = len(c.buffer) == n
     return {"compiled_region": pd.Categorical.from_codes(c.region, c.regions),
             "compiled_pass": pd.Categorical.from_codes(
                 np.where(c.region < 0, -1, c.backward.astype(np.int32)), ["forward", "backward"]),
-            "compiled_source": pd.Categorical.from_codes(src[c.region], sources)}
+            "compiled_source": pd.Categorical.from_codes(src[c.region], sources),
+            "compiled_buffer": pd.Categorical.from_codes(c.buffer if has else none, c.buffers),
+            "compiled_line": pd.Categorical.from_codes(c.line if has else none, c.lines)}
 
 
 def _seconds(t: np.ndarray, n: int) -> np.ndarray:

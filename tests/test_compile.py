@@ -189,9 +189,57 @@ def test_aot_eager_gets_the_eager_verdicts_and_predictions():
     print(_same_findings(_paths("none"), _paths("aot_eager")))
 
 
+def _inductor_buffers_name_their_lines(paths):
+    """Inductor's buffers carry the model source line their graph node came from (the
+    recorder's map of the generated code). Truth from the example's own source (`inspect`):
+    `MLP.forward` runs fc1, gelu, fc2 on three lines, in that order; fc1's and gelu's outputs
+    are (tokens, 4 x dim), fc2's (tokens, dim). So, in allocation order, the compiled forward's
+    blocks are (fc1's line, gelu's line, fc2's line) again and again, sized (4s, 4s, s); the
+    compiled backward's buffers come from those lines too (AOTAutograd gives backward nodes
+    their forward node's stack)."""
+    import inspect
+
+    from snapforensics.examples import fsdp_ckpt
+
+    src, first = inspect.getsourcelines(fsdp_ckpt.MLP.forward)
+    line = {op: first + i for i, text in enumerate(src)
+            for op in ("self.fc1(x)", "F.gelu(h)", "self.fc2(h)") if op in text}
+    assert len(line) == 3 and len(set(line.values())) == 3, line
+    order = [line["self.fc1(x)"], line["F.gelu(h)"], line["self.fc2(h)"]]
+    for p in paths:
+        rep = sf.diagnose(p)
+        b = rep.blocks.sort_values("alloc_row")
+        fw = b[b.compiled_pass == "forward"]
+        assert len(fw) and fw.compiled_buffer.notna().all(), fw.compiled_buffer.tolist()
+        got = fw.compiled_line.astype(str).str.extract(r"fsdp_ckpt\.py:(\d+)")[0].astype(int)
+        assert got.tolist() == order * (len(fw) // 3), got.tolist()
+        sizes = fw["size"].to_numpy().reshape(-1, 3)
+        assert (sizes[:, 0] == sizes[:, 1]).all() and (sizes[:, 0] == 4 * sizes[:, 2]).all()
+        bw = b[(b.compiled_pass == "backward") & b.compiled_line.notna()]
+        assert len(bw), p
+        got = bw.compiled_line.astype(str).str.extract(r"fsdp_ckpt\.py:(\d+)")[0].astype(int)
+        assert set(got) <= set(order), set(got)
+        # the summary's table adds up to the blocks it lists, and every format shows it
+        rows = rep.diagnosis.devices[0].compiled["lines"]
+        named = b[b.compiled_line.notna()]
+        assert sum(r["bytes_allocated"] for r in rows) == int(named["size"].sum())
+        for fmt in ("markdown", "html", "terminal"):
+            assert "by model source line" in rep.render(fmt), fmt
+
+
 @pytest.mark.full
 def test_inductor_cpu_gets_the_eager_verdicts_and_attribution():
     paths = _paths("inductor")
     _compiled_rows_are_the_compiled_modules(paths)
     _backward_is_tied_to_its_region(paths)
+    _inductor_buffers_name_their_lines(paths)
     print(_same_findings(_paths("none"), paths))
+
+
+@slow
+def test_aot_eager_has_no_map_of_generated_code():
+    """aot_eager runs FX's own graph modules, no Inductor: no map, no buffers (not guessed)."""
+    for p in _paths("aot_eager"):
+        assert load(p).graph_code is None
+        b = sf.diagnose(p).blocks
+        assert b.compiled_region.notna().any() and b.compiled_buffer.isna().all()

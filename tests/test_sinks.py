@@ -31,7 +31,7 @@ from snapforensics.analysis.gate import compare_runs
 from snapforensics.analysis.rules import fsdp_reshard
 from snapforensics.report import plot, render
 from snapforensics.report.registry import RENDERERS, Screen, formats
-from snapforensics.snapshot import load, normalize, read_raw, tensors
+from snapforensics.snapshot import graph_code, load, normalize, read_raw, tensors
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "fixtures" / "fsdp2_ckpt_buggy_rank0.pickle.gz"
@@ -77,6 +77,12 @@ def _edit(raw: dict) -> int:
     raw["snapforensics"].update(command=["python", HOSTILE, "--lr", MARKUP], stacks=HOSTILE,
                                 hostname=HOSTILE, torch_version=ESCAPES)
     raw[tensors.KEY] = _names(raw["device_traces"][0])
+    # the recorder's map of Inductor's generated code: the planted frame is a generated module
+    # whose line 1 allocates a hostile buffer, from a hostile model line (compiled.py's table)
+    raw[graph_code.KEY] = {
+        "format": graph_code.FORMAT, "stacks": [[[f"/x/{HOSTILE}.py", 2, HOSTILE, HOSTILE]]],
+        "files": [{"path": top["filename"], "starts": [0], "stacks": [0],
+                   "allocs": [[1, "buf" + HOSTILE, -1]]}], "errors": [HOSTILE]}
     return n
 
 
@@ -125,6 +131,9 @@ def test_the_strings_reached_the_diagnosis():
     assert any(HOSTILE == r["dtype"] for r in names["largest_at_peak"])
     regions = d.devices[0].compiled["regions"]
     assert any(r["region"] == HOSTILE and HOSTILE in r["source"] for r in regions), regions
+    lines = d.devices[0].compiled["lines"]
+    assert any(HOSTILE in r["line"] and "buf" + HOSTILE in r["buffers"] for r in lines), lines
+    assert d.devices[0].compiled["map_notes"] == [HOSTILE[:300]]
 
 
 # ------------------------------------------------------------------------------- terminal

@@ -17,18 +17,25 @@ that frees none takes the region of other calls of the same graph code; else it 
 The source of a region is the user's function Dynamo compiled: the innermost frame of the
 user's own code (not torch, not a library, not generated graph code) in its forward rows'
 stacks, the most frequent by bytes.
+
+Inductor's buffers: a block allocated by Inductor's generated module (its innermost frame in a
+file the recorder's map names, `snapshot/graph_code.py`) gets the buffer that line binds
+(`buf3`) and the model source line its FX node came from (the node's stack trace, as torch's
+`PyCodeCache.stack_frames_for_code` gives it): the innermost frame outside torch, e.g.
+`forward  model.py:57: h = F.gelu(self.fc1(x))`. A dump made without the recorder has no map:
+its compiled blocks keep their region, pass and source.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from snapforensics.analysis.stacks import is_native, is_noise, user_frame
-from snapforensics.snapshot.model import NO_STACK
+from snapforensics.snapshot.model import NO_STACK, A
 
 if TYPE_CHECKING:
     from snapforensics.analysis.context import DeviceAnalysis
@@ -95,6 +102,12 @@ class Compiled:
     source: list[str | None]  # per region: the user's function Dynamo compiled
     backward_calls: int  # runs of compiled-backward rows
     attributed_calls: int  # of them, tied to a region
+    # Inductor's buffers (the recorder's map): per block the buffer its generated line binds
+    # and the model source line its node came from (indexes into buffers / lines, -1: none)
+    buffers: list[str] = field(default_factory=list)
+    buffer: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    lines: list[str] = field(default_factory=list)
+    line: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
 
 
 def attribute(d: DeviceAnalysis) -> Compiled | None:
@@ -182,8 +195,88 @@ def attribute(d: DeviceAnalysis) -> Compiled | None:
     bw_call = np.where(made, call[ar], -1)
     backward = bw_call >= 0
     region[backward] = call_region[bw_call[backward]]
-    return Compiled(regions, region, backward, _sources(d, regions, region, backward),
-                    calls, attributed)
+    out = Compiled(regions, region, backward, _sources(d, regions, region, backward),
+                   calls, attributed)
+    if snap.graph_code is not None:
+        _buffers(d, out)
+    return out
+
+
+def _model_line(frames) -> str:
+    """The node's model source line: the innermost frame outside torch (its code text)."""
+    f = next((f for f in frames if "/torch/" not in f.filename.replace("\\", "/")), frames[0])
+    path = f.filename.replace("\\", "/")
+    if path.startswith("/"):  # torch writes absolute paths: the last folder and the file
+        path = "/".join(path.rsplit("/", 2)[-2:])
+    return f"{f.name}  {path}:{f.line}" + (f": {f.code}" if f.code else "")
+
+
+def _buffers(d: DeviceAnalysis, c: Compiled) -> None:
+    """Each block Inductor's generated code allocated: its buffer and model source line.
+
+    A row is the code's own allocation when the innermost Python frame of its stack is a
+    generated module's (C++ frames and the CPU recorder's `<op>` markers skipped): a call
+    back into eager code (a checkpoint's recompute) is not. Its frame's line is the allocating
+    line on CUDA/NPU; the CPU recorder's is the function's first line, so there each run of
+    consecutive rows under the module pairs its k-th allocation with the module's k-th
+    allocating line (cyclically: one graph may run twice in a row), as long as the bytes the
+    line computes (when literal) are the block's: a mismatch leaves the rest of the run
+    unpaired rather than shifted."""
+    gc, lt, t = d.snapshot.graph_code, d.lt, d.trace
+    n = len(lt)
+    c.buffer, c.line = np.full(n, -1, np.int32), np.full(n, -1, np.int32)
+    if gc is None or not gc.files:
+        return
+    paths = list(gc.files)
+    uniq, inv = np.unique(t.stack, return_inverse=True)
+    under = np.full(len(uniq), -1, np.int32)  # the generated module anywhere in the stack
+    own = np.zeros(len(uniq), bool)  # ... as the innermost Python frame
+    line_at = np.zeros(len(uniq), np.int64)
+    for i, s in enumerate(uniq.tolist()):
+        if s == NO_STACK:
+            continue
+        frames = d.snapshot.stack_frames(s)
+        k = next((j for j, f in enumerate(frames) if f.filename in gc.files), -1)
+        if k < 0:
+            continue
+        under[i], line_at[i] = paths.index(frames[k].filename), frames[k].line
+        own[i] = all(is_native(f) or f.filename.startswith("<") for f in frames[:k])
+    row_file, row_own, row_line = under[inv], own[inv], line_at[inv]
+    is_alloc = t.action == A["alloc"]
+    bufs: dict[str, int] = {}
+    lines: dict[str, int] = {}
+    labels: dict[int, int] = {}
+    row_buf = np.full(len(t), -1, np.int32)
+    row_ln = np.full(len(t), -1, np.int32)
+    by_line = [{a.line: a for a in gc.files[p].allocs} for p in paths]
+    prev, run_file, k = -2, -1, 0
+    for r in np.flatnonzero(row_file >= 0).tolist():
+        fi = int(row_file[r])
+        if r != prev + 1 or fi != run_file:
+            run_file, k = fi, 0
+        prev = r
+        if not (is_alloc[r] and row_own[r]) or k < 0:
+            continue
+        f = gc.files[paths[fi]]
+        got = by_line[fi].get(int(row_line[r]))
+        if got is None and f.allocs:  # the CPU recorder's frame: pair by order
+            got = f.allocs[k % len(f.allocs)]
+            k = k + 1 if got.nbytes in (-1, int(t.size[r])) else -1
+            if k < 0:
+                continue
+        if got is None:
+            continue
+        row_buf[r] = bufs.setdefault(got.buffer, len(bufs))
+        st = f.stack_of(got.line)
+        if st >= 0 and gc.stacks[st]:
+            if st not in labels:
+                labels[st] = lines.setdefault(_model_line(gc.stacks[st]), len(lines))
+            row_ln[r] = labels[st]
+    made = lt.alloc_row >= 0
+    ar = np.where(made, lt.alloc_row, 0)
+    c.buffers, c.lines = list(bufs), list(lines)
+    c.buffer = np.where(made, row_buf[ar], -1).astype(np.int32)
+    c.line = np.where(made, row_ln[ar], -1).astype(np.int32)
 
 
 def _sources(d: DeviceAnalysis, regions: list[str], region: np.ndarray,
@@ -216,6 +309,30 @@ def _sources(d: DeviceAnalysis, regions: list[str], region: np.ndarray,
 
 
 ROWS = 64  # regions listed per device (the rest summed in `left_out`)
+LINES = 16  # model source lines listed per device
+
+
+def _lines(c: Compiled, alive: np.ndarray, size_all: np.ndarray) -> list[dict] | None:
+    """The model source lines whose compiled buffers hold the most at the peak (then made the
+    most): region, pass, buffers; None without the recorder's map of compiled code."""
+    if not len(c.line) or not c.lines:
+        return None
+    m = c.line >= 0
+    ln = c.line[m].astype(np.int64)
+    peak = np.bincount(ln, weights=np.where(alive[m], size_all[m], 0), minlength=len(c.lines))
+    made = np.bincount(ln, weights=size_all[m], minlength=len(c.lines))
+    order = np.lexsort((-made, -peak))[:LINES]
+    rows = []
+    for k in order.tolist():
+        sel = np.flatnonzero(m)[ln == k]
+        regs = sorted({c.regions[r] for r in c.region[sel].tolist() if r >= 0})
+        passes = sorted({"backward" if b else "forward" for b in c.backward[sel].tolist()})
+        names = sorted({c.buffers[b] for b in c.buffer[sel].tolist() if b >= 0},
+                       key=lambda x: (len(x), x))
+        rows.append({"line": c.lines[k], "regions": regs, "passes": passes,
+                     "buffers": names[:8], "bytes_at_peak": int(peak[k]),
+                     "bytes_allocated": int(made[k]), "blocks": int(len(sel))})
+    return rows
 
 
 def summary(d: DeviceAnalysis, c: Compiled) -> dict:
@@ -241,6 +358,9 @@ def summary(d: DeviceAnalysis, c: Compiled) -> dict:
              "forward_blocks": int(fwd_blocks[r]), "backward_blocks": int(bwd_blocks[r]),
              "bytes_allocated": int(made[r])} for r in order[:ROWS].tolist()]
     return {"regions": rows, "regions_left_out": max(0, n - ROWS),
+            "lines": _lines(c, alive, size_all=lt.size),
+            "map_notes": (d.snapshot.graph_code.notes.get("errors") or None)
+            if d.snapshot.graph_code is not None else None,
             "compiled_bytes_at_peak": int(lt.size[comp & alive].sum()),
             "eager_bytes_at_peak": int(lt.size[~comp & alive].sum()),
             "backward_calls": c.backward_calls, "backward_calls_attributed": c.attributed_calls}

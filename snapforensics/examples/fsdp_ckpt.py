@@ -106,7 +106,9 @@ class MLP(nn.Module):
         self.fc2 = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
+        h = self.fc1(x)  # one op a line: compiled buffers name their line (test_compile)
+        h = F.gelu(h)
+        return self.fc2(h)
 
 
 class Block(nn.Module):

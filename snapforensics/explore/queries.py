@@ -475,7 +475,8 @@ def block(rep: Report, block_id: int) -> dict[str, Any]:
         "fsdp_unit": _text(d.module_of(i), FRAME) if d.module_of(i) else None,
         "fsdp_path": info.path if info is not None else None,
         **{k: _text(row[k], FRAME) if isinstance(row[k], str) else None for k in
-           ("tensor", "compiled_region", "compiled_pass", "compiled_source")},
+           ("tensor", "compiled_region", "compiled_pass", "compiled_source", "compiled_buffer",
+            "compiled_line")},
         "stack_id": int(row["stack_id"]),
         "stack": [_frame(f) for f in py], "native_frames": [_frame(f) for f in native],
         "findings": [n for n, f in enumerate(rep.diagnosis.findings)

@@ -626,9 +626,11 @@ def _stop_names(names: Any) -> None:
 
 
 def _attach_names(snap: dict, names: Any) -> dict:
-    from snapforensics.record import identity
+    """The recorder's extras at the dump: tensor names, and Inductor's generated code mapped
+    to the model's source."""
+    from snapforensics.record import graph_code, identity
 
-    return identity.attach(snap, names)
+    return graph_code.attach(identity.attach(snap, names))
 
 
 BACKENDS = {"cuda": CudaBackend, "npu": NpuBackend, "cpu": CpuBackend}

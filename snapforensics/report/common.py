@@ -283,6 +283,31 @@ def compiled_regions(dev) -> tuple[str, list[tuple[str, str, int, int, int]]] | 
     return title, rows
 
 
+def compiled_lines(dev) -> tuple[str, list[tuple[str, str, str, int, int]]] | None:
+    """What Inductor's buffers hold, by the model source line their graph node came from
+    (`DeviceSummary.compiled["lines"]`): a title and rows (line, buffers, passes, bytes at the
+    peak, bytes allocated); None without the recorder's map of compiled code. Strings are the
+    file's: each renderer neutralizes them."""
+    c = getattr(dev, "compiled", None)
+    lines = c.get("lines") if isinstance(c, dict) else None
+    notes = c.get("map_notes") if isinstance(c, dict) else None
+    if not isinstance(lines, list):
+        lines = []
+    if not lines and not notes:
+        return None
+    rows = []
+    for r in lines:
+        if isinstance(r, dict):
+            bufs = [str(b) for b in (r.get("buffers") or [])]
+            rows.append((str(r.get("line")), ", ".join(bufs),
+                         " + ".join(str(p) for p in (r.get("passes") or [])),
+                         _int(r.get("bytes_at_peak")), _int(r.get("bytes_allocated"))))
+    title = "Inductor's buffers by model source line"
+    if isinstance(notes, list) and notes:
+        title += " (" + "; ".join(str(n) for n in notes[:2]) + ")"
+    return title, rows
+
+
 def no_names(d: Diagnosis) -> dict | None:
     """What the report says once for a dump without the recorder's names: `said` lines and
     the `recipe` (the first device's; every device shares them)."""

@@ -24,6 +24,7 @@ from snapforensics.analysis.diagnosis import (
 from snapforensics.report import plot
 from snapforensics.report.common import (
     command_line,
+    compiled_lines,
     compiled_regions,
     dump_line,
     finding_lines,
@@ -312,9 +313,19 @@ def _compiled(dev: DeviceSummary) -> list[str]:
     body = "".join(f'<tr><td><code>{e(r, NAME)}</code></td><td><code>{e(src, NAME)}</code></td>'
                    f'<td class="n">{e(human(fw))}</td><td class="n">{e(human(bw))}</td>'
                    f'<td class="n">{e(n)}</td></tr>' for r, src, fw, bw, n in comp[1][:ROWS])
-    return [f'<h4>{e(comp[0])}</h4><table><tr><th>region</th><th>source</th>'
-            '<th class="n">forward at peak</th><th class="n">backward at peak</th>'
-            f'<th class="n">blocks</th></tr>{body}</table>']
+    out = [f'<h4>{e(comp[0])}</h4><table><tr><th>region</th><th>source</th>'
+           '<th class="n">forward at peak</th><th class="n">backward at peak</th>'
+           f'<th class="n">blocks</th></tr>{body}</table>']
+    lines = compiled_lines(dev)
+    if lines is not None:
+        body = "".join(f'<tr><td><code>{e(ln, NAME)}</code></td><td><code>{e(b, NAME)}</code>'
+                       f'</td><td>{e(ps)}</td><td class="n">{e(human(pk))}</td>'
+                       f'<td class="n">{e(human(mk))}</td></tr>'
+                       for ln, b, ps, pk, mk in lines[1][:ROWS])
+        out.append(f'<h4>{e(lines[0])}</h4><table><tr><th>model line</th><th>buffers</th>'
+                   '<th>pass</th><th class="n">at peak</th><th class="n">allocated</th></tr>'
+                   f'{body}</table>')
+    return out
 
 
 def _no_names_card(d: Diagnosis) -> str:

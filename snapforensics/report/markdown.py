@@ -16,6 +16,7 @@ from snapforensics.analysis.diagnosis import Diagnosis
 from snapforensics.report import mermaid
 from snapforensics.report.common import (
     command_line,
+    compiled_lines,
     compiled_regions,
     dump_line,
     finding_lines,
@@ -145,6 +146,12 @@ def _compiled(dev) -> list[str]:
            "|---|---|--:|--:|--:|"]
     out += [f"| {md(r)} | {md(src, TEXT)} | {human(fw)} | {human(bw)} | {n} |"
             for r, src, fw, bw, n in comp[1][:ROWS]]
+    lines = compiled_lines(dev)
+    if lines is not None:
+        out += ["", md(lines[0], TEXT) + ":", "",
+                "| model line | buffers | pass | at peak | allocated |", "|---|---|---|--:|--:|"]
+        out += [f"| {md(ln, TEXT)} | {md(b, TEXT)} | {md(ps, TEXT)} | {human(pk)} | {human(mk)} |"
+                for ln, b, ps, pk, mk in lines[1][:ROWS]]
     return out + [""]
 
 

@@ -16,6 +16,7 @@ from rich.text import Text
 from snapforensics.analysis.diagnosis import Diagnosis, Finding
 from snapforensics.report.common import (
     command_line,
+    compiled_lines,
     compiled_regions,
     finding_lines,
     framework_line,
@@ -119,6 +120,14 @@ def _device(console: Console, d: Diagnosis, dev) -> None:
             tab.add_column(name, justify="left" if name in ("region", "source") else "right")
         for r, src, fw, bw, n in comp[1][:ROWS]:
             tab.add_row(t(r), t(src, TEXT), human(fw), human(bw), str(n))
+        console.print(tab)
+    lines = compiled_lines(dev)
+    if lines is not None:
+        tab = Table(title=t(lines[0], TEXT), title_justify="left", show_edge=False)
+        for name in ("model line", "buffers", "pass", "at peak", "allocated"):
+            tab.add_column(name, justify="right" if name in ("at peak", "allocated") else "left")
+        for ln, bufs, ps, pk, mk in lines[1][:ROWS]:
+            tab.add_row(t(ln, TEXT), t(bufs, TEXT), t(ps, TEXT), human(pk), human(mk))
         console.print(tab)
     if not dev.categories_at_peak and not (len(dev.iterations) > 1 or any(
             i["backward_peak_bytes"] for i in dev.iterations)):

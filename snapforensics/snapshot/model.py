@@ -15,6 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from snapforensics._compat import StrEnum
+from snapforensics.snapshot.graph_code import GraphCode
 from snapforensics.snapshot.tensors import TensorTable
 
 # Trace actions, as small integer codes. Order is part of no contract; use the names.
@@ -163,6 +164,8 @@ class Snapshot:
     kind: Format = field(default_factory=Format)  # typed: what analyses branch on
     # the recorder's tensor names (snapshot/tensors.py), None when the file has none
     tensors: TensorTable | None = None
+    # the recorder's map of Inductor's generated code to the model (snapshot/graph_code.py)
+    graph_code: GraphCode | None = None
 
     @property
     def active_traces(self) -> list[Trace]:

@@ -39,6 +39,7 @@ from snapforensics.snapshot.columns import (
     uint64_column,
 )
 from snapforensics.snapshot.format import detect_format, kind, rank_from_name
+from snapforensics.snapshot.graph_code import read as read_graph_code
 from snapforensics.snapshot.intern import Interner, distinct_pools
 from snapforensics.snapshot.metadata import metadata
 from snapforensics.snapshot.model import (
@@ -366,4 +367,5 @@ def normalize(raw: Any, source: str = "<memory>", warnings: list[str] | None = N
         warnings=warnings,
         kind=kind(fmt, provenance),
         tensors=read_tensors(raw, warnings),
+        graph_code=read_graph_code(raw, warnings),
     )

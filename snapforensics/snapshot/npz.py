@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from snapforensics.snapshot import graph_code
 from snapforensics.snapshot.columns import MAX_BYTES, MAX_DEVICE, MAX_TOTAL
 from snapforensics.snapshot.format import rank_from_name
 from snapforensics.snapshot.model import (
@@ -37,7 +38,8 @@ from snapforensics.snapshot.model import (
 )
 from snapforensics.snapshot.tensors import KINDS, Identity, TensorTable
 
-SCHEMA = 3  # 2: the recorder's tensor names (snapshot/tensors.py); 3: compile_context rows
+SCHEMA = 4  # 2: the recorder's tensor names (snapshot/tensors.py); 3: compile_context rows;
+# 4: the recorder's map of compiled code (snapshot/graph_code.py)
 STATES = ("active_allocated", "active_pending_free", "inactive")
 STAGES = ("START", "END")
 _ALLOWED = {np.dtype(t) for t in ("i1", "i4", "i8", "u1", "u8", "f8", "?")}
@@ -99,6 +101,7 @@ def save(s: Snapshot, f) -> None:
                        for i in nm.identities], "notes": nm.notes}
     meta = {"schema": SCHEMA, "traces": len(s.traces), "streams": s.streams,
             "tensors": tensors,
+            "graph_code": None if s.graph_code is None else s.graph_code.raw(),
             "seg_pool_id": [list(x.pool_id) for x in seg],
             "allocator_settings": s.allocator_settings, "provenance": s.provenance,
             "format": s.format, "warnings": s.warnings,
@@ -305,11 +308,15 @@ def _build(a: dict, source: str) -> Snapshot:
         cpu_recorded=bool(kind["cpu_recorded"]))
     rank = _rank(meta["provenance"], source)
     tensors = _tensors(a, meta.get("tensors"))
+    try:
+        gc = None if meta.get("graph_code") is None else graph_code.parse(meta["graph_code"])
+    except ValueError:
+        raise BadEntry("graph_code") from None
     return Snapshot(source=source, frames=frames, stacks=stacks, streams=streams,
                     traces=traces, segments=segments, annotations=annotations,
                     allocator_settings=meta["allocator_settings"],
                     provenance=meta["provenance"], format=meta["format"], rank=rank,
-                    warnings=meta["warnings"], kind=fmt, tensors=tensors)
+                    warnings=meta["warnings"], kind=fmt, tensors=tensors, graph_code=gc)
 
 
 def _tensors(a: dict, meta: Any) -> TensorTable | None:
