@@ -41,8 +41,10 @@ in this repository's history until a line saying so is committed with its output
    ``torch.compile``-d by Inductor (Triton on CUDA) and its eager twin, on the GPU: the CUDA
    allocator's ``compile_context`` names the regions, every compiled backward (2 blocks x 3
    steps, run by the autograd engine with no region open) is tied to its forward's region
-   (issue 29 item 3, ``analysis/compiled.py``), and the compiled run gets the eager run's
-   anomalous rules and predicted peaks within 5%.
+   (issue 29 item 3, ``analysis/compiled.py``), every compiled forward block names its
+   Inductor buffer and a line of ``MLP.forward`` (the recorder's map of the generated code,
+   joined by the allocating line CUDA's frames carry), and the compiled run gets the eager
+   run's anomalous rules and predicted peaks within 5%.
 
 ``--keep-fixtures DIR`` copies the small CUDA recordings there (to commit as fixtures).
 ``--dry-run`` runs what needs no GPU (checks 6 and 8 recorded on the CPU, their verification
@@ -444,10 +446,25 @@ def compiled(work: Path, device: str = "cuda", keep: Path | None = None) -> None
     ae, pe = summary(runs["none"])
     ac, pc = summary(runs[backend])
     worst = max([abs(pc[r][0] - pe[r][0]) / pe[r][0] for r in set(pe) & set(pc)] + [0.0])
+    named = True
+    detail = ""
+    if backend == "inductor":  # the recorder's map of the generated code: exact lines on CUDA
+        import inspect
+
+        from snapforensics.examples import fsdp_ckpt
+
+        src, first = inspect.getsourcelines(fsdp_ckpt.MLP.forward)
+        mlp_lines = {str(first + i) for i in range(len(src))}
+        b = rep.blocks
+        fw = b[b.compiled_pass == "forward"]
+        got = fw.compiled_line.astype(str).str.extract(r"fsdp_ckpt\.py:(\d+)")[0]
+        named = len(fw) > 0 and fw.compiled_buffer.notna().all() and set(got) <= mlp_lines
+        detail = (f", forward buffers named {int(fw.compiled_buffer.notna().sum())}/{len(fw)},"
+                  f" model lines {sorted(set(got.dropna()))} (MLP.forward: {sorted(mlp_lines)})")
     say(f"compiled[{device}]", bool(regions) and calls == tied == 2 * 3 and ae == ac
-        and worst <= 0.05, f"{backend}: regions {regions}, compiled backward calls tied "
-        f"{tied}/{calls} (truth 6), anomalous eager {sorted(ae)} compiled {sorted(ac)}, "
-        f"predictions differ by {worst:.1%} at most")
+        and worst <= 0.05 and named, f"{backend}: regions {regions}, compiled backward calls "
+        f"tied {tied}/{calls} (truth 6), anomalous eager {sorted(ae)} compiled {sorted(ac)}, "
+        f"predictions differ by {worst:.1%} at most{detail}")
     if keep and device == "cuda":
         shutil.copy(runs[backend], keep / "fsdp2_ckpt_buggy_inductor_cuda_rank0.pickle")
 

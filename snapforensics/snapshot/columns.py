@@ -135,3 +135,20 @@ def time_column(col: list, where_dev: str) -> np.ndarray:
         return np.array(col, np.float64)
     except (OverflowError, ValueError, TypeError):  # an int too large for a float
         return np.array([check_time(v, where_dev) for v in col], np.float64)
+
+
+class BadExtra(ValueError):
+    """An extra key of the recorder's (tensor names, the map of compiled code) is malformed."""
+
+
+def read_extra(raw: dict, key: str, what: str, parse: Any, warnings: list[str]) -> Any:
+    """`parse(raw[key])`, None when the key is absent or malformed: an extra is never the file's
+    failure, a malformed one is dropped with one warning."""
+    v = raw.get(key)
+    if v is None:
+        return None
+    try:
+        return parse(v)
+    except BadExtra as e:
+        warnings.append(f"'{key}' ({what}) {e}; ignored")
+        return None

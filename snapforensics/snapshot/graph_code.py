@@ -14,7 +14,7 @@ from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from snapforensics.snapshot.columns import LISTS, MAX_BYTES, clean_str, tname
+from snapforensics.snapshot.columns import LISTS, MAX_BYTES, BadExtra, clean_str, read_extra, tname
 
 KEY = "snapforensics_graph_code"
 FORMAT = "snapforensics.graph_code/1"
@@ -67,8 +67,7 @@ class GraphCode:
                 "errors": self.notes.get("errors", [])}
 
 
-class _Bad(ValueError):
-    pass
+_Bad = BadExtra
 
 
 def _text(v: Any) -> str:
@@ -91,14 +90,7 @@ def _ints(v: Any, lo: int, hi: int) -> tuple[int, ...]:
 
 def read(raw: dict, warnings: list[str]) -> GraphCode | None:
     """The map in `raw[KEY]`, None when absent or dropped (with a warning)."""
-    v = raw.get(KEY)
-    if v is None:
-        return None
-    try:
-        return _read(v)
-    except _Bad as e:
-        warnings.append(f"'{KEY}' (the recorder's map of compiled code) {e}; ignored")
-        return None
+    return read_extra(raw, KEY, "the recorder's map of compiled code", _read, warnings)
 
 
 def parse(v: Any) -> GraphCode:

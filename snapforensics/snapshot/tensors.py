@@ -21,7 +21,15 @@ from typing import Any
 
 import numpy as np
 
-from snapforensics.snapshot.columns import LISTS, MAX_BYTES, MAX_DEVICE, clean_str, tname
+from snapforensics.snapshot.columns import (
+    LISTS,
+    MAX_BYTES,
+    MAX_DEVICE,
+    BadExtra,
+    clean_str,
+    read_extra,
+    tname,
+)
 
 KEY = "snapforensics_tensors"
 FORMAT = "snapforensics.tensors/1"
@@ -58,8 +66,7 @@ class TensorTable:
         return len(self.ptr)
 
 
-class _Bad(ValueError):
-    pass
+_Bad = BadExtra
 
 
 def _str(v: Any, none: bool = True) -> str | None:
@@ -104,14 +111,7 @@ def _column(v: Any, name: str, dtype: Any, lo: float, hi: float) -> np.ndarray:
 
 def read(raw: dict, warnings: list[str]) -> TensorTable | None:
     """The table in `raw[KEY]`, None when absent or dropped (with a warning)."""
-    v = raw.get(KEY)
-    if v is None:
-        return None
-    try:
-        return _read(v)
-    except _Bad as e:
-        warnings.append(f"'{KEY}' (the recorder's tensor names) {e}; ignored")
-        return None
+    return read_extra(raw, KEY, "the recorder's tensor names", _read, warnings)
 
 
 def _read(v: Any) -> TensorTable | None:
