@@ -95,6 +95,7 @@ def test_page_loads_offline_and_a_click_shows_the_block(served, page):
     # the fixture has no recorder names and ran eager: both rows say so
     assert page.locator("[data-field=tensor]").inner_text() == "tensor: —"
     assert page.locator("[data-field=compiled]").inner_text() == "compiled: —"
+    assert page.locator("[data-field='compiled buffer']").inner_text() == "compiled buffer: —"
     from snapforensics.analysis.stacks import is_native
 
     python = [f for f in rep.stack(int(b.stack_id[big])) if not is_native(f)]

@@ -82,7 +82,7 @@ def _edit(raw: dict) -> int:
     raw[graph_code.KEY] = {
         "format": graph_code.FORMAT, "stacks": [[[f"/x/{HOSTILE}.py", 2, HOSTILE, HOSTILE]]],
         "files": [{"path": top["filename"], "starts": [0], "stacks": [0],
-                   "allocs": [[1, "buf" + HOSTILE, -1]]}], "errors": [HOSTILE]}
+                   "allocs": [[1, "buf" + HOSTILE, -1, 1]]}], "errors": [HOSTILE]}
     return n
 
 

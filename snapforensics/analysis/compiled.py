@@ -216,18 +216,20 @@ def _buffers(d: DeviceAnalysis, c: Compiled) -> None:
 
     A row is the code's own allocation when the innermost Python frame of its stack is a
     generated module's (C++ frames and the CPU recorder's `<op>` markers skipped): a call
-    back into eager code (a checkpoint's recompute) is not. Its frame's line is the allocating
-    line on CUDA/NPU; the CPU recorder's is the function's first line, so there each run of
-    consecutive rows under the module pairs its k-th allocation with the module's k-th
-    allocating line (cyclically: one graph may run twice in a row), as long as the bytes the
-    line computes (when literal) are the block's: a mismatch leaves the rest of the run
-    unpaired rather than shifted."""
+    back into eager code (a checkpoint's recompute) is not. On CUDA/NPU its frame's line is the
+    allocating line: the buffer that line allocates (none for a fallback op's or an extern
+    kernel's own output) and the model line of the node the line belongs to. The CPU
+    recorder's frame carries its function's first line, so there each run of consecutive rows
+    under one function pairs its k-th allocation with the function's k-th allocating line
+    (cyclically: a graph may run twice in a row), as long as the bytes the line computes (when
+    literal) are the block's: a mismatch leaves the rest of the run unpaired, not shifted."""
     gc, lt, t = d.snapshot.graph_code, d.lt, d.trace
     n = len(lt)
     c.buffer, c.line = np.full(n, -1, np.int32), np.full(n, -1, np.int32)
     if gc is None or not gc.files:
         return
-    paths = list(gc.files)
+    paths = {p: i for i, p in enumerate(gc.files)}
+    files = list(gc.files.values())
     uniq, inv = np.unique(t.stack, return_inverse=True)
     under = np.full(len(uniq), -1, np.int32)  # the generated module anywhere in the stack
     own = np.zeros(len(uniq), bool)  # ... as the innermost Python frame
@@ -236,38 +238,50 @@ def _buffers(d: DeviceAnalysis, c: Compiled) -> None:
         if s == NO_STACK:
             continue
         frames = d.snapshot.stack_frames(s)
-        k = next((j for j, f in enumerate(frames) if f.filename in gc.files), -1)
+        k = next((j for j, f in enumerate(frames) if f.filename in paths), -1)
         if k < 0:
             continue
-        under[i], line_at[i] = paths.index(frames[k].filename), frames[k].line
+        under[i], line_at[i] = paths[frames[k].filename], frames[k].line
         own[i] = all(is_native(f) or f.filename.startswith("<") for f in frames[:k])
     row_file, row_own, row_line = under[inv], own[inv], line_at[inv]
     is_alloc = t.action == A["alloc"]
+    by_order = d.snapshot.kind.cpu_recorded
     bufs: dict[str, int] = {}
     lines: dict[str, int] = {}
     labels: dict[int, int] = {}
     row_buf = np.full(len(t), -1, np.int32)
     row_ln = np.full(len(t), -1, np.int32)
-    by_line = [{a.line: a for a in gc.files[p].allocs} for p in paths]
-    prev, run_file, k = -2, -1, 0
+    by_line = [{a.line: a for a in f.allocs} for f in files]
+    by_function: dict[tuple[int, int], list] = {}
+    for fi, f in enumerate(files):
+        for a in f.allocs:
+            by_function.setdefault((fi, a.function), []).append(a)
+    run, k = (-1, -1), 0
+    prev = -2
     for r in np.flatnonzero(row_file >= 0).tolist():
-        fi = int(row_file[r])
-        if r != prev + 1 or fi != run_file:
-            run_file, k = fi, 0
+        fi, ln = int(row_file[r]), int(row_line[r])
+        if r != prev + 1 or (fi, ln) != run:
+            run, k = (fi, ln), 0
         prev = r
-        if not (is_alloc[r] and row_own[r]) or k < 0:
+        if not (is_alloc[r] and row_own[r]):
             continue
-        f = gc.files[paths[fi]]
-        got = by_line[fi].get(int(row_line[r]))
-        if got is None and f.allocs:  # the CPU recorder's frame: pair by order
-            got = f.allocs[k % len(f.allocs)]
-            k = k + 1 if got.nbytes in (-1, int(t.size[r])) else -1
-            if k < 0:
+        f = files[fi]
+        if by_order:
+            allocs = by_function.get((fi, ln))
+            if not allocs or k < 0:
                 continue
-        if got is None:
-            continue
-        row_buf[r] = bufs.setdefault(got.buffer, len(bufs))
-        st = f.stack_of(got.line)
+            got = allocs[k % len(allocs)]
+            if got.nbytes not in (-1, int(t.size[r])):
+                k = -1
+                continue
+            k += 1
+            buf, node_line = got.buffer, got.line
+        else:
+            hit = by_line[fi].get(ln)
+            buf, node_line = (hit.buffer if hit else None), ln
+        if buf is not None:
+            row_buf[r] = bufs.setdefault(buf, len(bufs))
+        st = f.stack_of(node_line)
         if st >= 0 and gc.stacks[st]:
             if st not in labels:
                 labels[st] = lines.setdefault(_model_line(gc.stacks[st]), len(lines))

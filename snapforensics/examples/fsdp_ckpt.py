@@ -106,7 +106,8 @@ class MLP(nn.Module):
         self.fc2 = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc1(x)  # one op a line: compiled buffers name their line (test_compile)
+        # one op a line: Inductor's buffers name the line that made them (test_compile)
+        h = self.fc1(x)
         h = F.gelu(h)
         return self.fc2(h)
 

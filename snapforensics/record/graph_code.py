@@ -17,17 +17,19 @@ a generated line; the same is written here, at the dump, so the reader can do it
 
     {"format": "snapforensics.graph_code/1",
      "files": [{"path": str, "starts": [int, ...], "stacks": [int, ...],
-                "allocs": [[line, name, nbytes], ...]}, ...],
+                "allocs": [[line, name, nbytes, def_line], ...]}, ...],
      "stacks": [[[filename, line, name, code], ...], ...],   # innermost first
      "errors": [...]}
 
 ``starts``/``stacks``: the linemap (node code starting at ``starts[i]`` came from
 ``stacks[stacks[i]]``, -1: a node without a stack trace); ``allocs``: the lines that allocate
 a generated buffer (``bufN = empty_strided_<device>(sizes, strides, dtype)``), in the order the
-code runs them, with the storage's bytes when the sizes are literal (-1: symbolic). On CUDA/NPU
+code runs them, with the storage's bytes when the sizes are literal (-1: symbolic) and the
+first line of the function holding it (``call``, or a subgraph's function written before
+it). On CUDA/NPU
 a block's frame carries the allocating line itself; the CPU recorder's frames carry a
 function's first line only (the profiler's Python events), so there the reader pairs the
-k-th allocation of one run of ``call`` with the k-th allocating line, checked by its bytes.
+k-th allocation of one run of a function with its k-th allocating line, checked by bytes.
 The reader is ``snapshot/graph_code.py``. Nothing here runs unless the script imported
 Inductor.
 """
@@ -44,11 +46,21 @@ MAX_FILES = 4096
 MAX_FILE_BYTES = 16 << 20  # a generated wrapper module larger than this is skipped
 MAX_FRAMES = 64  # model frames kept per node stack (innermost)
 MAX_TEXT = 512
+MAX_STACKS = 100_000  # the reader's bounds (snapshot/graph_code.py): past them, files are
+MAX_LINES = 1 << 20  # left out (and said) rather than the whole key dropped by the reader
+MAX_PATH = 4096
+MAX_BYTES = 1 << 50
 # torch's own pattern (codecache.PyCodeCache.stack_frames_for_code), plus the code line the
-# traceback format prints under each frame
-_FRAME = re.compile(r'File "(.+)", line (\d+), in (.+)\n(?:[ \t]+(\S[^\n]*)\n?)?')
-_ALLOC = re.compile(r"^[ \t]+(buf\w+)[ \t]*=[ \t]*empty_strided\w*\("
-                    r"\(([^()]*)\),[ \t]*\(([^()]*)\),[ \t]*torch\.(\w+)")
+# traceback format prints under each frame (not the next frame's "File" line: a frame of code
+# without source, exec'd or shipped as .pyc, has no code line)
+_FRAME = re.compile(r'File "(.+)", line (\d+), in (.+)\n(?:[ \t]+(?!File ")(\S[^\n]*)\n?)?')
+# what allocates a generated buffer: empty_strided_<device>(sizes, strides, dtype) in the wrapper
+# codegen (wrapper.py make_allocation), or the generic empty_strided(sizes, strides,
+# device=..., dtype=...) of other devices; a reuse (`buf3 = buf0; del buf0  # reuse`) does not
+_ALLOC = re.compile(r"^[ \t]+(buf\w+)[ \t]*=[ \t]*empty_strided\w*\(")
+_SHAPE = re.compile(r"\(([^()]*)\),[ \t]*\(([^()]*)\),")  # literal sizes, strides
+_DTYPE = re.compile(r"(?:dtype=)?torch\.(\w+)")
+_DEF = re.compile(r"^[ \t]*def[ \t]+\w+[ \t]*\(")
 _ITEMSIZE = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float64": 8,
              "double": 8, "int64": 8, "long": 8, "int32": 4, "int": 4, "int16": 2, "int8": 1,
              "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16, "float8_e4m3fn": 1,
@@ -68,7 +80,28 @@ def _nbytes(sizes: str, strides: str, dtype: str) -> int:
         return -1
     if any(x == 0 for x in sz):
         return 0
-    return (1 + sum((a - 1) * b for a, b in zip(sz, st))) * _ITEMSIZE[dtype]
+    n = (1 + sum((a - 1) * b for a, b in zip(sz, st))) * _ITEMSIZE[dtype]
+    return n if 0 <= n <= MAX_BYTES else -1
+
+
+def _allocs(text: str) -> list[list]:
+    """``[line, buffer, bytes, def line]`` of each allocating line, in the file's order: the
+    line of the enclosing ``def`` tells ``call`` from subgraph functions written before it (the
+    CPU recorder's frames carry that line). Lines are counted on ``\\n`` as Python does."""
+    out, fn = [], 0
+    for i, line in enumerate(text.split("\n"), start=1):
+        if _DEF.match(line):
+            fn = i
+            continue
+        m = _ALLOC.match(line)
+        if m is None:
+            continue
+        rest = line[m.end():]
+        shape = _SHAPE.match(rest)
+        dt = _DTYPE.search(rest, shape.end()) if shape else None
+        nb = _nbytes(shape.group(1), shape.group(2), dt.group(1)) if shape and dt else -1
+        out.append([i, m.group(1)[:MAX_TEXT], nb, fn])
+    return out
 
 
 def _frames(stack_trace: str) -> list[list] | None:
@@ -100,10 +133,16 @@ def data() -> dict | None:
     stacks: list[list] = []
     seen: dict[str, int] = {}  # stack trace text -> index into stacks
     same: dict[str, int] = {}  # parsed frames (repr) -> index: texts differing only in markers
-    stale = 0
+    stale = lines = 0
     for path, lm in list(linemaps.items())[:MAX_FILES]:
+        if len(str(path)) > MAX_PATH:
+            continue
         try:
             starts, nodes = (list(lm[0]), list(lm[1])) if len(lm) == 2 else ([], [])
+            if len(stacks) + len(nodes) > MAX_STACKS or lines + 2 * len(starts) > MAX_LINES:
+                errors.append(f"more than {MAX_LINES} lines or {MAX_STACKS} node stacks: "
+                              f"{len(linemaps) - len(files)} generated modules left out")
+                break
             idx = []
             for st in nodes:
                 if not isinstance(st, str) or not st:
@@ -121,12 +160,16 @@ def data() -> dict | None:
                 idx.append(seen[st])
             with open(path, "rb") as f:
                 text = f.read(MAX_FILE_BYTES + 1)
-            allocs = [] if len(text) > MAX_FILE_BYTES else [
-                [i, m.group(1), _nbytes(m.group(2), m.group(3), m.group(4))]
-                for i, line in enumerate(text.decode("utf-8", "replace").splitlines(), start=1)
-                if (m := _ALLOC.match(line))]
-            files.append({"path": str(path), "starts": [int(s) for s in starts],
-                          "stacks": idx, "allocs": allocs})
+            allocs = [] if len(text) > MAX_FILE_BYTES else _allocs(
+                text.decode("utf-8", "replace"))
+            if lines + len(starts) + len(allocs) > MAX_LINES:
+                errors.append(f"more than {MAX_LINES} lines: "
+                              f"{len(linemaps) - len(files)} generated modules left out")
+                break
+            lines += len(starts) + len(allocs)
+            order = sorted(range(len(starts)), key=lambda i: int(starts[i]))  # as torch wrote
+            files.append({"path": str(path), "starts": [int(starts[i]) for i in order],
+                          "stacks": [idx[i] for i in order], "allocs": allocs})
         except Exception as e:  # never the recording's failure: this file stays unmapped
             errors.append(f"{path}: {type(e).__name__}: {e}"[:MAX_TEXT])
     if stale:

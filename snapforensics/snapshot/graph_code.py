@@ -14,7 +14,15 @@ from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from snapforensics.snapshot.columns import LISTS, MAX_BYTES, BadExtra, clean_str, read_extra, tname
+from snapforensics.snapshot.columns import (
+    LISTS,
+    MAX_BYTES,
+    BadExtra,
+    clean_str,
+    read_extra,
+    short,
+    tname,
+)
 
 KEY = "snapforensics_graph_code"
 FORMAT = "snapforensics.graph_code/1"
@@ -37,6 +45,7 @@ class Alloc(NamedTuple):
     line: int
     buffer: str  # bufN
     nbytes: int  # the storage's bytes, -1 when the sizes are symbolic
+    function: int  # the first line of the function holding it (what CPU frames carry)
 
 
 @dataclass(frozen=True)
@@ -102,7 +111,7 @@ def _read(v: Any) -> GraphCode:
     if type(v) is not dict:
         raise _Bad(f"is {tname(v)}, expected a dict")
     if v.get("format") != FORMAT:
-        raise _Bad(f"has format {str(v.get('format'))[:40]!r}, expected {FORMAT!r}")
+        raise _Bad(f"has format {short(v.get('format'))}, expected {FORMAT!r}")
     raw_stacks, raw_files = v.get("stacks", []), v.get("files", [])
     if type(raw_stacks) not in LISTS or len(raw_stacks) > MAX_STACKS:
         raise _Bad("has no list of stacks")
@@ -123,23 +132,27 @@ def _read(v: Any) -> GraphCode:
     for f in raw_files:
         if type(f) is not dict:
             raise _Bad("a file is not a dict")
-        starts = _ints(f.get("starts", []), 0, MAX_LINE)
-        idx = _ints(f.get("stacks", []), -1, len(stacks))
-        raw_allocs = f.get("allocs", [])
-        if len(starts) != len(idx) or list(starts) != sorted(starts):
-            raise _Bad("a line map is not sorted or its columns differ in length")
-        if type(raw_allocs) not in LISTS:
-            raise _Bad("a file's allocations are not a list")
-        lines += len(starts) + len(raw_allocs)
+        raw_starts, raw_idx, raw_allocs = (f.get(k, []) for k in ("starts", "stacks", "allocs"))
+        if type(raw_starts) not in LISTS or type(raw_idx) not in LISTS or \
+                type(raw_allocs) not in LISTS:
+            raise _Bad("a file's line map or allocations are not lists")
+        lines += len(raw_starts) + len(raw_allocs)
         if lines > MAX_LINES:
             raise _Bad(f"maps more than {MAX_LINES} lines")
+        starts = _ints(raw_starts, 0, MAX_LINE)
+        idx = _ints(raw_idx, -1, len(stacks))
+        if len(starts) != len(idx) or any(a > b for a, b in zip(starts, starts[1:])):
+            raise _Bad("a line map is not sorted or its columns differ in length")
         allocs = []
         for b in raw_allocs:
-            if type(b) not in LISTS or len(b) != 3 or type(b[2]) is not int or \
+            if type(b) not in LISTS or len(b) != 4 or type(b[2]) is not int or \
                     not -1 <= b[2] <= MAX_BYTES:
-                raise _Bad("an allocation is not a [line, name, bytes] triple")
-            allocs.append(Alloc(_line(b[0]), _text(b[1]), b[2]))
-        files[_text(f.get("path"))] = GraphFile(starts, idx, tuple(allocs))
+                raise _Bad("an allocation is not a [line, name, bytes, function] list")
+            allocs.append(Alloc(_line(b[0]), _text(b[1]), b[2], _line(b[3])))
+        path = _text(f.get("path"))
+        if path in files:
+            raise _Bad("lists a generated module twice")
+        files[path] = GraphFile(starts, idx, tuple(allocs))
     notes: dict[str, Any] = {}
     errs: Any = v.get("errors")
     if type(errs) in LISTS:

@@ -28,6 +28,7 @@ from snapforensics.snapshot.columns import (
     BadExtra,
     clean_str,
     read_extra,
+    short,
     tname,
 )
 
@@ -118,7 +119,7 @@ def _read(v: Any) -> TensorTable | None:
     if type(v) is not dict:
         raise _Bad(f"is {tname(v)}, expected a dict")
     if v.get("format") != FORMAT:
-        raise _Bad(f"has format {str(v.get('format'))[:40]!r}, expected {FORMAT!r}")
+        raise _Bad(f"has format {short(v.get('format'))}, expected {FORMAT!r}")
     ids = v.get("identities", [])
     if type(ids) not in LISTS or len(ids) > MAX_IDENTITIES:
         raise _Bad("has no list of identities")
