@@ -351,6 +351,32 @@ def matrix_folders() -> list[Path]:
     return [_matrix_folder(w) for w in (2, 4)]
 
 
+def inductor_matrix() -> Path:
+    """The matrix's compiled layouts again with Inductor's C++ CPU backend
+    (`scenarios.layouts.INDUCTOR_LAYOUTS`, `f2_..._ci`), recorded once into the cache: the
+    folder holding <layout>/rank{R}.pickle and truth.rank{R}.json (`make test-full` only)."""
+    from snapforensics.examples.scenarios.layouts import INDUCTOR_LAYOUTS
+
+    names = sorted(INDUCTOR_LAYOUTS)
+    folder = CACHE / f"matrix-ci-{key('matrix-ci', names)}"
+    with _flock(folder.name):
+        if folder.is_dir():
+            return folder
+        with _slot():
+            CACHE.mkdir(parents=True, exist_ok=True)
+            stage = Path(tempfile.mkdtemp(prefix=".matrix-ci-", dir=CACHE))
+            try:
+                proc = subprocess.run(
+                    [sys.executable, "-m", "snapforensics.examples.scenarios", "--out",
+                     str(stage), "--only", ",".join(names)], cwd=REPO, env=_env(),
+                    capture_output=True, text=True, timeout=3600, check=False)
+                assert proc.returncode == 0, proc.stderr[-4000:]
+                _publish(stage, folder)
+            finally:
+                shutil.rmtree(stage, ignore_errors=True)
+    return folder
+
+
 def record_variant(variant: str, out_dir: Path | None, nproc: int = 2, steps: int = 3,
                    extra: Iterable[str] = (), *, fresh: bool = False) -> list[Path]:
     """Record one variant of the bundled example through the real CLI (`snapforensics record`);

@@ -5,7 +5,7 @@ training loop and the fixed layout it should match once its bug is removed (`LAY
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from snapforensics.examples.scenarios.models import DIM, LAYERS
 from snapforensics.examples.scenarios.wrapping import (
@@ -148,3 +148,12 @@ def _layouts() -> list[Layout]:
 
 
 LAYOUTS: dict[str, Layout] = {lay.name: lay for lay in _layouts()}
+# the compiled layouts again with Inductor's C++ CPU backend (`_ci`): a minute of C++ compiling
+# each on a 2-core machine, so not in the matrix `make test` records (`--only` runs them;
+# tests/test_compile.py, `make test-full`)
+INDUCTOR_LAYOUTS: dict[str, Layout] = {
+    lay.name + "i": replace(lay, name=lay.name + "i", compile="inductor",
+                            twin=lay.twin + "i" if lay.twin else None,
+                            note=lay.note.replace("aot_eager", "inductor"))
+    for lay in LAYOUTS.values() if lay.compile == "aot_eager"}
+ALL_LAYOUTS: dict[str, Layout] = {**LAYOUTS, **INDUCTOR_LAYOUTS}

@@ -47,7 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from snapforensics.examples.fsdp_ckpt import Transformer, compile_blocks
-from snapforensics.examples.scenarios.layouts import LAYOUTS, Layout
+from snapforensics.examples.scenarios.layouts import ALL_LAYOUTS, LAYOUTS, Layout
 from snapforensics.examples.scenarios.models import (
     BATCH,
     HEADS,
@@ -199,7 +199,7 @@ def _run_all(names: list[str], out: Path, check: bool) -> None:
             if world == 4 else None
         ctx = Ctx(rank, world, device, mesh, mesh2d)
         for name in names:
-            lay = LAYOUTS[name]
+            lay = ALL_LAYOUTS[name]
             folder = out / name
             folder.mkdir(parents=True, exist_ok=True)
             gc.collect()
@@ -236,17 +236,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="print the layouts and exit")
     args = p.parse_args(argv)
     if args.list:
-        for lay in LAYOUTS.values():
+        for lay in ALL_LAYOUTS.values():
             print(f"{lay.name:28s} world {lay.world}  {lay.note}")
         return 0
     if args.out is None:
         p.error("--out is required")
     names = [n for n in args.only.split(",") if n] or \
         [n for n, lay in LAYOUTS.items() if lay.world == args.world]
-    unknown = [n for n in names if n not in LAYOUTS]
+    unknown = [n for n in names if n not in ALL_LAYOUTS]
     if unknown:
         p.error(f"unknown layout(s): {', '.join(unknown)}")
-    worlds = {LAYOUTS[n].world for n in names}
+    worlds = {ALL_LAYOUTS[n].world for n in names}
     if len(worlds) != 1:
         p.error("--only mixes layouts made for different world sizes")
     world = worlds.pop()
