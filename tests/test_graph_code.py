@@ -102,6 +102,9 @@ def test_the_recorders_own_map_reads_back():
     sys.modules["torch._inductor.codecache"] = cache  # type: ignore[assignment]
     try:
         got = rec.data()
+        from snapforensics.record import identity  # names(...)'s attach and every backend's
+
+        assert identity.attach({}, None)[rec.KEY] == got
     finally:
         if saved is None:
             sys.modules.pop("torch._inductor.codecache")

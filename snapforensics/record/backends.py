@@ -627,10 +627,10 @@ def _stop_names(names: Any) -> None:
 
 def _attach_names(snap: dict, names: Any) -> dict:
     """The recorder's extras at the dump: tensor names, and Inductor's generated code mapped
-    to the model's source."""
-    from snapforensics.record import graph_code, identity
+    to the model's source (identity.attach)."""
+    from snapforensics.record import identity
 
-    return graph_code.attach(identity.attach(snap, names))
+    return identity.attach(snap, names)
 
 
 BACKENDS = {"cuda": CudaBackend, "npu": NpuBackend, "cpu": CpuBackend}

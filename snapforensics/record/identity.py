@@ -428,13 +428,17 @@ def _unpack(t: Any) -> Any:
 
 
 def attach(snap: dict, names: TensorNames | None) -> dict:
-    """``snap`` with the names under ``KEY`` (the recorder's backends call this at the dump)."""
+    """``snap`` with the names under ``KEY``, and Inductor's generated code mapped to the
+    model's source when the run compiled with it (``graph_code.py``): what the recorder's
+    backends call at the dump, and ``names(...)``'s ``attach`` / ``path``."""
+    from snapforensics.record import graph_code
+
     if names is not None:
         try:
             snap[KEY] = names.data()
         except Exception as e:  # never the recording's failure
             snap[KEY] = {"format": FORMAT, "errors": [f"{type(e).__name__}: {e}"]}
-    return snap
+    return graph_code.attach(snap)
 
 
 @contextlib.contextmanager
