@@ -201,6 +201,18 @@ def test_cuda_shape_gives_the_same_verdicts_and_predictions(matrix, name):
                     assert abs(a - b) / b <= PREDICTION_TOLERANCE, (shape, rule, a, b)
 
 
+def _same_verdicts(eager, comp) -> None:
+    """Rule by rule the eager twin's verdicts, predicted peaks within 5%."""
+    ref = {f.rule: f for f in eager.findings if f.verdict != "info"}
+    got = {f.rule: f for f in comp.findings if f.verdict != "info"}
+    assert {r: f.verdict for r, f in got.items()} == {r: f.verdict for r, f in ref.items()}
+    for rule, f in got.items():
+        a, b = f.predicted_peak_bytes, ref[rule].predicted_peak_bytes
+        assert (a is None) == (b is None), (rule, a, b)
+        if a and b:
+            assert abs(a - b) / b <= PREDICTION_TOLERANCE, (rule, a, b)
+
+
 @pytest.mark.parametrize("name", [n for n in _names() if n.endswith("_c")])
 def test_compiled_layouts_get_the_eager_verdicts_and_predictions(matrix, name):
     """A layout with each block's mlp torch.compile-d (aot_eager) and its eager twin (the same
@@ -210,14 +222,7 @@ def test_compiled_layouts_get_the_eager_verdicts_and_predictions(matrix, name):
     lay = _layouts()[name]
     assert lay.compile != "none" and name[:-2] in _layouts(), name
     eager, comp = _diagnosis(matrix / name[:-2]), _diagnosis(matrix / name)
-    ref = {f.rule: f for f in eager.findings if f.verdict != "info"}
-    got = {f.rule: f for f in comp.findings if f.verdict != "info"}
-    assert {r: f.verdict for r, f in got.items()} == {r: f.verdict for r, f in ref.items()}
-    for rule, f in got.items():
-        a, b = f.predicted_peak_bytes, ref[rule].predicted_peak_bytes
-        assert (a is None) == (b is None), (rule, a, b)
-        if a and b:
-            assert abs(a - b) / b <= PREDICTION_TOLERANCE, (rule, a, b)
+    _same_verdicts(eager, comp)
     assert eager.devices[0].compiled is None
     calls = lay.layers * lay.micro_batches * lay.steps
     for shape in ("cpu", "cuda"):  # CUDA's shape: no module frames, the autograd thread's stack
@@ -244,14 +249,7 @@ def test_inductor_layouts_get_the_eager_verdicts_and_name_their_lines(matrix, na
     lay = INDUCTOR_LAYOUTS[name]
     folder = inductor_matrix() / name
     eager, comp = _diagnosis(matrix / name[:-3]), _diagnosis(folder)
-    ref = {f.rule: f for f in eager.findings if f.verdict != "info"}
-    got = {f.rule: f for f in comp.findings if f.verdict != "info"}
-    assert {r: f.verdict for r, f in got.items()} == {r: f.verdict for r, f in ref.items()}
-    for rule, f in got.items():
-        a, b = f.predicted_peak_bytes, ref[rule].predicted_peak_bytes
-        assert (a is None) == (b is None), (rule, a, b)
-        if a and b:
-            assert abs(a - b) / b <= PREDICTION_TOLERANCE, (rule, a, b)
+    _same_verdicts(eager, comp)
     c = comp.devices[0].compiled
     calls = lay.layers * lay.micro_batches * lay.steps
     assert c["backward_calls"] == c["backward_calls_attributed"] == calls, c
