@@ -198,7 +198,7 @@ def attribute(d: DeviceAnalysis) -> Compiled | None:
     out = Compiled(regions, region, backward, _sources(d, regions, region, backward),
                    calls, attributed)
     if snap.graph_code is not None:
-        _buffers(d, out)
+        _buffers(d, out, uniq, inv)
     return out
 
 
@@ -211,7 +211,7 @@ def _model_line(frames) -> str:
     return f"{f.name}  {path}:{f.line}" + (f": {f.code}" if f.code else "")
 
 
-def _buffers(d: DeviceAnalysis, c: Compiled) -> None:
+def _buffers(d: DeviceAnalysis, c: Compiled, uniq: np.ndarray, inv: np.ndarray) -> None:
     """Each block Inductor's generated code allocated: its buffer and model source line.
 
     A row is the code's own allocation when the innermost Python frame of its stack is a
@@ -229,8 +229,7 @@ def _buffers(d: DeviceAnalysis, c: Compiled) -> None:
     if gc is None or not gc.files:
         return
     paths = {p: i for i, p in enumerate(gc.files)}
-    files = list(gc.files.values())
-    uniq, inv = np.unique(t.stack, return_inverse=True)
+    files = list(gc.files.values())  # uniq, inv: the trace's distinct stacks (attribute's)
     under = np.full(len(uniq), -1, np.int32)  # the generated module anywhere in the stack
     own = np.zeros(len(uniq), bool)  # ... as the innermost Python frame
     line_at = np.zeros(len(uniq), np.int64)

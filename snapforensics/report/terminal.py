@@ -105,35 +105,39 @@ def _device(console: Console, d: Diagnosis, dev) -> None:
         console.print(t(names_line(names), TEXT))
         rows = saved_by_layer(names)
         if rows:
-            tab = Table(title=t(f"saved for backward, by layer (alive at the peak: "
-                                f"{human(sum(r[1] for r in rows))})"), title_justify="left",
-                        show_edge=False)
-            for name in ("layer", "bytes", "tensors", "inside"):
-                tab.add_column(name, justify="right" if name in ("bytes", "tensors") else "left")
-            for a, b, n, i in rows[:ROWS]:
-                tab.add_row(t(a), human(b), str(n), t(i, TEXT))
-            console.print(tab)
+            _table(console, t(f"saved for backward, by layer (alive at the peak: "
+                              f"{human(sum(r[1] for r in rows))})"),
+                   ("layer", "bytes", "tensors", "inside"), {"bytes", "tensors"},
+                   [(t(a), human(b), str(n), t(i, TEXT)) for a, b, n, i in rows[:ROWS]])
     comp = compiled_regions(dev)
     if comp is not None:
-        tab = Table(title=t(comp[0], TEXT), title_justify="left", show_edge=False)
-        for name in ("region", "source", "forward at peak", "backward at peak", "blocks"):
-            tab.add_column(name, justify="left" if name in ("region", "source") else "right")
-        for r, src, fw, bw, n in comp[1][:ROWS]:
-            tab.add_row(t(r), t(src, TEXT), human(fw), human(bw), str(n))
-        console.print(tab)
+        _table(console, t(comp[0], TEXT),
+               ("region", "source", "forward at peak", "backward at peak", "blocks"),
+               {"forward at peak", "backward at peak", "blocks"},
+               [(t(r), t(src, TEXT), human(fw), human(bw), str(n))
+                for r, src, fw, bw, n in comp[1][:ROWS]])
     lines = compiled_lines(dev)
     if lines is not None:
-        tab = Table(title=t(lines[0], TEXT), title_justify="left", show_edge=False)
-        for name in ("model line", "buffers", "pass", "at peak", "allocated"):
-            tab.add_column(name, justify="right" if name in ("at peak", "allocated") else "left")
-        for ln, bufs, ps, pk, mk in lines[1][:ROWS]:
-            tab.add_row(t(ln, TEXT), t(bufs, TEXT), t(ps, TEXT), human(pk), human(mk))
-        console.print(tab)
+        _table(console, t(lines[0], TEXT),
+               ("model line", "buffers", "pass", "at peak", "allocated"), {"at peak", "allocated"},
+               [(t(ln, TEXT), t(b, TEXT), t(ps, TEXT), human(pk), human(mk))
+                for ln, b, ps, pk, mk in lines[1][:ROWS]])
     if not dev.categories_at_peak and not (len(dev.iterations) > 1 or any(
             i["backward_peak_bytes"] for i in dev.iterations)):
         console.print(f"device {dev.device}: {human(dev.segments['allocated_bytes'])} "
                       f"allocated in {dev.segments['count']} segments "
                       f"({human(dev.segments['reserved_bytes'])} reserved) at dump")
+
+
+def _table(console: Console, title: Text | str, columns: tuple[str, ...], right: set[str],
+           rows: list[tuple]) -> None:
+    """A left-titled table of rendered cells (numbers right-aligned)."""
+    tab = Table(title=title, title_justify="left", show_edge=False)
+    for name in columns:
+        tab.add_column(name, justify="right" if name in right else "left")
+    for r in rows:
+        tab.add_row(*r)
+    console.print(tab)
 
 
 def _no_names(console: Console, d: Diagnosis) -> None:
