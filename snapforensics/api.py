@@ -79,18 +79,19 @@ def compare(*inputs: str | Path | Snapshot | Report | Diagnosis, mode: str = "au
 
 
 def forecast(source: str | Path | Snapshot, world_sizes=(), strategies=(), checkpointing=(),
-             micro_batch_scales=(), capacity: int | str | None = None) -> Forecast:
+             micro_batch_scales=(), capacity: int | str | None = None, tps=()) -> Forecast:
     """The peak of the recorded run under other settings (`snapforensics forecast`): world
     sizes, strategies (full_shard, shard_grad_op, no_shard, hsdp:R), checkpointing (none,
-    full), micro-batch scales; `capacity` in bytes or a size with its unit ("80GiB").
-    `.to_frame()` is one row per scenario."""
+    full), micro-batch scales, tensor-parallel degrees (`tps`); `capacity` in bytes or a size
+    with its unit ("80GiB"). `.to_frame()` is one row per scenario."""
     from snapforensics.analysis.forecast.capacity import parse_size
     from snapforensics.analysis.forecast.core import forecast as _forecast
 
     snap = source if isinstance(source, Snapshot) else load(source)
     cap = parse_size(capacity) if isinstance(capacity, str) else capacity
     return _shown(Forecast, _forecast(snap, list(world_sizes), list(strategies),
-                                      list(checkpointing), list(micro_batch_scales), cap))
+                                      list(checkpointing), list(micro_batch_scales), cap,
+                                      tps=list(tps)))
 
 
 def pipeline_forecast(run: str | Path, stages=(), microbatches=(), schedules=()):
@@ -176,7 +177,8 @@ class Report:
         `tensor` (`layers.3.mlp.w1.weight`, `.grad`, `.exp_avg`; several names, comma
         separated, for a buffer holding several views), `tensor_kind`, `module` (the module
         that owns the parameter, or that saved the tensor for backward), `shape`, `dtype`,
-        `saved_for_backward`; None / False where unnamed or the file has no names. In runs
+        `saved_for_backward`, `tp_split` (how many ways tensor parallelism splits it: 1
+        replicated, 0 not known); None / False / 0 where unnamed or the file has no names. In runs
         with torch.compile (analysis/compiled.py): `compiled_region`, the compile id (`F/C`)
         of the graph that made the block ("?" for a compiled backward no forward claims),
         `compiled_pass` (`forward`: the region's graph, `backward`: its compiled backward) and
@@ -283,13 +285,14 @@ class Report:
 
 
 def _identity_columns(d: DeviceAnalysis) -> dict[str, Any]:
-    """tensor, tensor_kind, module, shape, dtype, saved_for_backward per block (object
-    columns: None where unnamed)."""
+    """tensor, tensor_kind, module, shape, dtype, saved_for_backward, tp_split per block
+    (object columns: None where unnamed)."""
     n = len(d.lt)
     names = d.names
     cols: dict[str, Any] = {c: np.full(n, None, object) for c in
                             ("tensor", "tensor_kind", "module", "shape", "dtype")}
     cols["saved_for_backward"] = np.zeros(n, bool) if names is None else names.saved.copy()
+    cols["tp_split"] = np.zeros(n, np.int32) if names is None else names.tp.copy()
     if names is None:
         return cols
     for b in np.flatnonzero(names.ident >= 0).tolist():

@@ -86,7 +86,7 @@ def _check(name: str, src: Forecaster, dst: Forecaster, tol: float, scale: float
     """Forecast `dst`'s recorded settings from `src`; the relative error against dst's peak,
     which must lie in the error band the forecast states (forecast_band.py's stored pairs)."""
     b = dst.baseline()
-    p = src.predict(Scenario(b.world_size, b.strategy, b.checkpointing, scale, fix))
+    p = src.predict(Scenario(b.world_size, b.strategy, b.checkpointing, scale, fix, tp=b.tp))
     assert p.refused is None, p.refused
     recorded = dst.d.peak_bytes
     err = (p.predicted_peak_bytes - recorded) / recorded
@@ -599,6 +599,47 @@ def test_dp_degree_on_a_2d_mesh():
         for r, (fx, _) in enumerate(runs[a]):
             twin = runs[b][r % (2 * b)][0]  # the same TP rank (rank = dp index * 2 + tp index)
             _check(f"FSDP2 + TP 2 (2-D mesh): dp_shard {b} from {a}, rank {r}", fx, twin, 0.05)
+
+
+TP_SMALL = ("--layers", "2", "--dim", "64", "--seq", "64", "--batch", "2", "--steps", "2")
+TP_LAYOUTS = {"tp": (), "tp_sp": ("--sp",), "fsdp_tp_2d": ("--dp", "2")}
+
+
+@slow
+@pytest.mark.parametrize("layout", TP_LAYOUTS)
+def test_tp_degree_both_ways(layout):
+    """The TP degree (`forecast --tp`): `examples/tp.py` recorded at TP 2 and TP 4 (torchtitan's
+    plan; with SequenceParallel; FSDP2 + TP on a 2-D mesh, dp_shard 2 kept), each rank's peak
+    forecast at the other degree against the recorded twin's. The recorded degree the forecast
+    reads (the most ways the recorder saw TP split a tensor) is the running mesh's."""
+    import json
+
+    from recordings import recorded_module
+
+    args = TP_LAYOUTS[layout]
+    dp = 2 if "--dp" in args else 1
+    runs = {}
+    for tp in (2, 4):
+        folder = recorded_module("snapforensics.examples.tp", (*TP_SMALL, *args), nproc=tp * dp)
+        runs[tp] = [(_fx(folder / f"rank{r}.pickle"),
+                     json.loads((folder / f"truth.rank{r}.json").read_text()))
+                    for r in range(tp * dp)]
+    for tp, ranks in runs.items():
+        assert all(fx.tp[0] == truth["tp"] == tp and truth["dp"] == dp for fx, truth in ranks)
+    for a, b in ((2, 4), (4, 2)):
+        for r, (fx, _) in enumerate(runs[a]):
+            twin = runs[b][(r // a) * b][0]  # the same dp index (rank = dp index * tp + tp index)
+            _check(f"{layout}: TP {b} from {a}, rank {r}", fx, twin, 0.05)
+
+
+def test_tp_degree_without_tp_names_is_refused():
+    """A recording with no tensor TP splits (the FSDP fixture) refuses another TP degree and
+    says why; its other scenarios are unchanged."""
+    fx = _fx(FIXED)
+    assert fx.tp[0] is None
+    p = fx.predict(replace(fx.baseline(), tp=4))
+    assert p.refused and "tensor parallelism" in p.refused
+    assert fx.predict(fx.baseline()).predicted_peak_bytes == fx.d.peak_bytes
 
 
 @slow

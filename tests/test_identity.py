@@ -235,6 +235,34 @@ def test_damaged_key_is_dropped_with_a_warning(tmp_path):
     assert s.tensors is None and any(KEY in w for w in s.warnings)
     s = load(_named_file(tmp_path, {"format": "other"}))
     assert s.tensors is None and s.warnings
+    # format /2: a 7th item, the TP split, a bounded count; /1's 6 items under /2 are refused
+    for tp in (-1, 1 << 40, "4", None):
+        v2 = _key([(4096, 15.0, 0)]) | {"format": "snapforensics.tensors/2"}
+        v2["identities"] = [e + [tp] for e in v2["identities"]]
+        s = load(_named_file(tmp_path, v2))
+        assert s.tensors is None and any(KEY in w for w in s.warnings), tp
+    s = load(_named_file(tmp_path, _key([(4096, 15.0, 0)]) | {"format": "snapforensics.tensors/2"}))
+    assert s.tensors is None and any("7-item" in w for w in s.warnings)
+
+
+def test_tp_split_reads_and_survives_the_cache(tmp_path):
+    """Format /2's TP split reaches `d.blocks.tp_split` and the npz cache keeps it; /1 reads as
+    0 (unknown)."""
+    from snapforensics.snapshot import npz
+
+    v2 = _key([(4096, 15.0, 0)]) | {"format": "snapforensics.tensors/2"}
+    v2["identities"] = [e + [4] for e in v2["identities"]]
+    s = load(_named_file(tmp_path, v2))
+    assert [i.tp for i in s.tensors.identities] == [4, 4]
+    b = sf.diagnose(_named_file(tmp_path, v2)).blocks
+    assert b.loc[b.tensor == "a.weight", "tp_split"].tolist() == [4]
+    f = tmp_path / "e.npz"
+    with open(f, "wb") as out:
+        npz.save(s, out)
+    with open(f, "rb") as src:
+        assert npz.read(src, s.source).tensors.identities == s.tensors.identities
+    old = load(_named_file(tmp_path, _key([(4096, 15.0, 0)])))
+    assert [i.tp for i in old.tensors.identities] == [0, 0]
 
 
 def test_cache_keeps_names(tmp_path):
@@ -394,3 +422,39 @@ def test_findings_name_their_tensors(probe):
         members = d.blocks[d.blocks.device == f.device].iloc[np.asarray(f.members)]
         assert {t["tensor"] for t in f.tensors} <= set(members.tensor.dropna())
         assert f.tensors[0]["tensor"].split(", ")[0] in d.render("markdown")
+
+
+TP_PROBE = REPO / "tests" / "tp_split_probe.py"
+
+
+@pytest.mark.parametrize("variant", ["plain", "sp", "gathered"])
+def test_recorder_names_what_tp_splits(variant):
+    """Each tensor autograd saves under torch's own `parallelize_module` (TP 4, fake process
+    group), through the recorder's real pack hook, carries the split the running state shows:
+    its bytes against the plain twin's save at the same position (4: split, 1: whole). Plans:
+    torchtitan's without and with SequenceParallel, and one whose column-wise w1 all-gathers its
+    output (`output_layouts=Replicate()`), after which nothing is split until w2."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch")
+    p = subprocess.run([sys.executable, str(TP_PROBE), variant], capture_output=True,
+                       text=True, timeout=600, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-3000:]
+    d = json.loads(p.stdout.strip().splitlines()[-1])
+    assert d["saves"][0] == d["saves"][1] > 10  # the two runs save the same sequence
+    split = [r for r in d["rows"] if r[0] == 4]
+    whole = [r for r in d["rows"] if r[0] == 1]
+    assert split and whole and len(split) + len(whole) == len(d["rows"])
+    assert all(r[1] == 4 for r in split), split
+    assert all(r[1] in (0, 1) for r in whole), whole
+    # what only the region (no DTensor) tells: the MLP's activation between w1 and w2, SDPA's
+    owners = {r[2] for r in split}
+    if variant == "gathered":
+        assert "feed_forward" in {r[2] for r in whole} and "feed_forward" not in owners
+    else:
+        assert {"feed_forward", "attention"} <= owners
+    if variant == "sp":  # SequenceParallel's norms take the sequence shard
+        assert {"attention_norm", "ffn_norm"} <= owners
+    else:
+        assert not {"attention_norm", "ffn_norm"} & owners

@@ -89,8 +89,8 @@ def _edit(raw: dict) -> int:
 def _names(trace: list) -> dict:
     """The recorder's tensor names, hostile (tensor, module, dtype): every block of device 0
     named at its allocation, as a saved activation or a parameter (both tables render)."""
-    ids = [[f"layers.0.{MODULE}.weight", "parameter", MODULE, [4, 4], HOSTILE, 0],
-           [None, "saved_for_backward", f"layers.0.{MODULE}", [8], HOSTILE, 0]]
+    ids = [[f"layers.0.{MODULE}.weight", "parameter", MODULE, [4, 4], HOSTILE, 0, 2],
+           [None, "saved_for_backward", f"layers.0.{MODULE}", [8], HOSTILE, 0, 0]]
     allocs = [e for e in trace if e.get("action") == "alloc" and "time_us" in e]
     return {"format": tensors.FORMAT, "clock": "epoch_us", "kinds": list(tensors.KINDS),
             "identities": ids, "ptr": [e["addr"] for e in allocs], "offset": [0] * len(allocs),

@@ -50,6 +50,10 @@ class BlockNames:
     extra: dict[int, list[int]]  # block -> every identity naming it, offset order (when > 1)
     matched: int  # observations that found their block
     observations: int  # observations of this device
+    # tensor parallelism: the most ways TP splits a tensor seen in the block (1: replicated,
+    # 0: unknown), and the block's bytes in tensors TP splits (distinct views summed)
+    tp: np.ndarray  # int32
+    tp_bytes: np.ndarray  # int64
 
     @property
     def saved(self) -> np.ndarray:
@@ -108,7 +112,8 @@ def join(table: TensorTable, lt, trace) -> BlockNames:
     saver = np.full(nblocks, -1, np.int32)
     dev = np.array([i.device for i in table.identities] or [0], np.int64)
     mine = np.flatnonzero(dev[table.identity] == lt.device) if len(table) else np.zeros(0, int)
-    empty = BlockNames(table, ident, saver, {}, 0, len(mine))
+    empty = BlockNames(table, ident, saver, {}, 0, len(mine), np.zeros(nblocks, np.int32),
+                       np.zeros(nblocks, np.int64))
     t = trace.time_us
     if not len(mine) or not nblocks or not len(t):
         return empty
@@ -177,7 +182,24 @@ def _named(table: TensorTable, mine: np.ndarray, block: np.ndarray, ident: np.nd
             if i not in lst:
                 lst.append(i)
         extra = {b: v for b, v in by.items() if len(v) > 1}
-    return BlockNames(table, ident, saver, extra, int(ok.sum()), len(mine))
+    tp, tp_bytes = _tp(table, obs, block, ids, len(ident))
+    return BlockNames(table, ident, saver, extra, int(ok.sum()), len(mine), tp, tp_bytes)
+
+
+def _tp(table: TensorTable, obs: np.ndarray, block: np.ndarray, ids: np.ndarray,
+        nblocks: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per block: the most ways TP splits a tensor seen in it, and its bytes in split tensors
+    (each distinct (offset, nbytes) view once: a tensor saved by several ops is one)."""
+    tp = np.zeros(nblocks, np.int32)
+    tp_bytes = np.zeros(nblocks, np.int64)
+    split = np.array([i.tp for i in table.identities] or [0], np.int64)[ids]
+    np.maximum.at(tp, block, split.astype(np.int32))
+    sp = split > 1
+    if sp.any():
+        views = np.unique(np.stack([block[sp], table.offset[obs][sp], table.nbytes[obs][sp]]),
+                          axis=1)
+        np.add.at(tp_bytes, views[0], views[2])
+    return tp, tp_bytes
 
 
 def layer_of(module: str | None) -> str:

@@ -94,6 +94,16 @@ single change that fits (an anomaly's fix, full_shard, checkpointing full,
 half the micro-batch).
 
 \b
+Tensor parallelism (--tp; a recording made by `snapforensics record`): what
+TP splits scales by tp0 / tp, the rest stays. The recorder names each
+DTensor's split (its placement on the mesh dim "tp") and the activations a
+column-wise module hands to its row-wise one; FSDP's buffers of TP-split
+parameters take the parameters' share; a block made where a named one was
+(same stack and size) takes its share. Pairs: tp 2 <-> 4 with and without
+SequenceParallel and under FSDP2 on a 2-D mesh (band printed per scenario);
+beyond 2x the recorded degree is NOT VALIDATED.
+
+\b
 Pipeline (--pp, --microbatches, --schedule; SNAPSHOT a run folder of
 one file per stage, or one stage's file): each stage's peak at another
 number of stages, micro-batch count (same global batch) or schedule, the
@@ -115,13 +125,15 @@ micro-batches from 1 to 1024; interleaved schedules refused.""")
 @click.option("--capacity", help="Device memory with its unit (80GiB = 80 x 2^30 bytes, 80GB = "
                                  "80 x 10^9; a bare number is refused): which scenarios fit, "
                                  "the smallest world size and the cheapest change that fit.")
+@click.option("--tp", help="Tensor-parallel degrees to forecast, comma-separated (e.g. 1,2,4,8; "
+                           "the data-parallel degree kept).")
 @click.option("--pp", help="Pipeline stages to forecast, comma-separated (e.g. 2,4,8).")
 @click.option("--microbatches", help="Micro-batch counts per step, comma-separated (the global "
                                      "batch kept).")
 @click.option("--schedule", help="gpipe | 1f1b, comma-separated.")
 @report_options("forecast")
 def forecast_command(snapshot: Path, world_size, strategy, checkpointing, micro_batch_scale,
-                     capacity, pp, microbatches, schedule, fmt: str | None,
+                     capacity, tp, pp, microbatches, schedule, fmt: str | None,
                      output: str | None) -> int:
     """Forecast the peak of the recorded run under other settings: world sizes, sharding
     strategies, activation checkpointing and micro-batch sizes, each block scaled by what made
@@ -150,7 +162,9 @@ def forecast_command(snapshot: Path, world_size, strategy, checkpointing, micro_
     worlds = _list(world_size, _positive_int, "world-size")
     strategies = _list(strategy, _strategy, "strategy")
     scales = _list(micro_batch_scale, _scale, "micro-batch-scale")
-    emit("forecast", forecast(load(snapshot), worlds, strategies, ckpt, scales, cap), fmt, output)
+    tps = _list(tp, _positive_int, "tp")
+    emit("forecast", forecast(load(snapshot), worlds, strategies, ckpt, scales, cap, tps=tps),
+         fmt, output)
     return 0
 
 

@@ -10,9 +10,11 @@ sits on a 2-D mesh (dp_shard x tp) and ``fully_shard`` shards it on the dp subme
 
 ``--truth DIR`` writes ``DIR/truth.rank{R}.json`` from the running state: the tp and dp degrees
 (from the mesh), whether SP is on, and per block the bytes autograd saved for backward in the
-first step's forward (``saved_tensors_hooks``, storage bytes of each local tensor), split into
+last step's forward (``saved_tensors_hooks``, storage bytes of each local tensor), split into
 tensors sharded along the sequence (shape[1] == seq / tp, SP on), tensors holding the full
 sequence (shape[1] == seq: the same on every TP rank unless sharded on another dim) and the rest.
+The last step, not the first: a hook pair the script pushes shadows the recorder's, whose names
+(TP splits included) then stay on the steps before it.
 """
 
 from __future__ import annotations
@@ -136,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
             x = x.chunk(tp, dim=1)[mesh["tp"].get_local_rank()].contiguous()
         h = x
         for b in blocks:
-            if step == 0:
+            if step == a.steps - 1:
                 saved.append({"seq_sharded": 0, "full_seq": 0, "other": 0})
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     h = b(h)

@@ -50,7 +50,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-FORMAT = "snapforensics.tensors/1"
+FORMAT = "snapforensics.tensors/2"  # /2: identities gain their TP split (/1: 6 items)
 KEY = "snapforensics_tensors"
 KINDS = ("parameter", "gradient", "optimizer_state", "unsharded_parameter", "unsharded_gradient",
          "all_gather_buffer", "saved_for_backward")
@@ -68,6 +68,62 @@ def _local(t: Any) -> Any:
     return getattr(t, "_local_tensor", t)
 
 
+TP_DIM = "tp"  # the mesh dimension tensor parallelism runs on (torchtitan's name; analysis/mesh.py)
+
+
+def tp_split(t: Any) -> int:
+    """How many ways tensor parallelism splits the DTensor ``t``: the size of its mesh's ``tp``
+    dimension when its placement there shards a dim (``Shard``, ``_StridedShard``), 1 when it
+    replicates or is partial there, 0 when ``t`` is no DTensor on a mesh with a ``tp`` dim."""
+    spec = getattr(t, "_spec", None)
+    mesh = getattr(spec, "mesh", None)
+    names = getattr(mesh, "mesh_dim_names", None)
+    if not names or TP_DIM not in names:
+        return 0
+    i = list(names).index(TP_DIM)
+    return int(mesh.size(i)) if type(getattr(spec.placements[i], "dim", None)) is int else 1
+
+
+def _tp_module(module: Any) -> bool:
+    """A Linear or Embedding whose weight tensor parallelism splits."""
+    import torch.nn as nn
+
+    if not isinstance(module, (nn.Linear, nn.Embedding)):
+        return False
+    try:
+        return tp_split(module._parameters.get("weight")) > 1
+    except Exception:
+        return False
+
+
+def _tp_output(module: Any, output: Any) -> int:
+    """The TP degree when ``module``'s output leaves it split along its features: a Linear or an
+    Embedding (the only modules torch's ``ColwiseParallel``/``RowwiseParallel`` take) whose
+    weight TP shards along the output features (Linear's dim 0, Embedding's dim 1: the
+    column-wise style) and whose output's last dim is that local size, not the full one (a
+    ``ColwiseParallel(output_layouts=Replicate())`` gathers it). 0 otherwise (a row-wise
+    module's output is whole, partial-summed or sequence-sharded)."""
+    import torch.nn as nn
+
+    w = getattr(module, "_parameters", {}).get("weight")
+    n = tp_split(w) if w is not None else 0
+    if n <= 1:
+        return 0
+    feat = 0 if isinstance(module, nn.Linear) else 1 if isinstance(module, nn.Embedding) else -1
+    spec = w._spec
+    dim = spec.placements[list(spec.mesh.mesh_dim_names).index(TP_DIM)].dim
+    if feat < 0 or dim % w.dim() != feat:
+        return 0
+    out = output[0] if isinstance(output, (tuple, list)) and output else output
+    out = _local(out)
+    try:
+        last = out.shape[-1]
+    except Exception:
+        return 0
+    full, local = w.shape[feat], _local(w).shape[feat]
+    return n if last == local != full else 0
+
+
 class TensorNames:
     """``start()`` / ``stop()``; ``data()`` the columns to write (see the module docstring)."""
 
@@ -79,6 +135,7 @@ class TensorNames:
         if optimizer is not None:
             self.optimizers = weakref.WeakSet([optimizer])
         self.module_names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._tp_hooked: weakref.WeakSet = weakref.WeakSet()
         self.ids: dict[tuple, int] = {}
         self.table: list[list] = []
         self.obs: deque = deque(maxlen=MAX_OBSERVATIONS)
@@ -124,6 +181,7 @@ class TensorNames:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._tp_hooked = weakref.WeakSet()
         for owner, name, orig in self._patched:
             setattr(owner, name, orig)
         self._patched = []
@@ -136,13 +194,14 @@ class TensorNames:
                     self.errors.append(f"saved tensors hooks: {e}")
 
     # -- identities and observations
-    def _identity(self, tensor_name: str | None, kind: str, module: str | None, t: Any) -> int:
+    def _identity(self, tensor_name: str | None, kind: str, module: str | None, t: Any,
+                  split: int) -> int:
         try:
             shape = list(t.shape)
         except Exception:
             shape = []
         dev = t.device
-        key = (tensor_name, kind, module, tuple(shape), str(t.dtype), dev.type, dev.index)
+        key = (tensor_name, kind, module, tuple(shape), str(t.dtype), dev.type, dev.index, split)
         i = self.ids.get(key)
         if i is None:
             if len(self.table) >= MAX_IDENTITIES:
@@ -150,17 +209,22 @@ class TensorNames:
                 return -1
             i = self.ids[key] = len(self.table)
             self.table.append([tensor_name, kind, module, shape, str(t.dtype).replace(
-                "torch.", ""), dev.index if dev.index is not None else 0])
+                "torch.", ""), dev.index if dev.index is not None else 0, split])
         return i
 
-    def _note(self, t: Any, tensor_name: str | None, kind: str, module: str | None) -> None:
+    def _note(self, t: Any, tensor_name: str | None, kind: str, module: str | None,
+              split: int | None = None) -> None:
+        """Note ``t`` (its local shard when a DTensor) under this identity; ``split``: how many
+        ways TP splits it, when the caller knows better than ``t``'s own placements."""
         try:
+            if split is None:
+                split = tp_split(t)
             t = _local(t)
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
             if not ptr:
                 return  # freed (FSDP's resized-to-0 storage) or meta
-            i = self._identity(tensor_name, kind, module, t)
+            i = self._identity(tensor_name, kind, module, t, split)
             if i < 0:
                 return
             self.obs.append((ptr, t.data_ptr() - ptr, t.numel() * t.element_size(),
@@ -197,7 +261,21 @@ class TensorNames:
                 self._add_root(module)
             self.gen += 1
             self._saved_seen.clear()
+            self._tls.tp_open = 0
         stack.append(module)
+        if module not in self._tp_hooked and _tp_module(module):
+            # its own forward hook, after the style's (``parallelize_module`` registered those
+            # first): it sees the output the style hands on, after any redistribution
+            self._tp_hooked.add(module)
+            self._handles.append(module.register_forward_hook(self._tp_post, always_call=True))
+
+    def _tp_post(self, module: Any, args: Any, output: Any) -> None:
+        """A column-wise module opens the TP-split region (its output, split along the
+        features, up to the row-wise module that takes it); any other TP module closes it."""
+        try:
+            self._tls.tp_open = _tp_output(module, output)
+        except Exception:
+            self._tls.tp_open = 0
 
     def _post_forward(self, module: Any, args: Any, output: Any) -> None:
         stack = self._stack()
@@ -217,7 +295,10 @@ class TensorNames:
             key = (local.data_ptr(), owner, self.gen)
             if key not in self._saved_seen:
                 self._saved_seen.add(key)
-                self._note(local, None, "saved_for_backward", owner)
+                # a DTensor says its placement; a plain tensor saved between a column-wise
+                # module's output and the row-wise module that takes it is split with them
+                split = tp_split(t) if local is not t else getattr(self._tls, "tp_open", 0)
+                self._note(local, None, "saved_for_backward", owner, split)
         except Exception:
             pass
         return t.detach()
@@ -314,11 +395,13 @@ class TensorNames:
             for fp in getattr(group, "fsdp_params", ()):
                 fqn = getattr(fp, "_param_fqn", None) or ""
                 module = fqn.rpartition(".")[0] or None
+                # the unsharded parameter is TP's local shard when TP splits it (2-D mesh)
+                split = tp_split(getattr(fp, "_unsharded_param", None))
                 for t in getattr(fp, "all_gather_outputs", ()) or ():
                     if t.untyped_storage().size():
                         names._note(t.view(getattr(fp, "_orig_size", t.shape))
                                     if t.numel() == _numel(getattr(fp, "_orig_size", None))
-                                    else t, fqn, "unsharded_parameter", module)
+                                    else t, fqn, "unsharded_parameter", module, split)
 
         def unsharded_grads(group: Any) -> None:
             for fp in getattr(group, "fsdp_params", ()):

@@ -19,23 +19,25 @@ _MODEL = ("Each block scales by what made it: 1/W (sharded state, with FSDP's pa
           "constant (the rest); the trace is replayed with the new sizes. Model, validation and "
           "limits: `snapforensics forecast --help`.")
 
-COLUMNS = ("W", "strategy", "ckpt", "micro-batch", "fix applied", "predicted peak",
+COLUMNS = ("W", "TP", "strategy", "ckpt", "micro-batch", "fix applied", "predicted peak",
            "vs recorded", "error band", "phase (row)", "dominant", "fits")
 
 
 def _table(f: Forecast) -> tuple[list[str], list[list[str]]]:
-    """Columns and rows; the fix column only when some scenario applies a fix."""
+    """Columns and rows; the TP column only for a TP recording, the fix column only when some
+    scenario applies a fix."""
     rows = [_row(p, f.baseline["peak_bytes"]) for p in f.scenarios]
-    if any(p.scenario.fix for p in f.scenarios):
-        return list(COLUMNS), rows
-    k = COLUMNS.index("fix applied")
-    return [c for i, c in enumerate(COLUMNS) if i != k], [r[:k] + r[k + 1:] for r in rows]
+    drop = {COLUMNS.index("TP")} if f.baseline.get("tp") is None else set()
+    if not any(p.scenario.fix for p in f.scenarios):
+        drop.add(COLUMNS.index("fix applied"))
+    return ([c for i, c in enumerate(COLUMNS) if i not in drop],
+            [[x for i, x in enumerate(r) if i not in drop] for r in rows])
 
 
 def _row(p: Prediction, recorded: int) -> list[str]:
     sc = p.scenario
-    head = [str(sc.world_size), sc.strategy, sc.checkpointing, f"x{sc.micro_batch_scale:g}",
-            sc.fix or "-"]
+    head = [str(sc.world_size), str(sc.tp or "-"), sc.strategy, sc.checkpointing,
+            f"x{sc.micro_batch_scale:g}", sc.fix or "-"]
     if p.refused:
         return head + ["refused", "", "", "", p.refused, ""]
     pk = p.predicted_peak_bytes or 0
@@ -70,7 +72,8 @@ def _validation_lines(f: Forecast) -> list[str]:
         if not b or b["validated"]:
             continue
         sc = p.scenario
-        line = (f"not validated: W={sc.world_size} {sc.strategy} ckpt {sc.checkpointing} "
+        line = (f"not validated: W={sc.world_size}{f' TP={sc.tp}' if sc.tp else ''} "
+                f"{sc.strategy} ckpt {sc.checkpointing} "
                 f"x{sc.micro_batch_scale:g}{' fix ' + sc.fix if sc.fix else ''}: "
                 + "; ".join(b["not_validated"]))
         if line not in seen:
@@ -82,7 +85,8 @@ def _validation_lines(f: Forecast) -> list[str]:
 def _baseline_line(f: Forecast) -> str:
     b = f.baseline
     w = b["world_size"] or "unknown"
-    return (f"recorded: world size {w}, {b['strategy']}, checkpointing {b['checkpointing']}; "
+    tp = f", TP {b['tp']}" if b.get("tp") else ""
+    return (f"recorded: world size {w}{tp}, {b['strategy']}, checkpointing {b['checkpointing']}; "
             f"peak {human(b['peak_bytes'])} in {b['phase']} (row {b['row']}), replayed "
             f"{human(b['replayed_peak_bytes'] or 0)}")
 

@@ -38,8 +38,8 @@ from snapforensics.snapshot.model import (
 )
 from snapforensics.snapshot.tensors import KINDS, Identity, TensorTable
 
-SCHEMA = 4  # 2: the recorder's tensor names (snapshot/tensors.py); 3: compile_context rows;
-# 4: the recorder's map of compiled code (snapshot/graph_code.py)
+SCHEMA = 5  # 2: the recorder's tensor names (snapshot/tensors.py); 3: compile_context rows;
+# 4: the recorder's map of compiled code (snapshot/graph_code.py); 5: names' TP split
 STATES = ("active_allocated", "active_pending_free", "inactive")
 STAGES = ("START", "END")
 _ALLOWED = {np.dtype(t) for t in ("i1", "i4", "i8", "u1", "u8", "f8", "?")}
@@ -97,7 +97,7 @@ def save(s: Snapshot, f) -> None:
         a["nm_ptr"], a["nm_offset"], a["nm_nbytes"] = nm.ptr, nm.offset, nm.nbytes
         a["nm_time_us"], a["nm_identity"] = nm.time_us, nm.identity
     tensors = None if nm is None else {
-        "identities": [[i.tensor, i.kind, i.module, list(i.shape), i.dtype, i.device]
+        "identities": [[i.tensor, i.kind, i.module, list(i.shape), i.dtype, i.device, i.tp]
                        for i in nm.identities], "notes": nm.notes}
     meta = {"schema": SCHEMA, "traces": len(s.traces), "streams": s.streams,
             "tensors": tensors,
@@ -327,11 +327,12 @@ def _tensors(a: dict, meta: Any) -> TensorTable | None:
         raise BadEntry("tensors")
     ids = []
     for e in meta["identities"]:
-        if type(e) is not list or len(e) != 6 or e[1] not in KINDS or type(e[3]) is not list \
-                or not all(type(x) is int for x in e[3]) or type(e[5]) is not int or not all(
-                    x is None or type(x) is str for x in (e[0], e[2])) or type(e[4]) is not str:
+        if type(e) is not list or len(e) != 7 or e[1] not in KINDS or type(e[6]) is not int \
+                or type(e[3]) is not list or not all(type(x) is int for x in e[3]) \
+                or type(e[5]) is not int or type(e[4]) is not str \
+                or not all(x is None or type(x) is str for x in (e[0], e[2])):
             raise BadEntry("tensor identities")
-        ids.append(Identity(e[0], e[1], e[2], tuple(e[3]), e[4], e[5]))
+        ids.append(Identity(e[0], e[1], e[2], tuple(e[3]), e[4], e[5], e[6]))
     n = len(_arr(a, "nm_ptr", "u8"))
     return TensorTable(ids, a["nm_ptr"], _arr(a, "nm_offset", "i8", n, 0, MAX_BYTES),
                        _arr(a, "nm_nbytes", "i8", n, 0, MAX_BYTES), _arr(a, "nm_time_us", "f8", n),

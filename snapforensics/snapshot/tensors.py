@@ -2,14 +2,17 @@
 
 A top-level key beside `segments` and `device_traces` (torch's `_memory_viz` reads only those):
 
-    {"format": "snapforensics.tensors/1", "clock": "epoch_us", "kinds": [...],
-     "identities": [[tensor, kind, module, shape, dtype, device], ...],
+    {"format": "snapforensics.tensors/2", "clock": "epoch_us", "kinds": [...],
+     "identities": [[tensor, kind, module, shape, dtype, device, tp], ...],
      "ptr": [...], "offset": [...], "nbytes": [...], "time_us": [...], "identity": [...],
      "observations_made": N, "errors": [...], ...}
 
 Each observation says: at `time_us` (the trace's clock), the storage whose data pointer is
 `ptr` held identity `identity` (`offset` bytes in, `nbytes` long). `tensor` and `module` may be
-None (a saved activation has no name; a root parameter no module). Validated here: anything
+None (a saved activation has no name; a root parameter no module). `tp` is how many ways tensor
+parallelism splits the tensor (its DTensor placement on the mesh's `tp` dimension, or a saved
+activation between a column-wise module's output and the row-wise module that takes it), 1 for
+one TP replicates, 0 unknown; format /1 (6 items) has none (read as 0). Validated here: anything
 irregular drops the whole key with one warning (the names are an extra, never the file's
 failure). The join to blocks is `analysis/identity.py`.
 """
@@ -33,7 +36,9 @@ from snapforensics.snapshot.columns import (
 )
 
 KEY = "snapforensics_tensors"
-FORMAT = "snapforensics.tensors/1"
+FORMAT = "snapforensics.tensors/2"
+FORMATS = {"snapforensics.tensors/1": 6, FORMAT: 7}  # -> items per identity
+MAX_TP = 1 << 20
 KINDS = ("parameter", "gradient", "optimizer_state", "unsharded_parameter", "unsharded_gradient",
          "all_gather_buffer", "saved_for_backward")
 MAX_OBSERVATIONS = 4_000_000
@@ -51,6 +56,7 @@ class Identity:
     shape: tuple[int, ...]
     dtype: str
     device: int
+    tp: int = 0  # ways tensor parallelism splits it (1: replicated, 0: unknown)
 
 
 @dataclass
@@ -80,10 +86,13 @@ def _str(v: Any, none: bool = True) -> str | None:
     return clean_str(v)
 
 
-def _identity(e: Any) -> Identity:
-    if type(e) not in LISTS or len(e) != 6:
-        raise _Bad("an identity is not a 6-item list")
-    tensor, kind, module, shape, dtype, device = e
+def _identity(e: Any, items: int) -> Identity:
+    if type(e) not in LISTS or len(e) != items:
+        raise _Bad(f"an identity is not a {items}-item list")
+    tensor, kind, module, shape, dtype, device = e[:6]
+    tp = e[6] if items > 6 else 0
+    if type(tp) is not int or not 0 <= tp <= MAX_TP:
+        raise _Bad("a TP split is not a count")
     if kind not in KINDS:
         raise _Bad(f"unknown kind {str(kind)[:40]!r}")
     if type(shape) not in LISTS or len(shape) > MAX_DIMS or any(
@@ -92,7 +101,7 @@ def _identity(e: Any) -> Identity:
     if type(device) is not int or not 0 <= device < MAX_DEVICE:
         raise _Bad("a device is not an index")
     return Identity(_str(tensor), str(kind), _str(module), tuple(shape), _str(dtype, False) or "",
-                    device)
+                    device, tp)
 
 
 def _column(v: Any, name: str, dtype: Any, lo: float, hi: float) -> np.ndarray:
@@ -118,7 +127,9 @@ def read(raw: dict, warnings: list[str]) -> TensorTable | None:
 def _read(v: Any) -> TensorTable | None:
     if type(v) is not dict:
         raise _Bad(f"is {tname(v)}, expected a dict")
-    if v.get("format") != FORMAT:
+    fmt = v.get("format")
+    items = FORMATS.get(fmt) if type(fmt) is str else None
+    if items is None:
         raise _Bad(f"has format {short(v.get('format'))}, expected {FORMAT!r}")
     ids = v.get("identities", [])
     if type(ids) not in LISTS or len(ids) > MAX_IDENTITIES:
@@ -126,7 +137,7 @@ def _read(v: Any) -> TensorTable | None:
     n = len(v.get("ptr", []) or [])
     if n > MAX_OBSERVATIONS:
         raise _Bad(f"has {n} observations, more than {MAX_OBSERVATIONS}")
-    identities = [_identity(e) for e in ids]
+    identities = [_identity(e, items) for e in ids]
     cols = {
         "ptr": _column(v.get("ptr", []), "ptr", np.uint64, 0, (1 << 64) - 1),
         "offset": _column(v.get("offset", []), "offset", np.int64, 0, MAX_BYTES),

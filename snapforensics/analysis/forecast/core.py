@@ -33,22 +33,25 @@ from snapforensics.analysis.forecast.replay import Forecaster
 from snapforensics.snapshot.model import Snapshot
 
 
-def _scenarios(fx: Forecaster, world_sizes, strategies, checkpointing, scales) -> list[Scenario]:
+def _scenarios(fx: Forecaster, world_sizes, strategies, checkpointing, scales,
+               tps=()) -> list[Scenario]:
     base = fx.baseline()
     out = []
     for w in world_sizes or [base.world_size]:
         for s in strategies or [base.strategy]:
             for c in checkpointing or [base.checkpointing]:
                 for k in scales or [1.0]:
-                    out.append(Scenario(int(w), s, c, float(k)))
+                    for tp in tps or [base.tp]:
+                        out.append(Scenario(int(w), s, c, float(k), tp=tp))
     return out
 
 
 def forecast(snapshot: Snapshot, world_sizes=(), strategies=(), checkpointing=(),
              micro_batch_scales=(), capacity: int | None = None,
-             device: int | None = None) -> Forecast:
+             device: int | None = None, tps=()) -> Forecast:
     """Forecast the peak of `snapshot`'s run under each combination of the given settings
-    (empty = as recorded). With `capacity`, also the smallest world size that fits."""
+    (empty = as recorded; `tps`: tensor-parallel degrees, the data-parallel ones kept). With
+    `capacity`, also the smallest world size that fits."""
     traces = [t for t in snapshot.active_traces if len(t)]
     if device is not None:
         traces = [t for t in traces if t.device == device]
@@ -66,7 +69,7 @@ def forecast(snapshot: Snapshot, world_sizes=(), strategies=(), checkpointing=()
     elif d.fsdp.world.estimated:
         notes.append(f"recorded world size {fx.w0} inferred from reduce-scatter sizes "
                      "(no recorder provenance)")
-    scen = _scenarios(fx, world_sizes, strategies, checkpointing, micro_batch_scales)
+    scen = _scenarios(fx, world_sizes, strategies, checkpointing, micro_batch_scales, tps)
     preds = [fx.predict(sc) for sc in scen]
     fixable = sorted({f.rule for f in fx.anomalies if f.rule in fx.fixes})
     other = sorted({f.rule for f in fx.anomalies} - set(fixable))
@@ -87,7 +90,7 @@ def forecast(snapshot: Snapshot, world_sizes=(), strategies=(), checkpointing=()
                 p.fits = p.predicted_peak_bytes <= capacity
         fit = capacity_fit(fx, capacity, scen, fixable)
     bl = fx.predict(base)
-    baseline = {"world_size": fx.w0, "strategy": fx.strategy,
+    baseline = {"world_size": fx.w0, "tp": base.tp, "strategy": fx.strategy,
                 "checkpointing": fx.checkpointing, "peak_bytes": d.peak_bytes,
                 "phase": d.phase_name(d.peak_row), "row": d.peak_row,
                 "replayed_peak_bytes": bl.predicted_peak_bytes, "breakdown": bl.breakdown,

@@ -24,6 +24,7 @@ class Scenario:
     checkpointing: str = NONE
     micro_batch_scale: float = 1.0
     fix: str | None = None  # anomalous rule whose fix is applied first
+    tp: int | None = None  # tensor-parallel degree (None: not a TP recording)
 
     def shard_factor(self) -> int:
         """Ranks a parameter is sharded over: W, W / R for hsdp:R, 1 for no_shard."""
@@ -56,7 +57,8 @@ class Prediction:
         sc = self.scenario
         return {"world_size": sc.world_size, "strategy": sc.strategy,
                 "checkpointing": sc.checkpointing, "micro_batch_scale": sc.micro_batch_scale,
-                "fix_applied": sc.fix, "predicted_peak_bytes": self.predicted_peak_bytes,
+                "fix_applied": sc.fix, "tp": sc.tp,
+                "predicted_peak_bytes": self.predicted_peak_bytes,
                 "phase": self.phase, "row": self.peak_row if self.refused is None else None,
                 "iteration": self.iteration, "breakdown": self.breakdown,
                 "by_scaling": self.by_scaling, "scales": self.scales,

@@ -5,6 +5,7 @@ builds the scenario's plan and sizes and replays the live bytes to find its peak
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
@@ -30,7 +31,13 @@ from snapforensics.analysis.forecast.plans import (
     to_not_checkpointed,
     to_shard_grad_op,
 )
-from snapforensics.analysis.forecast.scaling import CONST, SCALING, scaled_sizes, scaling
+from snapforensics.analysis.forecast.scaling import (
+    CONST,
+    SCALING,
+    scaled_sizes,
+    scaling,
+    tp_shares,
+)
 from snapforensics.analysis.forecast.units import detect_strategy, units
 from snapforensics.analysis.rules import run_rules
 from snapforensics.analysis.vocab import CAT_CODE, CATEGORIES, Category, Phase, Verdict
@@ -79,6 +86,7 @@ class Forecaster:
         self.fsdp = bool(d.mask(Category.UNSHARDED_PARAM, Category.ALL_GATHER,
                                 Category.REDUCE_SCATTER, Category.SHARDED_GRAD).any())
         self.cls = scaling(d, self.w0)
+        self.tp = tp_shares(d, self.cls)  # (recorded TP degree or None, share per block)
         # FSDP units of every iteration (forward order), found once
         self.units = {it.index: units(d, it)[0] for it in d.tl.iterations}
         self.strategy = detect_strategy(d, self.units) if self.fsdp else "none"
@@ -94,9 +102,11 @@ class Forecaster:
         return [f for f in self.findings if f.verdict == Verdict.ANOMALOUS]
 
     def baseline(self) -> Scenario:
-        return Scenario(self.w0 or 1, self.strategy, self.checkpointing, 1.0)
+        return Scenario(self.w0 or 1, self.strategy, self.checkpointing, 1.0, tp=self.tp[0])
 
     def predict(self, sc: Scenario) -> Prediction:
+        if sc.tp is None and self.tp[0]:  # no TP degree given: the recorded one
+            sc = replace(sc, tp=self.tp[0])
         try:
             p = self._predict(sc)
         except Refused as e:
@@ -127,6 +137,13 @@ class Forecaster:
             changes.append("micro_batch")
             if not band_data.SCALES[0] <= sc.micro_batch_scale <= band_data.SCALES[1]:
                 outside.append(f"micro-batch x{sc.micro_batch_scale:g} (checked: x1/4 to x4)")
+        if sc.tp != base.tp:
+            changes.append("tp")
+            r = (sc.tp or 0) / (base.tp or 1)
+            lo, hi = band_data.TP_RATIOS
+            if not lo <= r <= hi:
+                outside.append(f"TP {sc.tp} is {r:g}x the recorded {base.tp} (checked: "
+                               f"{lo:g}x to {hi:g}x)")
         if sc.fix:
             changes.append("fix")
             if sc.fix not in band_data.FIXES:
@@ -151,6 +168,13 @@ class Forecaster:
             if not self.w0:
                 raise Refused("the recorded world size is unknown (no recorder provenance and "
                               "no reduce-scatter pair to infer it from)")
+        if sc.tp != base.tp:
+            if base.tp is None:
+                raise Refused("no tensor split by tensor parallelism is named in this recording "
+                              "(the recorder names DTensors on a mesh dim called 'tp', and what "
+                              "their column-wise modules output): the TP degree cannot change")
+            if not sc.tp or sc.tp < 1:
+                raise Refused("the TP degree must be a positive count")
         if sc.strategy.startswith("hsdp:"):
             reps = sc.strategy.split(":", 1)[1]
             if not reps.isdigit() or int(reps) < 1 or sc.world_size % int(reps):
@@ -186,7 +210,7 @@ class Forecaster:
                               "backward) in the trace, and this recording has none")
             move = to_checkpointed if sc.checkpointing == FULL else to_not_checkpointed
             move(d, self.units, p)
-        sizes = scaled_sizes(d, self.cls, self.w0, sc)
+        sizes = scaled_sizes(d, self.cls, self.w0, sc, self.tp)
         r = evaluate(d, p, sizes, self.cls)
         it = d.tl.iteration_of(r.row)
         return Prediction(sc, r.peak, r.row, d.phase_name(r.row), it.index if it else None,

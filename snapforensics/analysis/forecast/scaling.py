@@ -11,6 +11,7 @@ from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.forecast.documents import Scenario
 from snapforensics.analysis.fsdp import ranges as fsdp_ranges
 from snapforensics.analysis.vocab import BACKWARD_PHASES, CAT_CODE, Category, Phase
+from snapforensics.snapshot.tensors import KINDS
 
 # Scaling classes.
 CONST, SHARD, UNIT, BATCH = range(4)
@@ -98,7 +99,78 @@ def scaling(d: DeviceAnalysis, w0: int | None) -> np.ndarray:
     return cls
 
 
-def scaled_sizes(d: DeviceAnalysis, cls: np.ndarray, w0: int | None, sc: Scenario) -> np.ndarray:
+# what parameters make: sharded by TP as their parameters are, when no tensor of theirs was seen
+_PARAM_MADE = (Category.PARAMETER, Category.SHARDED_PARAM, Category.UNSHARDED_PARAM,
+               Category.ALL_GATHER, Category.REDUCE_SCATTER, Category.SHARDED_GRAD,
+               Category.UNSHARDED_GRAD, Category.OPTIMIZER_STATE)
+_TP_COLLECTIVES = (Category.TP_ALL_GATHER, Category.TP_REDUCE_SCATTER, Category.TP_ALL_REDUCE)
+
+
+def tp_shares(d: DeviceAnalysis, cls: np.ndarray) -> tuple[int | None, np.ndarray]:
+    """The recorded TP degree (the most ways the recorder saw TP split a tensor; None when it
+    saw none) and, per block, the share of its bytes TP splits (scaled by tp0 / tp):
+
+    - a block the recorder named: the bytes of its tensors TP splits (DTensor placements on the
+      mesh's ``tp`` dim; a saved activation between a column-wise module and its row-wise one);
+    - a parameter's block it did not name (FSDP's flat all-gather and reduce-scatter buffers,
+      a parameter's gradient): the share of the named parameters' bytes TP splits;
+    - a TP collective's buffer (``tp.*``) 1/tp0 the size of another: the shard side of an
+      all-gather or reduce-scatter;
+    - an activation's gradient (backward makes them, unnamed) of the size of a split named
+      block and of no whole one: a gradient has its tensor's shape, so it is split as the
+      tensor is (where a split size equals a whole one, as TP 4's MLP hidden and the residual
+      stream can, it stays constant);
+    - the rest: 0 (constant: what TP replicates, and what nothing says)."""
+    nm = d.names
+    size = d.lt.size.astype(np.int64)
+    share = np.zeros(len(size), np.float64)
+    if nm is None or not (nm.tp > 1).any():
+        return None, share
+    tp0 = int(nm.tp.max())
+    named = nm.tp > 0
+    share[named] = np.minimum(nm.tp_bytes[named] / np.maximum(size[named], 1), 1.0)
+    named = _same_site(d.lt.stack, size, named, share)
+    grads = (d.category == CAT_CODE[Category.GRADIENT]) & (cls == BATCH) & ~named
+    if grads.any():
+        split_sizes = np.setdiff1d(size[named & (share >= 1)], size[named & (share == 0)])
+        share[grads & np.isin(size, split_sizes)] = 1.0
+    params = nm.kinds == KINDS.index("parameter")
+    if params.any() and size[params].sum():
+        p_share = min(float(nm.tp_bytes[params].sum() / size[params].sum()), 1.0)
+        made = np.isin(d.category, [CAT_CODE[c] for c in _PARAM_MADE]) | \
+            np.isin(cls, [SHARD, UNIT])
+        share[made & ~named] = p_share
+    coll = np.isin(d.category, [CAT_CODE[c] for c in _TP_COLLECTIVES])
+    if coll.any():
+        share[coll & np.isin(size * tp0, size[coll])] = 1.0
+    return tp0, share
+
+
+def _same_site(stack: np.ndarray, size: np.ndarray, named: np.ndarray,
+               share: np.ndarray) -> np.ndarray:
+    """An unnamed block made where a named one was (the same stack, the same size: the same
+    tensor in another step, one whose saved-tensor hooks the script or a checkpoint pushed)
+    takes that site's share; `named` with them added."""
+    traced = stack >= 0
+    if not (named & traced).any():
+        return named
+    key = np.unique(np.stack([stack[traced], size[traced]]), axis=1, return_inverse=True)[1]
+    key = key.reshape(-1)
+    idx = np.flatnonzero(traced)
+    k_named = named[idx]
+    n = int(key.max()) + 1
+    total = np.bincount(key[k_named], weights=share[idx][k_named], minlength=n)
+    count = np.bincount(key[k_named], minlength=n)
+    take = ~k_named & (count[key] > 0)
+    share[idx[take]] = total[key[take]] / count[key[take]]
+    out = named.copy()
+    out[idx[take]] = True
+    return out
+
+
+def scaled_sizes(d: DeviceAnalysis, cls: np.ndarray, w0: int | None, sc: Scenario,
+                 tp: tuple[int | None, np.ndarray | None] = (None, None)) -> np.ndarray:
+    """The blocks' sizes in scenario `sc`; `tp`: `tp_shares`, for a scenario's TP degree."""
     size = d.lt.size.astype(np.int64)
     out = size.copy()
     w = sc.shard_factor()
@@ -114,6 +186,9 @@ def scaled_sizes(d: DeviceAnalysis, cls: np.ndarray, w0: int | None, sc: Scenari
     if sc.micro_batch_scale != 1:
         b = cls == BATCH
         out[b] = np.ceil(size[b] * sc.micro_batch_scale).astype(np.int64)
+    tp0, share = tp
+    if sc.tp and tp0 and share is not None and sc.tp != tp0:
+        out = np.ceil(out * (1 - share) + out * share * tp0 / sc.tp).astype(np.int64)
     if d.snapshot.kind.caching_allocator:  # sizes the trace records rounded stay rounded
         rounded = (size % ALLOC_ROUND == 0) & (out != size)
         out = np.where(rounded, -(-out // ALLOC_ROUND) * ALLOC_ROUND, out)
