@@ -427,13 +427,15 @@ def test_findings_name_their_tensors(probe):
 TP_PROBE = REPO / "tests" / "tp_split_probe.py"
 
 
-@pytest.mark.parametrize("variant", ["plain", "sp", "gathered"])
+@pytest.mark.parametrize("variant", ["plain", "sp", "gathered", "head"])
 def test_recorder_names_what_tp_splits(variant):
     """Each tensor autograd saves under torch's own `parallelize_module` (TP 4, fake process
     group), through the recorder's real pack hook, carries the split the running state shows:
     its bytes against the plain twin's save at the same position (4: split, 1: whole). Plans:
     torchtitan's without and with SequenceParallel, and one whose column-wise w1 all-gathers its
-    output (`output_layouts=Replicate()`), after which nothing is split until w2."""
+    output (`output_layouts=Replicate()`), after which nothing is split until w2; and a model
+    whose column-wise output projection's logits the script gathers after the model returns
+    (the region ends with the module that called the projection: the softmax is whole)."""
     import subprocess
     import sys
 
@@ -452,9 +454,13 @@ def test_recorder_names_what_tp_splits(variant):
     owners = {r[2] for r in split}
     if variant == "gathered":
         assert "feed_forward" in {r[2] for r in whole} and "feed_forward" not in owners
+    elif variant == "head":  # the block's own regions, the head's output, and the whole softmax
+        assert {"block.feed_forward", "block.attention"} <= owners
+        assert [r for r in whole if r[2] is None and r[3] == [2, 16, 256]]
     else:
         assert {"feed_forward", "attention"} <= owners
+    norms = {"attention_norm", "ffn_norm", "block.attention_norm", "block.ffn_norm"}
     if variant == "sp":  # SequenceParallel's norms take the sequence shard
         assert {"attention_norm", "ffn_norm"} <= owners
     else:
-        assert not {"attention_norm", "ffn_norm"} & owners
+        assert not norms & owners

@@ -9,7 +9,11 @@ live) and is paired with the plain run's save at the same position: the truth is
 their storage bytes (4: TP splits it 4 ways; 1: TP replicates it). Prints one JSON list of
 ``[ratio, recorder's split, owner module, local shape]``.
 
-    python tests/tp_split_probe.py {plain|sp|gathered}
+    python tests/tp_split_probe.py {plain|sp|gathered|head}
+
+``head``: the block and a column-wise output projection in one model, whose local logits the
+script gathers itself after the model returns (``full_tensor``) and takes a softmax of: what is
+saved there is whole, the region ends with the module that called the projection.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ TP = 4
 def main(variant: str) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=TP)
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -42,9 +46,30 @@ def main(variant: str) -> None:
     if variant == "gathered":  # w1's output all-gathered: nothing between w1 and w2 is split
         plan["feed_forward.w1"] = ColwiseParallel(output_layouts=Replicate())
         plan["feed_forward.w2"] = RowwiseParallel(input_layouts=Replicate())
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block, self.head = ex.Block(64, 4), torch.nn.Linear(64, 256, bias=False)
+
+        def forward(self, x):
+            return self.head(self.block(x))
+
     torch.manual_seed(0)
-    plain, block = ex.Block(64, 4), ex.Block(64, 4)
-    parallelize_module(block, mesh, plan)
+    if variant == "head":
+        plain, model = Model(), Model()
+        parallelize_module(model.block, mesh, plan)
+        parallelize_module(model.head, mesh, ColwiseParallel())
+
+        def block(x):
+            y = model(x)
+            return DTensor.from_local(y, mesh, [Shard(-1)]).full_tensor().softmax(-1)
+
+        def plain_run(x):
+            return plain(x).softmax(-1)
+    else:
+        plain_run, block = ex.Block(64, 4), ex.Block(64, 4)
+        parallelize_module(block, mesh, plan)
+        model = block
     x = torch.randn(2, 16, 64)
 
     def saves(module, inp, pack_through=None) -> list:
@@ -60,13 +85,13 @@ def main(variant: str) -> None:
             module(inp)
         return out
 
-    truth = saves(plain, x)
-    names = TensorNames(block)
+    truth = saves(plain_run, x)
+    names = TensorNames(model)
     names.start()
     try:
         inp = x.chunk(TP, dim=1)[0].contiguous() if variant == "sp" else x
         if variant == "sp":
-            inp = torch.distributed.tensor.DTensor.from_local(inp, mesh, [Shard(1)]).to_local()
+            inp = DTensor.from_local(inp, mesh, [Shard(1)]).to_local()
         got = saves(block, inp, names._pack)
     finally:
         names.stop()

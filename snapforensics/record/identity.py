@@ -261,7 +261,7 @@ class TensorNames:
                 self._add_root(module)
             self.gen += 1
             self._saved_seen.clear()
-            self._tls.tp_open = 0
+            self._tls.tp_open = None
         stack.append(module)
         if module not in self._tp_hooked and _tp_module(module):
             # its own forward hook, after the style's (``parallelize_module`` registered those
@@ -271,11 +271,24 @@ class TensorNames:
 
     def _tp_post(self, module: Any, args: Any, output: Any) -> None:
         """A column-wise module opens the TP-split region (its output, split along the
-        features, up to the row-wise module that takes it); any other TP module closes it."""
+        features, up to the row-wise module that takes it, inside the module that called it);
+        any other TP module closes it."""
         try:
-            self._tls.tp_open = _tp_output(module, output)
+            n = _tp_output(module, output)
         except Exception:
-            self._tls.tp_open = 0
+            n = 0
+        stack = self._stack()  # the global post hook ran first: the caller's chain
+        self._tls.tp_open = (n, len(stack), stack[-1]) if n and stack else None
+
+    def _tp_region(self, stack: list) -> int:
+        """The TP degree of the open region, 0 when none is open here: the module that called
+        the column-wise one must still be running (a model whose last projection is column-wise
+        leaves no region over the loss computed after it)."""
+        r = getattr(self._tls, "tp_open", None)
+        if not r:
+            return 0
+        n, depth, parent = r
+        return n if len(stack) >= depth and stack[depth - 1] is parent else 0
 
     def _post_forward(self, module: Any, args: Any, output: Any) -> None:
         stack = self._stack()
@@ -297,7 +310,7 @@ class TensorNames:
                 self._saved_seen.add(key)
                 # a DTensor says its placement; a plain tensor saved between a column-wise
                 # module's output and the row-wise module that takes it is split with them
-                split = tp_split(t) if local is not t else getattr(self._tls, "tp_open", 0)
+                split = tp_split(t) if local is not t else self._tp_region(stack)
                 self._note(local, None, "saved_for_backward", owner, split)
         except Exception:
             pass
