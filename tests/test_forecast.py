@@ -252,7 +252,9 @@ def test_cli_json_contract_and_bad_arguments(tmp_path, capsys):
                 ["--world-size", "1" + "0" * 400], ["--capacity", "1e400GiB"],
                 ["--strategy", "hsdp:0"], ["--micro-batch-scale", "nan"],
                 # issue 18: a bare number was read as bytes (80 B: "fits: NO" everywhere)
-                ["--capacity", "80"]):
+                ["--capacity", "80"],
+                # a TP degree: a count up to MAX_TP (an internal KeyError before review)
+                ["--tp", "0"], ["--tp", "x"], ["--tp", "5000"]):
         rc, _, err = _cli(capsys, "forecast", str(FIXED), *bad)
         assert rc == 2, (bad, err)
         assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
@@ -640,6 +642,16 @@ def test_tp_degree_without_tp_names_is_refused():
     p = fx.predict(replace(fx.baseline(), tp=4))
     assert p.refused and "tensor parallelism" in p.refused
     assert fx.predict(fx.baseline()).predicted_peak_bytes == fx.d.peak_bytes
+    # the report keeps the TP column for the refused rows (they would read alike without it)
+    from snapforensics.report import render
+
+    def header(doc) -> list[str]:
+        line = next(x for x in render("forecast", doc, "markdown").splitlines()
+                    if x.startswith("| W |"))
+        return [c.strip() for c in line.strip("|").split("|")]
+
+    assert "TP" in header(forecast(load(FIXED), tps=[2, 4]))
+    assert "TP" not in header(forecast(load(FIXED)))
 
 
 @slow

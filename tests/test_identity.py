@@ -236,13 +236,16 @@ def test_damaged_key_is_dropped_with_a_warning(tmp_path):
     s = load(_named_file(tmp_path, {"format": "other"}))
     assert s.tensors is None and s.warnings
     # format /2: a 7th item, the TP split, a bounded count; /1's 6 items under /2 are refused
-    for tp in (-1, 1 << 40, "4", None):
+    for tp in (-1, 1 << 40, 4097, "4", None):
         v2 = _key([(4096, 15.0, 0)]) | {"format": "snapforensics.tensors/2"}
         v2["identities"] = [e + [tp] for e in v2["identities"]]
         s = load(_named_file(tmp_path, v2))
         assert s.tensors is None and any(KEY in w for w in s.warnings), tp
     s = load(_named_file(tmp_path, _key([(4096, 15.0, 0)]) | {"format": "snapforensics.tensors/2"}))
     assert s.tensors is None and any("7-item" in w for w in s.warnings)
+    for ptr in (5, 2.5, True):  # a column that is no list (a TypeError out of the loader before)
+        s = load(_named_file(tmp_path, _key([(4096, 15.0, 0)]) | {"ptr": ptr}))
+        assert s.tensors is None and any(KEY in w for w in s.warnings), ptr
 
 
 def test_tp_split_reads_and_survives_the_cache(tmp_path):

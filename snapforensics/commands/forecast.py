@@ -24,6 +24,7 @@ RANGES = {"world-size": "integers from 1 to 1048576",
           "strategy": "full_shard, shard_grad_op, no_shard or hsdp:R, R from 1 to 1048576",
           "checkpointing": "none or full",
           "micro-batch-scale": "numbers from 1/1024 to 1024",
+          "tp": "integers from 1 to 4096",
           "pp": "integers from 1 to 1048576", "microbatches": "integers from 1 to 1048576",
           "schedule": "gpipe or 1f1b"}
 
@@ -162,7 +163,11 @@ def forecast_command(snapshot: Path, world_size, strategy, checkpointing, micro_
     worlds = _list(world_size, _positive_int, "world-size")
     strategies = _list(strategy, _strategy, "strategy")
     scales = _list(micro_batch_scale, _scale, "micro-batch-scale")
+    from snapforensics.snapshot.tensors import MAX_TP
+
     tps = _list(tp, _positive_int, "tp")
+    if any(n > MAX_TP for n in tps):
+        raise SnapError(f"--tp: expected {RANGES['tp']}")
     emit("forecast", forecast(load(snapshot), worlds, strategies, ckpt, scales, cap, tps=tps),
          fmt, output)
     return 0

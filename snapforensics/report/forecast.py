@@ -24,10 +24,10 @@ COLUMNS = ("W", "TP", "strategy", "ckpt", "micro-batch", "fix applied", "predict
 
 
 def _table(f: Forecast) -> tuple[list[str], list[list[str]]]:
-    """Columns and rows; the TP column only for a TP recording, the fix column only when some
-    scenario applies a fix."""
+    """Columns and rows; the TP column only when a scenario has a TP degree, the fix column
+    only when some scenario applies a fix."""
     rows = [_row(p, f.baseline["peak_bytes"]) for p in f.scenarios]
-    drop = {COLUMNS.index("TP")} if f.baseline.get("tp") is None else set()
+    drop = set() if any(p.scenario.tp for p in f.scenarios) else {COLUMNS.index("TP")}
     if not any(p.scenario.fix for p in f.scenarios):
         drop.add(COLUMNS.index("fix applied"))
     return ([c for i, c in enumerate(COLUMNS) if i not in drop],

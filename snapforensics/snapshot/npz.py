@@ -36,7 +36,7 @@ from snapforensics.snapshot.model import (
     Snapshot,
     Trace,
 )
-from snapforensics.snapshot.tensors import KINDS, Identity, TensorTable
+from snapforensics.snapshot.tensors import KINDS, MAX_TP, Identity, TensorTable
 
 SCHEMA = 5  # 2: the recorder's tensor names (snapshot/tensors.py); 3: compile_context rows;
 # 4: the recorder's map of compiled code (snapshot/graph_code.py); 5: names' TP split
@@ -328,8 +328,10 @@ def _tensors(a: dict, meta: Any) -> TensorTable | None:
     ids = []
     for e in meta["identities"]:
         if type(e) is not list or len(e) != 7 or e[1] not in KINDS or type(e[6]) is not int \
-                or type(e[3]) is not list or not all(type(x) is int for x in e[3]) \
-                or type(e[5]) is not int or type(e[4]) is not str \
+                or not 0 <= e[6] <= MAX_TP or type(e[5]) is not int \
+                or not 0 <= e[5] < MAX_DEVICE or type(e[3]) is not list \
+                or not all(type(x) is int and 0 <= x < (1 << 62) for x in e[3]) \
+                or type(e[4]) is not str \
                 or not all(x is None or type(x) is str for x in (e[0], e[2])):
             raise BadEntry("tensor identities")
         ids.append(Identity(e[0], e[1], e[2], tuple(e[3]), e[4], e[5], e[6]))

@@ -38,7 +38,9 @@ from snapforensics.snapshot.columns import (
 KEY = "snapforensics_tensors"
 FORMAT = "snapforensics.tensors/2"
 FORMATS = {"snapforensics.tensors/1": 6, FORMAT: 7}  # -> items per identity
-MAX_TP = 1 << 20
+# the most ways TP splits a tensor (real TP degrees stay within a node or two: 8-64); bounds a
+# forecast's scale factor tp0 / tp so a 2^50-byte block times it stays an exact int64
+MAX_TP = 1 << 12
 KINDS = ("parameter", "gradient", "optimizer_state", "unsharded_parameter", "unsharded_gradient",
          "all_gather_buffer", "saved_for_backward")
 MAX_OBSERVATIONS = 4_000_000
@@ -134,7 +136,8 @@ def _read(v: Any) -> TensorTable | None:
     ids = v.get("identities", [])
     if type(ids) not in LISTS or len(ids) > MAX_IDENTITIES:
         raise _Bad("has no list of identities")
-    n = len(v.get("ptr", []) or [])
+    ptr = v.get("ptr", [])
+    n = len(ptr) if type(ptr) in LISTS else 0  # a non-list is refused by its column below
     if n > MAX_OBSERVATIONS:
         raise _Bad(f"has {n} observations, more than {MAX_OBSERVATIONS}")
     identities = [_identity(e, items) for e in ids]

@@ -51,12 +51,12 @@ PAIRS: tuple[tuple[str, str, float, float], ...] = (
     ("fix", "pipeline GPipe -> 1F1B, 4 micro-batches, stage 1", 28.52, 28.52),
     # the TP degree (`--tp`), examples/tp.py 2 x 64 (tests/test_forecast.py::
     # test_tp_degree_both_ways, rank 0; MiB to 6 places: these peaks are under 1.2 MiB)
-    ("tp", "TP (torchtitan plan): TP 4 from 2", 0.815449, 0.815941),
-    ("tp", "TP (torchtitan plan): TP 2 from 4", 1.099136, 1.098160),
+    ("tp", "TP (torchtitan plan): TP 4 from 2", 0.815933, 0.815941),
+    ("tp", "TP (torchtitan plan): TP 2 from 4", 1.098167, 1.098160),
     ("tp", "TP + SequenceParallel: TP 4 from 2", 0.588268, 0.580463),
     ("tp", "TP + SequenceParallel: TP 2 from 4", 0.933372, 0.972427),
-    ("tp", "FSDP2 + TP (2-D mesh, dp_shard 2): TP 4 from 2", 0.862579, 0.863319),
-    ("tp", "FSDP2 + TP (2-D mesh, dp_shard 2): TP 2 from 4", 1.194359, 1.192890),
+    ("tp", "FSDP2 + TP (2-D mesh, dp_shard 2): TP 4 from 2", 0.862820, 0.863319),
+    ("tp", "FSDP2 + TP (2-D mesh, dp_shard 2): TP 2 from 4", 1.193874, 1.192890),
 )
 
 # What the pairs span: world size ratios (forecast W / recorded W), strategy changes, scales.

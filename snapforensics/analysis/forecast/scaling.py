@@ -103,6 +103,9 @@ def scaling(d: DeviceAnalysis, w0: int | None) -> np.ndarray:
 _PARAM_MADE = (Category.PARAMETER, Category.SHARDED_PARAM, Category.UNSHARDED_PARAM,
                Category.ALL_GATHER, Category.REDUCE_SCATTER, Category.SHARDED_GRAD,
                Category.UNSHARDED_GRAD, Category.OPTIMIZER_STATE)
+# a plain parameter, gradient or optimizer state is whole (TP splits parameters as DTensors);
+# a plain saved activation may be a sequence shard SequenceParallel's module handed on
+_OWN_KINDS = ("parameter", "gradient", "optimizer_state")
 _TP_COLLECTIVES = (Category.TP_ALL_GATHER, Category.TP_REDUCE_SCATTER, Category.TP_ALL_REDUCE)
 
 
@@ -111,7 +114,8 @@ def tp_shares(d: DeviceAnalysis, cls: np.ndarray) -> tuple[int | None, np.ndarra
     saw none) and, per block, the share of its bytes TP splits (scaled by tp0 / tp):
 
     - a block the recorder named: the bytes of its tensors TP splits (DTensor placements on the
-      mesh's ``tp`` dim; a saved activation between a column-wise module and its row-wise one);
+      mesh's ``tp`` dim; a saved activation between a column-wise module and its row-wise one),
+      0 for a parameter, gradient or optimizer state it saw as a plain tensor;
     - a parameter's block it did not name (FSDP's flat all-gather and reduce-scatter buffers,
       a parameter's gradient): the share of the named parameters' bytes TP splits;
     - a TP collective's buffer (``tp.*``) 1/tp0 the size of another: the shard side of an
@@ -127,7 +131,11 @@ def tp_shares(d: DeviceAnalysis, cls: np.ndarray) -> tuple[int | None, np.ndarra
     if nm is None or not (nm.tp > 1).any():
         return None, share
     tp0 = int(nm.tp.max())
-    named = nm.tp > 0
+    # known: a split recorded, or a parameter, gradient or state the recorder saw as a plain
+    # tensor (whole); FSDP's flat buffers and unsharded gradients are plain tensors of
+    # parameters TP may split: not known from that
+    own = np.isin(nm.kinds, [KINDS.index(k) for k in _OWN_KINDS])
+    named = (nm.tp > 0) | own
     share[named] = np.minimum(nm.tp_bytes[named] / np.maximum(size[named], 1), 1.0)
     named = _same_site(d.lt.stack, size, named, share)
     grads = (d.category == CAT_CODE[Category.GRADIENT]) & (cls == BATCH) & ~named

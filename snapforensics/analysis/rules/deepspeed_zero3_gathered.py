@@ -18,9 +18,9 @@ all-gather is latency-bound (norms, biases: a few KiB each); a model whose weigh
 under it too keeps them whole for the run and stage 3 partitions nothing of them. The threshold
 is the mechanism, not a ratio: fetched instead, a parameter is gathered for its module's forward
 and backward and released after it, so about one module's (the running one) is gathered at a
-time. Persistence is then the anomaly when it, not fetching, is most of what is gathered at the
-peak (the persistent bytes alive there exceed the fetched ones: norms and biases beside fetched
-weights stay `expected`) and the replay says dropping it lowers the peak: every persistent
+time. Persistence is then the anomaly when it holds more at the peak than fetching ever held at
+once anywhere in the run (norms and biases beside fetched weights stay `expected`, wherever the
+peak falls) and the replay says dropping it lowers the peak: every persistent
 block replayed without its lifetime, and the largest module's persistent bytes (the recorder's
 names: `module.0.weight` -> `module.0`) added over the run. Then `anomalous`, with the fix
 (`stage3_param_persistence_threshold` 0); a file without names gets no prediction.
@@ -79,6 +79,23 @@ def _persistence(d: DeviceAnalysis, kept: np.ndarray) -> tuple[int, int, Replay]
     return predicted, len(by_module), Replay(extra=tuple(extra))
 
 
+def _most_fetched(d: DeviceAnalysis) -> int:
+    """The most bytes the coordinator had fetched at once anywhere in the run (the working set
+    fetching costs: 0 when every parameter is persistent). Persistence is decided by a
+    parameter's element count, so a fetched block the size of a persistent one is a persistent
+    parameter gathered before it was kept (the first forward fetches them too): not counted."""
+    lt = d.lt
+    every = np.flatnonzero(d.category == CAT_CODE[Category.DEEPSPEED_GATHERED_PARAM])
+    size = np.zeros(len(lt), np.int64)
+    is_fetched = _fetched(d, every)
+    fetched = every[is_fetched]
+    fetched = fetched[~np.isin(lt.size[fetched], lt.size[every[~is_fetched]])]
+    if not len(fetched):
+        return 0
+    size[fetched] = lt.size[fetched]
+    return int(lt.replay(size=size).max(initial=0))
+
+
 def check(d: DeviceAnalysis) -> list[Finding]:
     lt = d.lt
     if d.peak_row < 0:
@@ -106,7 +123,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     evidence = {"fetched_bytes_at_peak": fetched_bytes, "persistent_bytes_at_peak": kept_bytes,
                 "stacks": top_stacks(d, held, 1)}
     title = "ZeRO-3 gathered parameters alive at the peak"
-    alt = _persistence(d, held[~fetched]) if kept_bytes > fetched_bytes else None
+    alt = _persistence(d, held[~fetched]) if kept_bytes > _most_fetched(d) else None
     if alt is not None and alt[0] < d.peak_bytes:
         predicted, modules, replay = alt
         evidence |= {"persistent_modules": modules}
