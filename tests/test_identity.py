@@ -467,3 +467,18 @@ def test_recorder_names_what_tp_splits(variant):
         assert {"attention_norm", "ffn_norm"} <= owners
     else:
         assert not norms & owners
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_torch_compile_of_the_model_runs_under_the_names(backend):
+    """`torch.compile(model)` trains under the recorder's names (it raised inside Dynamo before:
+    the global module hooks were traced into the graph), and the parameters are still named."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch")
+    p = subprocess.run([sys.executable, str(REPO / "tests" / "compiled_model_probe.py"), backend],
+                       capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert [layer_of(n) for n in got] == ["w1", "w1", "w2", "w2"], got

@@ -252,6 +252,8 @@ class TensorNames:
         return s
 
     def _pre_forward(self, module: Any, args: Any) -> None:
+        if _compiling():  # Dynamo tracing a module (module hooks are inlined into the graph)
+            return
         if self._want_step_hooks:
             self._want_step_hooks = False
             _StepHooks.register(self)
@@ -273,6 +275,8 @@ class TensorNames:
         """A column-wise module opens the TP-split region (its output, split along the
         features, up to the row-wise module that takes it, inside the module that called it);
         any other TP module closes it."""
+        if _compiling():
+            return
         try:
             n = _tp_output(module, output)
         except Exception:
@@ -291,6 +295,8 @@ class TensorNames:
         return n if len(stack) >= depth and stack[depth - 1] is parent else 0
 
     def _post_forward(self, module: Any, args: Any, output: Any) -> None:
+        if _compiling():
+            return
         stack = self._stack()
         while stack:  # always_call: also after a forward that raised
             if stack.pop() is module:
@@ -507,6 +513,25 @@ class _StepHooks:
         t = self._live()
         if t is not None:
             t._after_step(optimizer, args, kwargs)
+
+
+def _compiling() -> bool:
+    """Whether Dynamo is tracing this call: the recorder's module hooks then do nothing, as
+    Dynamo inlines global module hooks into the graph it builds, where their bookkeeping (the
+    module stack, a WeakKeyDictionary keyed by the module) made `torch.compile(model)` fail
+    (`... is already tracked for mutation`); the compiled forward still runs the saved-tensor
+    pack hook, and the graph-code map names what Inductor made."""
+    try:
+        import torch.compiler
+
+        return bool(torch.compiler.is_compiling())
+    except (ImportError, AttributeError):  # torch < 2.3
+        try:
+            import torch._dynamo
+
+            return bool(torch._dynamo.is_compiling())
+        except Exception:
+            return False
 
 
 def _numel(shape: Any) -> int:
