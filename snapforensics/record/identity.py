@@ -86,9 +86,7 @@ def tp_split(t: Any) -> int:
 
 def _tp_module(module: Any) -> bool:
     """A Linear or Embedding whose weight tensor parallelism splits."""
-    import torch.nn as nn
-
-    if not isinstance(module, (nn.Linear, nn.Embedding)):
+    if not isinstance(module, _TP_MODULES):
         return False
     try:
         return tp_split(module._parameters.get("weight")) > 1
@@ -160,6 +158,7 @@ class TensorNames:
         import torch
         from torch.nn.modules import module as nn_module
 
+        _resolve()
         self._handles.append(nn_module.register_module_forward_pre_hook(self._pre_forward))
         self._handles.append(nn_module.register_module_forward_hook(self._post_forward,
                                                                     always_call=True))
@@ -520,18 +519,35 @@ def _compiling() -> bool:
     Dynamo inlines global module hooks into the graph it builds, where their bookkeeping (the
     module stack, a WeakKeyDictionary keyed by the module) made `torch.compile(model)` fail
     (`... is already tracked for mutation`); the compiled forward still runs the saved-tensor
-    pack hook, and the graph-code map names what Inductor made."""
+    pack hook, and the graph-code map names what Inductor made. Resolved once (`_resolve`, at
+    start): the hooks run on every module call."""
+    return _IS_COMPILING()
+
+
+def _never() -> bool:
+    return False
+
+
+_IS_COMPILING: Any = _never
+_TP_MODULES: tuple = ()  # nn.Linear, nn.Embedding: what torch's column/row-wise styles take
+
+
+def _resolve() -> None:
+    global _IS_COMPILING, _TP_MODULES
+    import torch.nn as nn
+
+    _TP_MODULES = (nn.Linear, nn.Embedding)
     try:
         import torch.compiler
 
-        return bool(torch.compiler.is_compiling())
+        _IS_COMPILING = torch.compiler.is_compiling
     except (ImportError, AttributeError):  # torch < 2.3
         try:
             import torch._dynamo
 
-            return bool(torch._dynamo.is_compiling())
+            _IS_COMPILING = torch._dynamo.is_compiling
         except Exception:
-            return False
+            _IS_COMPILING = _never
 
 
 def _numel(shape: Any) -> int:

@@ -60,7 +60,8 @@ ds_config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
 """
 
 
-def _persistence(d: DeviceAnalysis, kept: np.ndarray) -> tuple[int, int, Replay] | None:
+def _persistence(d: DeviceAnalysis, kept: np.ndarray, persistent: np.ndarray
+                 ) -> tuple[int, int, Replay] | None:
     """The peak without persistence (every block the coordinator did not fetch replayed
     without its lifetime, the largest module's persistent bytes added over the run), the
     modules and the replay; None when a persistent block has no module name."""
@@ -71,25 +72,21 @@ def _persistence(d: DeviceAnalysis, kept: np.ndarray) -> tuple[int, int, Replay]
         if m is None:
             return None
         by_module[m] += int(lt.size[b])
-    every = np.flatnonzero(d.category == CAT_CODE[Category.DEEPSPEED_GATHERED_PARAM])
     extra = [(int(lt.alloc_row[b]), int(lt.free_row[b]), -int(lt.size[b]))
-             for b in every[~_fetched(d, every)].tolist()]
+             for b in persistent.tolist()]
     extra.append((0, lt.rows, max(by_module.values())))
     predicted = max(int(lt.replay(extra=tuple(extra)).max()), lt.baseline)
     return predicted, len(by_module), Replay(extra=tuple(extra))
 
 
-def _most_fetched(d: DeviceAnalysis) -> int:
+def _most_fetched(d: DeviceAnalysis, fetched: np.ndarray, persistent: np.ndarray) -> int:
     """The most bytes the coordinator had fetched at once anywhere in the run (the working set
     fetching costs: 0 when every parameter is persistent). Persistence is decided by a
     parameter's element count, so a fetched block the size of a persistent one is a persistent
     parameter gathered before it was kept (the first forward fetches them too): not counted."""
     lt = d.lt
-    every = np.flatnonzero(d.category == CAT_CODE[Category.DEEPSPEED_GATHERED_PARAM])
     size = np.zeros(len(lt), np.int64)
-    is_fetched = _fetched(d, every)
-    fetched = every[is_fetched]
-    fetched = fetched[~np.isin(lt.size[fetched], lt.size[every[~is_fetched]])]
+    fetched = fetched[~np.isin(lt.size[fetched], lt.size[persistent])]
     if not len(fetched):
         return 0
     size[fetched] = lt.size[fetched]
@@ -100,11 +97,12 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     lt = d.lt
     if d.peak_row < 0:
         return []
-    held = np.flatnonzero((d.category == CAT_CODE[Category.DEEPSPEED_GATHERED_PARAM]) &
-                          lt.alive_at(d.peak_row))
-    if not len(held):
+    every = np.flatnonzero(d.category == CAT_CODE[Category.DEEPSPEED_GATHERED_PARAM])
+    alive = lt.alive_at(d.peak_row)[every]
+    if not alive.any():
         return []
-    fetched = _fetched(d, held)
+    every_fetched = _fetched(d, every)  # one pass over the gathered blocks' stacks
+    held, fetched = every[alive], every_fetched[alive]
     fetched_bytes = int(lt.size[held[fetched]].sum())
     kept_bytes = int(lt.size[held[~fetched]].sum())
     total = fetched_bytes + kept_bytes
@@ -123,7 +121,9 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     evidence = {"fetched_bytes_at_peak": fetched_bytes, "persistent_bytes_at_peak": kept_bytes,
                 "stacks": top_stacks(d, held, 1)}
     title = "ZeRO-3 gathered parameters alive at the peak"
-    alt = _persistence(d, held[~fetched]) if kept_bytes > _most_fetched(d) else None
+    persistent = every[~every_fetched]
+    alt = _persistence(d, held[~fetched], persistent) \
+        if kept_bytes > _most_fetched(d, every[every_fetched], persistent) else None
     if alt is not None and alt[0] < d.peak_bytes:
         predicted, modules, replay = alt
         evidence |= {"persistent_modules": modules}
