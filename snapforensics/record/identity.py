@@ -264,11 +264,15 @@ class TensorNames:
             self._saved_seen.clear()
             self._tls.tp_open = None
         stack.append(module)
-        if module not in self._tp_hooked and _tp_module(module):
-            # its own forward hook, after the style's (``parallelize_module`` registered those
-            # first): it sees the output the style hands on, after any redistribution
-            self._tp_hooked.add(module)
-            self._handles.append(module.register_forward_hook(self._tp_post, always_call=True))
+        try:
+            if module not in self._tp_hooked and _tp_module(module):
+                # its own forward hook, after the style's (``parallelize_module`` registered
+                # those first): it sees the output the style hands on, after redistribution
+                self._tp_hooked.add(module)
+                self._handles.append(module.register_forward_hook(self._tp_post,
+                                                                  always_call=True))
+        except Exception:  # never the run's failure: the region is then not tracked here
+            pass
 
     def _tp_post(self, module: Any, args: Any, output: Any) -> None:
         """A column-wise module opens the TP-split region (its output, split along the
