@@ -192,6 +192,12 @@ _PIPE_MODEL = ("The recorded GPipe step is cut into its micro-batches' forwards 
                "--help`.")
 
 
+def _schedule(sc: dict) -> str:
+    """The scenario's schedule, with its stages per rank when it runs several (interleaved)."""
+    v = sc.get("virtual_stages", 1)
+    return f"{sc['schedule']}:{v}" if v > 1 else sc["schedule"]
+
+
 def _pipe_rows(f) -> list[list[str]]:
     rows = []
     for sc in f.scenarios:
@@ -199,7 +205,7 @@ def _pipe_rows(f) -> list[list[str]]:
         band = "exact (replay)" if b["exact"] else \
             f"{b['low']:+.1%}..{b['high']:+.1%}" + ("" if b["validated"] else " NOT VALIDATED")
         for p in sc["per_stage"]:
-            head = [str(sc["stages"]), str(sc["microbatches"]), sc["schedule"], str(p["stage"]),
+            head = [str(sc["stages"]), str(sc["microbatches"]), _schedule(sc), str(p["stage"]),
                     "?" if p["layers"] is None else str(p["layers"]),
                     str(p["held_microbatches"])]
             if p["refused"]:
@@ -218,7 +224,7 @@ def _pipe_lines(f) -> list[str]:
     for sc in f.scenarios:
         if sc["worst_stage"] is not None:
             out.append(f"{sc['stages']} stages, {sc['microbatches']} micro-batches, "
-                       f"{sc['schedule']}: worst stage {sc['worst_stage']} at "
+                       f"{_schedule(sc)}: worst stage {sc['worst_stage']} at "
                        f"{human(sc['worst_peak_bytes'])}")
     out += [f"note: {n}" for n in f.notes]
     seen = []

@@ -66,8 +66,9 @@ from snapforensics.analysis.mesh import mesh
 from snapforensics.analysis.vocab import FSDP_CATEGORIES, Category, Phase
 
 SCHEMA = "snapforensics.pipeline_forecast/1"
-GPIPE, ONE_F_ONE_B = "gpipe", "1f1b"
-SCHEDULES = (GPIPE, ONE_F_ONE_B)
+GPIPE, ONE_F_ONE_B, INTERLEAVED = "gpipe", "1f1b", "interleaved_1f1b"
+SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED)
+MAX_VIRTUAL = 64  # stages per rank of an interleaved schedule (Megatron's runs use 2 to 8)
 # bounds of a scenario: each new micro-batch rebuilds its operations' blocks once more, so the
 # work grows with M' (the largest pipelines run tens of stages, a few hundred micro-batches)
 MAX_STAGES = MAX_MICROBATCHES = 1024
@@ -75,9 +76,24 @@ MAX_STAGES = MAX_MICROBATCHES = 1024
 
 @dataclass(frozen=True)
 class PipeScenario:
-    stages: int
+    stages: int  # ranks of the pipeline (stages per rank: `virtual`)
     microbatches: int
     schedule: str
+    virtual: int = 1  # stages each rank runs (interleaved: its model chunks)
+
+
+def parse_schedule(text: str) -> tuple[str, int]:
+    """`gpipe`, `1f1b`, `interleaved[:V]` / `interleaved_1f1b[:V]` (V stages per rank, 2 when
+    not given) -> (schedule, V); ValueError otherwise."""
+    name, _, v = text.strip().lower().partition(":")
+    if name == "interleaved":
+        name = INTERLEAVED
+    if name not in SCHEDULES or (v and name != INTERLEAVED):
+        raise ValueError(text)
+    virtual = int(v) if v else (2 if name == INTERLEAVED else 1)
+    if name == INTERLEAVED and not 2 <= virtual <= MAX_VIRTUAL:
+        raise ValueError(text)
+    return name, virtual
 
 
 @dataclass
@@ -296,10 +312,15 @@ def source(d: DeviceAnalysis) -> StageSource | str:
     return next((s for s in steps if s.start <= d.peak_row <= s.end), steps[-1])
 
 
-def order(schedule: str, stage: int, stages: int, m: int) -> list[tuple[str, int]]:
-    """The operations of stage `stage` of `stages` over `m` micro-batches, in run order."""
+def order(schedule: str, stage: int, stages: int, m: int, virtual: int = 1
+          ) -> list[tuple[str, int]]:
+    """The operations of stage `stage` of `stages` over `m` micro-batches, in run order; under
+    an interleaved schedule, of rank `stage` running `virtual` stages, micro-batch k of its
+    j-th stage numbered j * m + k."""
     if schedule == GPIPE:
         return [("F", k) for k in range(m)] + [("B", k) for k in range(m)]
+    if schedule == INTERLEAVED:
+        return _interleaved(stage, stages, m, virtual)
     w = min(m, stages - stage)
     out = [("F", k) for k in range(w)]
     for k in range(m):
@@ -307,6 +328,58 @@ def order(schedule: str, stage: int, stages: int, m: int) -> list[tuple[str, int
         if w + k < m:
             out.append(("F", w + k))
     return out
+
+
+def interleaved_refusal(stages: int, m: int) -> str | None:
+    rounds = max(1, m // stages)
+    if m % rounds:
+        return (f"ScheduleInterleaved1F1B needs the micro-batches ({m}) a multiple of its "
+                f"rounds ({rounds} = max(1, {m} // {stages} stages))")
+    return None
+
+
+def _interleaved(rank: int, stages: int, m: int, v: int) -> list[tuple[str, int]]:
+    """torch's ScheduleInterleaved1F1B on one rank (`_get_warmup_ops`, `_get_1f1b_rank_ops`
+    in pipelining/schedules.py, without the idle slots): warm-up forwards, then a forward and a
+    backward each, then the remaining backwards; forwards go through the rank's stages a round
+    of micro-batches at a time, backwards through them in reverse."""
+    per_round = m // max(1, m // stages)
+    warmup = min((v - 1) * per_round + 2 * (stages - 1 - rank), m * v)
+    steady = m * v - warmup
+    fwd = [0] * v
+    bwd = [0] * v
+    out = []
+
+    def forward(op: int) -> None:
+        j = (op // per_round) % v
+        out.append(("F", j * m + fwd[j]))
+        fwd[j] += 1
+
+    def backward(op: int) -> None:
+        j = v - 1 - ((op - warmup) // per_round) % v
+        out.append(("B", j * m + bwd[j]))
+        bwd[j] += 1
+
+    for op in range(warmup + steady + warmup):
+        if op < warmup:
+            forward(op)
+        elif op < warmup + steady:
+            forward(op)
+            backward(op)
+        else:
+            backward(op)
+    return out
+
+
+def held(seq: list[tuple[str, int]], m: int) -> int:
+    """The most micro-batches one stage of the rank has run the forward of and not the
+    backward (what it holds activations for), over `seq` (`order`)."""
+    now: dict[int, int] = {}
+    most = 0
+    for kind, i in seq:
+        now[i // m] = now.get(i // m, 0) + (1 if kind == "F" else -1)
+        most = max(most, now[i // m])
+    return most
 
 
 def _template(k: int, m_new: int, m_rec: int) -> int:
@@ -460,21 +533,28 @@ class Rebuilt:
         return int(round(float(live[row]))), row
 
 
-def rebuild(src: StageSource, sc: PipeScenario, stage: int, layer_ratio: float) -> Rebuilt:
+def rebuild(src: StageSource, sc: PipeScenario, stage: int, layer_ratio: float,
+            chunk: int | None = None, timeline: dict[tuple[str, int], int] | None = None
+            ) -> Rebuilt:
     """The step of stage `stage` under `sc`, rebuilt from the recorded one (module docstring),
-    with what runs after its last backward until the next step."""
+    with what runs after its last backward until the next step. Under an interleaved schedule,
+    what the rank's stage `chunk` makes (`layer_ratio` its layers' ratio), its operations placed
+    at `timeline` (each operation's first row in the rank's step, every stage's operations
+    laid out: `_timeline`); what the step holds besides the layers' comes with stage 0."""
     d, lt = src.d, src.d.lt
-    seq = order(sc.schedule, stage, sc.stages, sc.microbatches)
+    seq = order(sc.schedule, stage, sc.stages, sc.microbatches, sc.virtual)
     # each new operation's recorded template and the offset of its rows in the new trace
-    tmpl = {x: (x[0], _template(x[1], sc.microbatches, src.microbatches)) for x in seq}
-    offsets: dict[tuple[str, int], int] = {}
-    pos = 0
-    for x in seq:
-        r0, r1 = src.ops[tmpl[x]]
-        offsets[x] = pos - r0
-        pos += r1 - r0
+    tmpl = {x: (x[0], _template(x[1] % sc.microbatches, sc.microbatches, src.microbatches))
+            for x in seq}
+    if timeline is None:
+        timeline = _timeline(seq, {x: src for x in seq}, tmpl)
+    if chunk is not None:
+        seq = [x for x in seq if x[1] // sc.microbatches == chunk]
+    offsets = {x: timeline[x] - src.ops[tmpl[x]][0] for x in seq}
+    pos = timeline[("end", -1)]
     tail = pos - src.end  # rows after the last backward keep their distance from it
     rows = pos + (src.stop - src.end)
+    whole = not chunk  # what is not the layers' comes once per rank
     keys = list(src.ops)
     op_of = np.full(lt.rows + 1, -1, np.int64)
     for i, key in enumerate(keys):
@@ -507,7 +587,10 @@ def rebuild(src: StageSource, sc: PipeScenario, stage: int, layer_ratio: float) 
 
     # alive when the step begins: parameters and their state scale with the layers; what is
     # freed inside the step (the batch's chunks) goes where its operation now runs
+    p2p = d.mask(Category.PP_P2P)
     for b in np.flatnonzero((a < src.start) & (f > src.start)).tolist():
+        if not (whole or src.layer_params[b] or p2p[b]):  # each stage its receive buffers
+            continue
         sz = size[b] * (layer_ratio if src.layer_params[b] else 1.0)
         if f[b] >= src.end:
             add(b, -1, after(b), sz)
@@ -519,6 +602,12 @@ def rebuild(src: StageSource, sc: PipeScenario, stage: int, layer_ratio: float) 
     # a stage before the last sends its outputs on; the last keeps them for the step's return
     sends = src.stage is None or src.stages is None or src.stage < src.stages - 1
     gpipe = src.schedule == GPIPE
+    one_f = sc.schedule != GPIPE
+    # torch's runtime for looped schedules (`_PipelineScheduleRuntime._step_microbatches`)
+    # waits on every send as the step returns: what a send holds (a forward's output, a
+    # backward's input gradient) stays to the step's end, as under GPipe's lists of works
+    looped = sc.schedule == INTERLEAVED
+    sent = ~src.layer_params
     g = gathers(src)
     made = born_in >= 0
     if g is not None:
@@ -550,12 +639,14 @@ def rebuild(src: StageSource, sc: PipeScenario, stage: int, layer_ratio: float) 
             ar = int(a[b]) + offsets[inst]
             nxt = (kind, inst[1] + 1)
             own = ("B", inst[1])
-            if sc.schedule == ONE_F_ONE_B and phase_wait and nxt in offsets:
+            if looped and (phase_wait or step_wait or (freed == (kind, k + 1) and sent[b])):
+                fr = tail + src.end  # a send: the looped runtime waits on them as it returns
+            elif one_f and phase_wait and nxt in offsets:
                 fr = src.ops[tmpl[nxt]][1] + offsets[nxt]  # waited on after the next forward
-            elif sc.schedule == ONE_F_ONE_B and step_wait and kind == "F" and sends and \
+            elif one_f and step_wait and kind == "F" and sends and \
                     own in offsets:
                 fr = src.ops[tmpl[own]][1] + offsets[own]  # dropped by its own backward
-            elif sc.schedule == ONE_F_ONE_B and step_wait and kind == "B" and nxt in offsets:
+            elif one_f and step_wait and kind == "B" and nxt in offsets:
                 fr = src.ops[tmpl[nxt]][1] + offsets[nxt]  # waited on at the next backward
             elif phase_wait:  # after the last forward, where it was
                 fr = int(f[b]) + offsets[("F", m_new - 1)]
@@ -576,7 +667,8 @@ def rebuild(src: StageSource, sc: PipeScenario, stage: int, layer_ratio: float) 
     sharded = d.mask(Category.SHARDED_GRAD)
     for b in np.flatnonzero((a >= src.end) & (a < src.stop)).tolist():
         per_layer = d.tl.phase[a[b]] == Phase.OPTIMIZER or bool(sharded[b])
-        add(b, int(a[b]) + tail, after(b), size[b] * (layer_ratio if per_layer else 1.0))
+        if whole or per_layer:
+            add(b, int(a[b]) + tail, after(b), size[b] * (layer_ratio if per_layer else 1.0))
     return Rebuilt(rows, np.array(blocks, np.int64), np.array(allocs, np.int64),
                    np.array(frees, np.int64), np.array(sizes, np.float64))
 
@@ -597,6 +689,20 @@ def _unit_copies(units: list[str], ratio: float
             m = k // n
             return [(u, j / m, 1 / m) for u in units for j in range(m)], 1.0
     return [(u, 0.0, 1.0) for u in units], ratio
+
+
+def _timeline(seq: list[tuple[str, int]], srcs: dict[tuple[str, int], StageSource],
+              tmpl: dict[tuple[str, int], tuple[str, int]]) -> dict[tuple[str, int], int]:
+    """Each operation's first row in the rebuilt step (its recorded template's rows laid end to
+    end, each from its stage's source), and ("end", -1): the row after the last."""
+    out = {}
+    pos = 0
+    for x in seq:
+        r0, r1 = srcs[x].ops[tmpl[x]]
+        out[x] = pos
+        pos += r1 - r0
+    out[("end", -1)] = pos
+    return out
 
 
 def _replay_gathers(g: Gathers, seq, tmpl, offsets, after_step, ratio: float, size, add) -> None:
@@ -641,22 +747,26 @@ def predict(srcs: list[StageSource], sc: PipeScenario) -> list[StagePrediction]:
     # the model's layers: every recorded stage's when all are here, else an even split assumed
     whole = rec_stages is not None and len(by_stage) == rec_stages and \
         all(s.layers for s in by_stage.values())
+    total_stages = sc.stages * sc.virtual
+
+    def pick(st: int) -> StageSource:
+        """The recorded stage in the position of stage `st` (of all the pipeline's)."""
+        if not (by_stage and rec_stages):
+            return srcs[0]
+        if st == 0:
+            got = by_stage.get(0)
+        elif st == total_stages - 1:
+            got = by_stage.get(rec_stages - 1)
+        else:
+            got = next((by_stage[i] for i in range(1, rec_stages - 1) if i in by_stage),
+                       by_stage.get(rec_stages - 1))
+        return got or srcs[0]
+
     out = []
     for st in range(sc.stages):
-        if by_stage and rec_stages:
-            if st == 0:
-                pick = by_stage.get(0)
-            elif st == sc.stages - 1:
-                pick = by_stage.get(rec_stages - 1)
-            else:
-                pick = next((by_stage[i] for i in range(1, rec_stages - 1) if i in by_stage),
-                            by_stage.get(rec_stages - 1))
-            src = pick or srcs[0]
-        else:
-            src = srcs[0]
-        held = min(sc.microbatches, sc.stages - st) if sc.schedule == ONE_F_ONE_B \
-            else sc.microbatches
-        p = StagePrediction(st, src.stage, None, held)
+        src = pick(st)
+        p = StagePrediction(st, src.stage, None, held(
+            order(sc.schedule, st, sc.stages, sc.microbatches, sc.virtual), sc.microbatches))
         ratio = 1.0
         if sc.stages != (src.stages or sc.stages):
             total = sum(s.layers or 0 for s in by_stage.values()) if whole else \
@@ -664,17 +774,62 @@ def predict(srcs: list[StageSource], sc: PipeScenario) -> list[StagePrediction]:
             if not src.layers:
                 p.refused = ("the recording names no layers (record with `snapforensics "
                              "record` for tensor names): another pipeline degree is refused")
-            elif total % sc.stages:
-                p.refused = f"{total} layers do not split evenly over {sc.stages} stages"
+            elif total % (sc.stages * sc.virtual):
+                p.refused = (f"{total} layers do not split evenly over "
+                             f"{sc.stages * sc.virtual} stages")
             else:
                 p.layers = total // sc.stages
                 ratio = p.layers / src.layers
         else:
             p.layers = src.layers
-        if p.refused is None:
+            if sc.virtual > 1 and src.layers and src.layers % sc.virtual:
+                p.refused = (f"{src.layers} layers do not split evenly over "
+                             f"{sc.virtual} stages per rank")
+            elif sc.virtual > 1 and not src.layers:
+                p.refused = ("the recording names no layers (record with `snapforensics "
+                             "record` for tensor names): an interleaved schedule is refused")
+        if sc.schedule == INTERLEAVED and p.refused is None:
+            p.refused = interleaved_refusal(sc.stages, sc.microbatches)
+            if src.d.mask(*FSDP_CATEGORIES).any():
+                p.refused = ("FSDP shards the stages: an interleaved schedule (several FSDP "
+                             "roots per rank) is not modelled")
+        if p.refused is None and sc.virtual > 1:
+            p.predicted_peak_bytes = _interleaved_peak(sc, st, pick, (p.layers or 0) //
+                                                       sc.virtual)
+        elif p.refused is None:
             p.predicted_peak_bytes = rebuild(src, sc, st, ratio).peak()[0]
         out.append(p)
     return out
+
+
+def _interleaved_peak(sc: PipeScenario, rank: int, pick, layers: int) -> int:
+    """The rank's peak under an interleaved schedule: each of its stages (global stage
+    j * S + rank) rebuilt from the recorded stage in that stage's position at its share of the
+    layers, the operations of all laid out in the rank's order, and summed."""
+    seq = order(sc.schedule, rank, sc.stages, sc.microbatches, sc.virtual)
+    by_chunk = {j: pick(j * sc.stages + rank) for j in range(sc.virtual)}
+    srcs = {x: by_chunk[x[1] // sc.microbatches] for x in seq}
+    tmpl = {x: (x[0], _template(x[1] % sc.microbatches, sc.microbatches,
+                                srcs[x].microbatches)) for x in seq}
+    timeline = _timeline(seq, srcs, tmpl)
+    parts = [rebuild(src, sc, rank, layers / (src.layers or layers), j, timeline)
+             for j, src in by_chunk.items()]
+    # a middle stage receives both the activations (as the last stage does) and the gradients
+    # (as the first): torch's stage keeps a receive buffer per micro-batch for each
+    first = pick(0)
+    for j, src in by_chunk.items():
+        g = j * sc.stages + rank
+        if 0 < g < sc.stages * sc.virtual - 1 and src is not first and \
+                src.stage is not None and src.stages is not None and src.stage == src.stages - 1:
+            lt = first.d.lt
+            held = np.flatnonzero(first.d.mask(Category.PP_P2P) & (lt.alloc_row < first.start) &
+                                  (lt.free_row >= first.end))
+            parts.append(Rebuilt(0, held, np.full(held.size, -1, np.int64),
+                                 np.full(held.size, 1 << 62, np.int64),
+                                 lt.size[held].astype(np.float64)))
+    rows = max(r.rows for r in parts)
+    return Rebuilt(rows, *(np.concatenate([getattr(r, k) for r in parts])
+                           for k in ("block", "alloc", "free", "size"))).peak()[0]
 
 
 # The error band: each stage's forecast against the run recorded in that layout, from
@@ -801,6 +956,36 @@ FSDP_PAIRS: tuple[tuple[str, str, float, float], ...] = (
     ("S=4 M=4 1f1b", "S=4 M=8 1f1b", -0.0069, 0.0404),
     ("S=4 M=4 1f1b", "S=4 M=4 gpipe", 0.0000, 0.0000),
 )
+# An interleaved schedule (ScheduleInterleaved1F1B, 2 stages per rank) forecast from the
+# GPipe and 1F1B recordings above, against the example recorded with --schedule interleaved,
+# each pair whose stages (ranks x 2) are 1/2x..2x the recorded ones
+# (tests/test_forecast.py::test_pipeline_interleaved_forecast).
+INTERLEAVED_PAIRS: tuple[tuple[str, str, float, float], ...] = (
+    ("S=2 M=8 gpipe", "S=2x2 M=8 interleaved", 0.0129, 0.0160),
+    ("S=2 M=8 gpipe", "S=2x2 M=4 interleaved", 0.0359, 0.0366),
+    ("S=2 M=8 1f1b", "S=2x2 M=8 interleaved", -0.0068, 0.0129),
+    ("S=2 M=8 1f1b", "S=2x2 M=4 interleaved", 0.0229, 0.0366),
+    ("S=2 M=4 gpipe", "S=2x2 M=8 interleaved", 0.0026, 0.0068),
+    ("S=2 M=4 gpipe", "S=2x2 M=4 interleaved", 0.0203, 0.0229),
+    ("S=2 M=4 1f1b", "S=2x2 M=8 interleaved", -0.0205, 0.0026),
+    ("S=2 M=4 1f1b", "S=2x2 M=4 interleaved", 0.0163, 0.0203),
+    ("S=4 M=8 gpipe", "S=2x2 M=8 interleaved", 0.0000, 0.0000),
+    ("S=4 M=8 gpipe", "S=2x2 M=4 interleaved", 0.0131, 0.0163),
+    ("S=4 M=8 gpipe", "S=4x2 M=8 interleaved", 0.0169, 0.0292),
+    ("S=4 M=8 gpipe", "S=4x2 M=4 interleaved", 0.0454, 0.0514),
+    ("S=4 M=8 1f1b", "S=2x2 M=8 interleaved", -0.0456, -0.0311),
+    ("S=4 M=8 1f1b", "S=2x2 M=4 interleaved", -0.0131, 0.0000),
+    ("S=4 M=8 1f1b", "S=4x2 M=8 interleaved", -0.0355, -0.0133),
+    ("S=4 M=8 1f1b", "S=4x2 M=4 interleaved", 0.0091, 0.0278),
+    ("S=4 M=4 gpipe", "S=2x2 M=8 interleaved", -0.0104, -0.0091),
+    ("S=4 M=4 gpipe", "S=2x2 M=4 interleaved", 0.0000, 0.0000),
+    ("S=4 M=4 gpipe", "S=4x2 M=8 interleaved", 0.0034, 0.0186),
+    ("S=4 M=4 gpipe", "S=4x2 M=4 interleaved", 0.0278, 0.0472),
+    ("S=4 M=4 1f1b", "S=2x2 M=8 interleaved", -0.0593, -0.0414),
+    ("S=4 M=4 1f1b", "S=2x2 M=4 interleaved", -0.0196, -0.0162),
+    ("S=4 M=4 1f1b", "S=4x2 M=8 interleaved", -0.0592, -0.0319),
+    ("S=4 M=4 1f1b", "S=4x2 M=4 interleaved", 0.0000, 0.0189),
+)
 # what the pairs span: stage-count and micro-batch-count ratios (new / recorded)
 STAGE_RATIOS = (0.5, 2.0)
 MICROBATCH_RATIOS = (0.5, 2.0)
@@ -815,18 +1000,24 @@ def band(sc: PipeScenario, src: StageSource) -> dict:
     schedule, the stage count or the micro-batch count, several at once; FSDP's pairs when FSDP
     shards the stage), what lies outside them; the recorded layout itself is the recording
     replayed (exact)."""
-    if (sc.stages, sc.microbatches, sc.schedule) == (src.stages, src.microbatches, src.schedule):
+    if (sc.stages, sc.microbatches, sc.schedule, sc.virtual) == \
+            (src.stages, src.microbatches, src.schedule, 1):
         return {"low": 0.0, "high": 0.0, "pairs": 0, "validated": True, "not_validated": [],
                 "exact": True}
-    pairs = FSDP_PAIRS if src.d.mask(*FSDP_CATEGORIES).any() else PAIRS
+    pairs = INTERLEAVED_PAIRS if sc.schedule == INTERLEAVED else \
+        FSDP_PAIRS if src.d.mask(*FSDP_CATEGORIES).any() else PAIRS
     lo = min(p[2] for p in pairs)
     hi = max(p[3] for p in pairs)
     why = []
-    if sc.stages != src.stages and src.stages:
-        r = sc.stages / src.stages
+    total = sc.stages * sc.virtual  # what scales the layers: every stage of the pipeline
+    if total != src.stages and src.stages:
+        r = total / src.stages
         if not STAGE_RATIOS[0] <= r <= STAGE_RATIOS[1]:
-            why.append(f"{sc.stages} stages is {r:g}x the recorded {src.stages} (pairs: "
-                       f"{STAGE_RATIOS[0]:g}x..{STAGE_RATIOS[1]:g}x)")
+            what = f"{sc.stages} ranks x {sc.virtual}" if sc.virtual > 1 else ""
+            why.append(f"{total} stages{f' ({what})' if what else ''} is {r:g}x the recorded "
+                       f"{src.stages} (pairs: {STAGE_RATIOS[0]:g}x..{STAGE_RATIOS[1]:g}x)")
+    if sc.virtual > 2:
+        why.append(f"{sc.virtual} stages per rank (the interleaved pairs run 2)")
     r = sc.microbatches / src.microbatches
     if not MICROBATCH_RATIOS[0] <= r <= MICROBATCH_RATIOS[1]:
         why.append(f"{sc.microbatches} micro-batches is {r:g}x the recorded "
@@ -904,17 +1095,22 @@ def pipeline_forecast(analyses: list[DeviceAnalysis], stages=(), microbatches=()
                 "schedule": first.schedule, "layers": first.layers,
                 "stage_files": sorted(k for k in by if k is not None),
                 "peaks": {str(s.stage): s.d.peak_bytes for s in srcs}}
-    scen = [PipeScenario(int(p), int(m), str(k))
+    try:
+        kinds = [parse_schedule(str(k)) for k in schedules] or [(first.schedule, 1)]
+    except ValueError as e:
+        raise SnapError(f"pipeline forecast: schedule {str(e)[:40]!r}: expected gpipe, 1f1b or "
+                        f"interleaved[:V] (V stages per rank, 2 to {MAX_VIRTUAL})") from None
+    scen = [PipeScenario(int(p), int(m), k, v)
             for p in (stages or [first.stages or 1])
             for m in (microbatches or [first.microbatches])
-            for k in (schedules or [first.schedule])]
+            for k, v in kinds]
     out = []
     for sc in scen:
         preds = predict(srcs, sc)
         ok = [p for p in preds if p.predicted_peak_bytes is not None]
         worst = max(ok, key=lambda p: p.predicted_peak_bytes or 0) if ok else None
         out.append({"stages": sc.stages, "microbatches": sc.microbatches,
-                    "schedule": sc.schedule,
+                    "schedule": sc.schedule, "virtual_stages": sc.virtual,
                     "worst_stage": worst.stage if worst else None,
                     "worst_peak_bytes": worst.predicted_peak_bytes if worst else None,
                     "error_band": band(sc, first),
