@@ -677,7 +677,9 @@ def _check_fsdp_pair(source: tuple[int, int, str], target: tuple[int, int, str])
 
     src = _fsdp_pipeline_run(source[0], source[2], source[1])
     assert [pf.source(d).stage for d, _ in src] == [t["stage"] for _, t in src]
-    doc = pf.pipeline_forecast([d for d, _ in src], [target[0]], [target[1]], [target[2]])
+    looped = target[2] == "interleaved"
+    doc = pf.pipeline_forecast([d for d, _ in src], [target[0]], [target[1]],
+                               ["interleaved:2" if looped else target[2]])
     sc, = doc.scenarios
     twin: dict[int, tuple[int, int]] = {}
     for d, t in _fsdp_pipeline_run(target[0], target[2], target[1]):
@@ -689,10 +691,12 @@ def _check_fsdp_pair(source: tuple[int, int, str], target: tuple[int, int, str])
         assert p["held_microbatches"] == held, (target, p)
         errors.append((p["predicted_peak_bytes"] - peak) / peak)
     name = "S={} M={} {}"
-    pair = next(x for x in pf.FSDP_PAIRS if x[:2] == (name.format(*source), name.format(*target)))
+    pairs = pf.FSDP_INTERLEAVED_PAIRS if looped else pf.FSDP_PAIRS
+    want = "S={}x2 M={} {}" if looped else name
+    pair = next(x for x in pairs if x[:2] == (name.format(*source), want.format(*target)))
     print(f"fsdp pipeline {pair[0]} -> {pair[1]}: " + " ".join(f"{e:+.2%}" for e in errors))
     assert pair[2] - 0.003 <= min(errors) and max(errors) <= pair[3] + 0.003, (pair, errors)
-    assert sc["error_band"]["validated"] and sc["error_band"]["pairs"] == len(pf.FSDP_PAIRS)
+    assert sc["error_band"]["validated"] and sc["error_band"]["pairs"] == len(pairs)
     peaks = [twin[s][0] for s in sorted(twin)]
     assert peaks[sc["worst_stage"]] >= 0.99 * max(peaks), (target, sc["worst_stage"], peaks)
     return errors
@@ -709,6 +713,8 @@ def test_pipeline_fsdp_forecast():
     for source in layouts:
         for target in [x for x in layouts if x != source] + [(4, 8, "1f1b")]:
             assert max(abs(e) for e in _check_fsdp_pair(source, target)) <= 0.05
+    # and to ScheduleInterleaved1F1B, 2 FSDP roots per rank, each replaying its own gathers
+    assert max(abs(e) for e in _check_fsdp_pair((2, 8, "gpipe"), (2, 4, "interleaved"))) <= 0.05
 
 
 @full
@@ -721,6 +727,9 @@ def test_pipeline_fsdp_layout_forecast(source):
     for target in [(s, m, k) for s in (2, 4) for m in (8, 4) for k in ("gpipe", "1f1b")]:
         if target != source:
             _check_fsdp_pair(source, target)
+    for target in ((2, 8), (2, 4), (4, 8)):  # interleaved, 2 stages per rank, 1/2x..2x
+        if 0.5 <= target[0] * 2 / source[0] <= 2:
+            _check_fsdp_pair(source, (*target, "interleaved"))
 
 
 @slow

@@ -118,7 +118,8 @@ stages (FSDP + PP), each unit's gathers replayed: -5.8%..+7.8%. An
 interleaved schedule (--schedule interleaved:V, torch's
 ScheduleInterleaved1F1B order, each of a rank's V stages rebuilt from the
 recorded stage in its position, sends held to the step's end as torch's
-looped runtime does): 24 pairs at V=2, -5.9%..+5.1%. Stages and
+looped runtime does): 24 pairs at V=2, -5.9%..+5.1%; with FSDP, 20 pairs,
+-3.4%..+6.7%. Stages and
 micro-batches from 1 to 1024; an interleaved recording is refused.""")
 @click.argument("snapshot", type=click.Path(path_type=Path))
 @click.option("--world-size", help="World sizes to forecast, comma-separated (e.g. 4,8,64,512).")

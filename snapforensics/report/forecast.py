@@ -195,7 +195,7 @@ _PIPE_MODEL = ("The recorded GPipe step is cut into its micro-batches' forwards 
 def _schedule(sc: dict) -> str:
     """The scenario's schedule, with its stages per rank when it runs several (interleaved)."""
     v = sc.get("virtual_stages", 1)
-    return f"{sc['schedule']}:{v}" if v > 1 else sc["schedule"]
+    return f"interleaved:{v}" if v > 1 else sc["schedule"]  # as --schedule takes it
 
 
 def _pipe_rows(f) -> list[list[str]]:

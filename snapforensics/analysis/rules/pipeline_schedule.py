@@ -39,19 +39,34 @@ schedule = Schedule1F1B(stage, n_microbatches={m}, loss_fn=loss_fn)
 
 def _replay(d: DeviceAnalysis, stage: int, stages: int) -> Replay:
     """The trace with every GPipe step rebuilt in 1F1B's order (forecast/pipeline.py's model, at
-    the recorded stage count and micro-batches: each block once, at its rows in the new order)."""
-    ar, fr = d.lt.alloc_row.copy(), d.lt.free_row.copy()
+    the recorded stage count and micro-batches): each block at its first instance's rows in the
+    new order, its further instances (FSDP's gathers, replayed where 1F1B gathers again) as
+    extra intervals, and the step's blocks the rebuild does not make (gathers GPipe made and
+    1F1B does not) gone."""
+    lt = d.lt
+    ar, fr = lt.alloc_row.copy(), lt.free_row.copy()
+    extra: list[tuple[int, int, int]] = []
     steps = pipeline.stage_steps(d)
     for src in steps if not isinstance(steps, str) else []:
         if src.schedule != pipeline.GPIPE:
             continue
         rb = pipeline.rebuild(src, pipeline.PipeScenario(stages, src.microbatches,
                                                          pipeline.ONE_F_ONE_B), stage, 1.0)
-        born = rb.alloc >= 0
-        ar[rb.block[born]] = src.start + rb.alloc[born]
-        ended = rb.free < rb.rows
-        fr[rb.block[ended]] = src.start + rb.free[ended]
-    return Replay(free_row=fr, alloc_row=ar)
+        step = np.flatnonzero(((lt.alloc_row < src.start) & (lt.free_row > src.start)) |
+                              ((lt.alloc_row >= src.start) & (lt.alloc_row < src.stop)))
+        gone = np.setdiff1d(step, rb.block)
+        fr[gone] = np.maximum(ar[gone], 0)  # no rows alive
+        _, first = np.unique(rb.block, return_index=True)
+        again = np.setdiff1d(np.arange(len(rb.block)), first)
+        for i in again.tolist():
+            extra.append((src.start + max(int(rb.alloc[i]), 0), src.start + int(rb.free[i]),
+                          int(rb.size[i])))
+        blocks, alloc, free = rb.block[first], rb.alloc[first], rb.free[first]
+        born = alloc >= 0
+        ar[blocks[born]] = src.start + alloc[born]
+        ended = free < rb.rows
+        fr[blocks[ended]] = src.start + free[ended]
+    return Replay(free_row=fr, alloc_row=ar, extra=tuple(extra))
 
 
 def check(d: DeviceAnalysis) -> list[Finding]:
@@ -87,7 +102,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
                         members=np.flatnonzero(held_mask))]
     w = min(m, stages - stage)
     replay = _replay(d, stage, stages)
-    predicted = int(lt.replay(free_row=replay.free_row, alloc_row=replay.alloc_row).max())
+    predicted = int(lt.replay(free_row=replay.free_row, alloc_row=replay.alloc_row,
+                              extra=replay.extra).max())
     predicted = max(predicted, lt.baseline)
     saving = d.peak_bytes - predicted
     evidence["one_f_one_b_holds"] = w
