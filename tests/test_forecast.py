@@ -717,6 +717,36 @@ def test_pipeline_fsdp_forecast():
     assert max(abs(e) for e in _check_fsdp_pair((2, 8, "gpipe"), (2, 4, "interleaved"))) <= 0.05
 
 
+@slow
+def test_pipeline_fsdp_without_ranges_is_not_validated(monkeypatch):
+    """A stage FSDP shards whose trace lacks FSDP2's per-unit ranges (the file loses its
+    annotations): the gathers cannot be placed, so they are copied as recorded and every
+    scenario says NOT VALIDATED with that reason; and a scenario whose rebuilt step would run
+    past the row bound is one SnapError line, not a memory blow-up."""
+    from dataclasses import replace as swap
+
+    from recordings import recorded_module
+
+    from snapforensics.analysis.forecast import pipeline as pf
+    from snapforensics.errors import SnapError
+
+    folder = recorded_module("snapforensics.examples.pipeline",
+                             ("--schedule", "gpipe", "--microbatches", "8", "--dp", "2",
+                              *PIPE_LAYOUT), nproc=4)
+    bare = []
+    for r in range(4):
+        s = load(folder / f"rank{r}.pickle")
+        s = swap(s, annotations=[a for a in s.annotations if not a.name.startswith("FSDP::")])
+        bare.append(analyse(s, s.active_traces[0]))
+    assert all(pf.source(d).gathered is None for d in bare)
+    sc, = pf.pipeline_forecast(bare, [2], [8], ["1f1b"]).scenarios
+    assert not sc["error_band"]["validated"]
+    assert any("do not place every gather" in w for w in sc["error_band"]["not_validated"])
+    monkeypatch.setattr(pf, "MAX_ROWS", 1000)
+    with pytest.raises(SnapError, match="rows"):
+        pf.pipeline_forecast(bare, [2], [8], ["interleaved:2"])
+
+
 @full
 @pytest.mark.parametrize("source", [(s, m, k) for s in (2, 4) for m in (8, 4)
                                     for k in ("gpipe", "1f1b")],
