@@ -573,7 +573,8 @@ def test_pipeline_forecast_command():
     # a run with no pipeline at all (the FSDP fixture), and a bad --schedule
     for args in ([str(FIXED), "--pp", "4"], [str(gpipe), "--schedule", "zb"],
                  [str(gpipe), "--schedule", "interleaved:1"],
-                 [str(gpipe), "--microbatches", "5000"]):
+                 [str(gpipe), "--microbatches", "5000"],
+                 [str(gpipe), "--pp", "4", "--world-size", "8"]):  # not silently dropped
         p = run_cli(["forecast", *args])
         assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
         assert "Traceback" not in p.stderr

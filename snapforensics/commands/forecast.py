@@ -153,6 +153,14 @@ def forecast_command(snapshot: Path, world_size, strategy, checkpointing, micro_
     from snapforensics.snapshot import load
 
     if pp or microbatches or schedule:
+        mixed = [f"--{k}" for k, v in (("world-size", world_size), ("strategy", strategy),
+                                       ("checkpointing", checkpointing),
+                                       ("micro-batch-scale", micro_batch_scale),
+                                       ("capacity", capacity), ("tp", tp)) if v]
+        if mixed:  # two models, one per kind of change: neither would read the other's options
+            raise SnapError(f"{', '.join(mixed)} cannot go with --pp/--microbatches/--schedule "
+                            "(the pipeline forecast changes the stages, micro-batches and "
+                            "schedule only): forecast them in two runs")
         return _pipeline(snapshot, pp, microbatches, schedule, fmt, output)
     choose_format("forecast", fmt, output)  # a bad -o fails before the analysis
     cap = None

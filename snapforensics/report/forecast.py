@@ -188,8 +188,9 @@ PIPE_COLUMNS = ("stages", "micro-batches", "schedule", "stage", "layers", "holds
 _PIPE_MODEL = ("The recorded GPipe step is cut into its micro-batches' forwards and backwards and "
                "rebuilt in the schedule's order for each stage; what the operations make scales "
                "with the micro-batch (same global batch) and, with the stages, what belongs to "
-               "the layers with the layers per stage. Model and limits: `snapforensics forecast "
-               "--help`.")
+               "the layers with the layers per stage. Under an interleaved schedule a row is one "
+               "rank, all V of its stages (its layers, the most micro-batches one of them holds). "
+               "Model and limits: `snapforensics forecast --help`.")
 
 
 def _schedule(sc: dict) -> str:
