@@ -742,7 +742,7 @@ def test_pipeline_fsdp_without_ranges_is_not_validated(monkeypatch):
     assert all(pf.source(d).gathered is None for d in bare)
     sc, = pf.pipeline_forecast(bare, [2], [8], ["1f1b"]).scenarios
     assert not sc["error_band"]["validated"]
-    assert any("do not place every gather" in w for w in sc["error_band"]["not_validated"])
+    assert any("cannot be replayed" in w for w in sc["error_band"]["not_validated"])
     monkeypatch.setattr(pf, "MAX_ROWS", 1000)
     with pytest.raises(SnapError, match="rows"):
         pf.pipeline_forecast(bare, [2], [8], ["interleaved:2"])
@@ -860,6 +860,23 @@ def test_pipeline_interleaved_layout_forecast(source):
             doc = pf.pipeline_forecast([d for d, _ in src], [target[0]], [target[1]],
                                        ["interleaved"])
             assert not doc.scenarios[0]["error_band"]["validated"]
+
+
+def test_fsdp_units_a_stage_of_other_layers_runs():
+    """What a stage with another share of the layers gathers: its numbered layers' units thinned
+    or repeated (each layer its own FSDP unit), the root (embeddings, head) once as recorded; a
+    stage FSDP wraps whole (no numbered unit) scales its one unit with the layers."""
+    from snapforensics.analysis.forecast.pipeline import _unit_copies
+
+    units = ["(root)", "layers.0", "layers.1", "layers.2", "layers.3"]
+    assert _unit_copies(units, 0.5) == [("(root)", 0.0, 1.0, 1.0), ("layers.1", 0.0, 1.0, 1.0),
+                                        ("layers.3", 0.0, 1.0, 1.0)]
+    doubled = _unit_copies(units, 2.0)
+    assert doubled[0] == ("(root)", 0.0, 1.0, 1.0) and len(doubled) == 9
+    assert doubled[1:3] == [("layers.0", 0.0, 0.5, 1.0), ("layers.0", 0.5, 0.5, 1.0)]
+    assert _unit_copies(units, 0.75) == [("(root)", 0.0, 1.0, 1.0)] + [
+        (u, 0.0, 1.0, 0.75) for u in units[1:]]  # 3 of 4 layers: no whole thinning
+    assert _unit_copies(["(root)"], 0.5) == [("(root)", 0.0, 1.0, 0.5)]
 
 
 def test_interleaved_order_is_torchs():

@@ -656,6 +656,9 @@ def rebuild(src: StageSource, sc: PipeScenario, stage: int, layer_ratio: float,
         # to the REDUCE_GRAD that reduce-scatters it after the last backward)
         to_optimizer = kind == "B" and freed is None and (
             f[b] >= src.stop or freed_phase[b] == Phase.OPTIMIZER or bool(grads[b]))
+        if to_optimizer and chunk is not None and not edge and state[b] and \
+                not src.layer_params[b]:
+            continue  # a head's or an embedding's gradient: not on a middle stage
         # what ScheduleGPipe keeps referenced longer than 1F1B would: the forward sends it
         # waits on after the last forward (made in one forward, freed in the last), and the
         # sends its lists of works hold until the step returns (freed after the last backward,
@@ -697,7 +700,8 @@ def rebuild(src: StageSource, sc: PipeScenario, stage: int, layer_ratio: float,
                 fr = after(b)
             add(b, ar, fr, sz)
     if g is not None:
-        _replay_gathers(g, seq, tmpl, offsets, lambda row: row + tail, layer_ratio, size, add)
+        _replay_gathers(g, seq, tmpl, offsets, lambda row: row + tail, layer_ratio, size, add,
+                        chunk is not None and not edge)
     # made after the last backward (the optimizer's temporaries and FSDP's sharded gradients
     # scale with the layers)
     sharded = d.mask(Category.SHARDED_GRAD)
@@ -714,15 +718,16 @@ def _unit_copies(units: list[str], ratio: float) -> list[tuple[str, float, float
     of its span it is shifted by, fraction it takes, scale on its sizes). Units of numbered
     layers (`layers.3`, FSDP wrapping each alike): every m-th when the stage holds 1/m of them,
     each m times in its span when m times as many, else each once at `ratio` times its size;
-    the others (the root's embeddings, a norm and head) once, as recorded."""
-    layered = [u for u in units if any(p.isdigit() for p in u.split("."))]
+    the others (the root's embeddings, a norm and head) once, as recorded. With no numbered unit
+    (FSDP wrapping the whole stage) every unit holds the layers: each at `ratio`."""
+    layered = [u for u in units if any(p.isdigit() for p in u.split("."))] or units
     out = [(u, 0.0, 1.0, 1.0) for u in units if u not in layered]
     n = len(layered)
     k = n * ratio
     if n and abs(k - round(k)) < 1e-9 and round(k) >= 1:
         k = int(round(k))
         if k <= n and n % k == 0:  # the last unit of each group: backward gathers it first
-            return out + [(layered[i], 0.0, 1.0, 1.0) for i in range(n - 1, -1, -n // k)]
+            return out + [(layered[i], 0.0, 1.0, 1.0) for i in range(n // k - 1, n, n // k)]
         if k % n == 0:
             m = k // n
             return out + [(u, j / m, 1 / m, 1.0) for u in layered for j in range(m)]
@@ -748,11 +753,15 @@ def _timeline(seq: list[tuple[str, int]], srcs: dict[tuple[str, int], StageSourc
     return out
 
 
-def _replay_gathers(g: Gathers, seq, tmpl, offsets, after_step, ratio: float, size, add) -> None:
+def _replay_gathers(g: Gathers, seq, tmpl, offsets, after_step, ratio: float, size, add,
+                    layers_only: bool = False) -> None:
     """Each unit's gathers in the new order (`Gathers`): gathered in an operation that runs it
-    when not already, freed at a forward's post-forward or by the step's REDUCE_GRAD."""
+    when not already, freed at a forward's post-forward or by the step's REDUCE_GRAD; only the
+    layers' units when `layers_only` (a middle stage rebuilt from an end stage's recording)."""
     for u, frac, width, scale in _unit_copies(sorted({u for _, u in g.package}, key=g.order),
                                               ratio):
+        if layers_only and not any(p.isdigit() for p in u.split(".")):
+            continue
         held: list[tuple[int, int]] | None = None  # (block, alloc row) of its gathered params
         for x in seq:
             t, off = tmpl[x], offsets[x]
@@ -1063,7 +1072,7 @@ SOURCE = ("tests/test_forecast.py::test_pipeline_layout_forecast, "
           "layout forecast to the other seven and to ScheduleInterleaved1F1B's")
 
 
-def band(sc: PipeScenario, src: StageSource) -> dict:
+def band(sc: PipeScenario, src: StageSource, srcs: list[StageSource] | None = None) -> dict:
     """The lowest and highest error measured on the pairs (one band: every pair changes the
     schedule, the stage count or the micro-batch count, several at once; FSDP's pairs when FSDP
     shards the stage), what lies outside them; the recorded layout itself is the recording
@@ -1095,10 +1104,10 @@ def band(sc: PipeScenario, src: StageSource) -> dict:
                    f"{MICROBATCH_RATIOS[1]:g}x)")
     if src.d.snapshot.kind.caching_allocator:
         why.append("the pairs are CPU recordings (no caching allocator, no NCCL buffers)")
-    if fsdp and src.gathered is None:
-        why.append("FSDP shards the stage but its ranges do not place every gather (FSDP2's "
-                   "`FSDP::pre_forward (unit)` / `pre_backward`): the gathers are copied as "
-                   "recorded, not replayed (-12%..+37% measured that way)")
+    if any(s.d.mask(*FSDP_CATEGORIES).any() and s.gathered is None for s in srcs or [src]):
+        why.append("FSDP shards a stage whose gathers cannot be replayed (none inside the step, "
+                   "or one outside FSDP2's `FSDP::pre_forward (unit)` / `pre_backward` ranges): "
+                   "they are copied as recorded (-12%..+37% measured that way)")
     return {"low": lo, "high": hi, "pairs": len(pairs), "validated": not why,
             "not_validated": why, "exact": False}
 
@@ -1188,6 +1197,6 @@ def pipeline_forecast(analyses: list[DeviceAnalysis], stages=(), microbatches=()
                     "schedule": sc.schedule, "virtual_stages": sc.virtual,
                     "worst_stage": worst.stage if worst else None,
                     "worst_peak_bytes": worst.predicted_peak_bytes if worst else None,
-                    "error_band": band(sc, first),
+                    "error_band": band(sc, first, srcs),
                     "per_stage": [p.to_dict() for p in preds]})
     return PipelineForecast(source_name, recorded, out, notes)

@@ -183,11 +183,12 @@ class Forecaster:
         if sc.fix:
             if sc.fix not in self.fixes:
                 raise Refused(f"the rule {sc.fix} gave no replayable fix for this recording")
-            fr, ar, extra = self.fixes[sc.fix]  # a Replay
+            fr, ar, extra = self.fixes[sc.fix]  # a Replay: the rows it moves replace these
+            # (a schedule's replay moves allocations earlier and frees later too)
             if fr is not None:
-                p.free_row = np.minimum(p.free_row, fr)
+                p.free_row = np.where(fr != d.lt.free_row, fr, p.free_row)
             if ar is not None:
-                p.alloc_row = np.maximum(p.alloc_row, ar)
+                p.alloc_row = np.where(ar != d.lt.alloc_row, ar, p.alloc_row)
             p.fixed_extra = list(extra)
         want = sc.strategy.split(":")[0]
         want = FULL_SHARD if want == "hsdp" else want

@@ -28,6 +28,7 @@ from snapforensics.analysis.forecast import pipeline
 from snapforensics.analysis.mesh import mesh
 from snapforensics.analysis.rule import Family, Rule
 from snapforensics.analysis.vocab import Verdict
+from snapforensics.errors import SnapError
 
 FIX = """\
 from torch.distributed.pipelining import Schedule1F1B
@@ -94,14 +95,20 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     cause = (f"At the peak this stage holds activations of {len(held)} micro-batch(es), "
              f"{human(held_bytes)}: every `Forward i` of the step ran before its first "
              "`Backward`, so each micro-batch's activations wait for the whole forward phase.")
-    if not (type(stage) is int and type(stages) is int and 0 <= stage < stages):
+
+    def info(why: str) -> list[Finding]:
         return [Finding(rule=RULE.id, verdict=Verdict.INFO, title=title, bytes=held_bytes,
-                        cause=cause + " The stage index and count are not in this file "
-                        "(record with `snapforensics record` for the saving).",
-                        blocks=int(held_mask.sum()), device=d.device, evidence=evidence,
-                        members=np.flatnonzero(held_mask))]
+                        cause=cause + " " + why, blocks=int(held_mask.sum()),
+                        device=d.device, evidence=evidence, members=np.flatnonzero(held_mask))]
+
+    if not (type(stage) is int and type(stages) is int and 0 <= stage < stages):
+        return info("The stage index and count are not in this file (record with "
+                    "`snapforensics record` for the saving).")
+    try:
+        replay = _replay(d, stage, stages)
+    except SnapError as e:  # a step past the rebuild's bound: no saving, the rest stands
+        return info(f"No saving is predicted: {str(e).split(': ', 1)[-1]}.")
     w = min(m, stages - stage)
-    replay = _replay(d, stage, stages)
     predicted = int(lt.replay(free_row=replay.free_row, alloc_row=replay.alloc_row,
                               extra=replay.extra).max())
     predicted = max(predicted, lt.baseline)
