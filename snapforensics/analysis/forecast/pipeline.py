@@ -417,6 +417,7 @@ def _template(k: int, m_new: int, m_rec: int) -> int:
         return m_rec - 1
     return min(k, max(m_rec - 2, 0))
 
+
 @dataclass
 class Gathers:
     """FSDP2's gathers on a stage it shards, recorded once per unit and kind of operation, to be
