@@ -94,15 +94,16 @@ def forecast(source: str | Path | Snapshot, world_sizes=(), strategies=(), check
                                       tps=list(tps)))
 
 
-def pipeline_forecast(run: str | Path, stages=(), microbatches=(), schedules=()):
-    """Each pipeline stage's peak at other stage counts, micro-batch counts and schedules
-    (`snapforensics forecast RUN --pp ... --microbatches ... --schedule ...`), from a run folder
-    of one file per stage; the worst stage named. `.to_frame()` is one row per scenario and
-    stage."""
+def pipeline_forecast(run: str | Path, stages=(), microbatches=(), schedules=(), world_sizes=(),
+                      tps=()):
+    """Each pipeline stage's peak at other stage counts, micro-batch counts, schedules, FSDP
+    world sizes and TP degrees (`snapforensics forecast RUN --pp ... --microbatches ...
+    --schedule ... --world-size ... --tp ...`), from a run folder of one file per stage; the
+    worst stage named. `.to_frame()` is one row per scenario and stage."""
     from snapforensics.runner import pipeline_forecast_paths
 
     return pipeline_forecast_paths([run], list(stages), list(microbatches), list(schedules),
-                                   str(run))
+                                   str(run), list(world_sizes), list(tps))
 
 
 def _shown(cls: type, doc: Any) -> Any:

@@ -67,7 +67,7 @@ def compare_folders(a: str, b: str, **run):
 
 
 def pipeline_forecast_paths(paths: Sequence[str | Path], stages=(), microbatches=(), schedules=(),
-                            source_name: str = ""):
+                            source_name: str = "", world_sizes=(), tps=()):
     """The pipeline forecast (analysis/forecast/pipeline.py) of the stage files at `paths` (a
     run folder, a glob, files), each file's device with the longest trace."""
     from snapforensics.analysis.context import analyse
@@ -80,4 +80,5 @@ def pipeline_forecast_paths(paths: Sequence[str | Path], stages=(), microbatches
         traces = [t for t in snap.active_traces if len(t)]
         if traces:
             analyses.append(analyse(snap, max(traces, key=len)))
-    return pipeline_forecast(analyses, stages, microbatches, schedules, source_name)
+    return pipeline_forecast(analyses, stages, microbatches, schedules, source_name,
+                             world_sizes, tps)

@@ -548,7 +548,7 @@ def test_pipeline_forecast_command():
     doc = json.loads(p.stdout)
     assert doc["recorded"] | {"peaks": None} == {
         "stages": 2, "microbatches": 8, "schedule": "gpipe", "layers": 4,
-        "stage_files": [0, 1], "peaks": None}
+        "world_size": None, "tp": None, "stage_files": [0, 1], "peaks": None}
     two, four, three = doc["scenarios"]
     assert [s["held_microbatches"] for s in four["per_stage"]] == [4, 3, 2, 1]
     assert four["worst_stage"] == 0 and two["worst_stage"] == 0
@@ -575,10 +575,18 @@ def test_pipeline_forecast_command():
     for args in ([str(FIXED), "--pp", "4"], [str(gpipe), "--schedule", "zb"],
                  [str(gpipe), "--schedule", "interleaved:1"],
                  [str(gpipe), "--microbatches", "5000"],
-                 [str(gpipe), "--pp", "4", "--world-size", "8"]):  # not silently dropped
+                 [str(gpipe), "--pp", "4", "--strategy", "no_shard"]):  # not silently dropped
         p = run_cli(["forecast", *args])
         assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
         assert "Traceback" not in p.stderr
+    # another FSDP world size or TP degree goes with the pipeline's changes; a run with neither
+    # FSDP nor TP names refuses them on every stage, saying why
+    p = run_cli(["forecast", str(gpipe), "--pp", "4", "--world-size", "8", "--tp", "1,2",
+                 "--format", "json"])
+    assert p.returncode == 0, p.stderr
+    scen = json.loads(p.stdout)["scenarios"]
+    assert [(s["world_size"], s["tp"]) for s in scen] == [(8, 1), (8, 2)]
+    assert all("no FSDP" in st["refused"] for s in scen for st in s["per_stage"])
 
 
 @slow
@@ -657,34 +665,39 @@ def test_tp_degree_without_tp_names_is_refused():
     assert "TP" not in header(forecast(load(FIXED)))
 
 
-def _fsdp_pipeline_run(stages: int, schedule: str, m: int):
-    """The pipeline example with FSDP2 sharding each stage over 2 ranks (--dp 2, a (pp,
+def _fsdp_pipeline_run(stages: int, schedule: str, m: int, dp: int = 2):
+    """The pipeline example with FSDP2 sharding each stage over `dp` ranks (--dp, a (pp,
     dp_shard) mesh, as torchtitan composes them): each rank's analysis and truth."""
     import json
 
     from recordings import recorded_module
 
     folder = recorded_module("snapforensics.examples.pipeline",
-                             ("--schedule", schedule, "--microbatches", str(m), "--dp", "2",
-                              *PIPE_LAYOUT), nproc=2 * stages)
+                             ("--schedule", schedule, "--microbatches", str(m), "--dp", str(dp),
+                              *PIPE_LAYOUT), nproc=dp * stages)
     return [(_fx(folder / f"rank{r}.pickle").d,
-             json.loads((folder / f"truth.rank{r}.json").read_text())) for r in range(2 * stages)]
+             json.loads((folder / f"truth.rank{r}.json").read_text()))
+            for r in range(dp * stages)]
 
 
-def _check_fsdp_pair(source: tuple[int, int, str], target: tuple[int, int, str]) -> list[float]:
-    """One FSDP + PP pair: every rank of the source forecast to the target layout, each stage
-    against the worst recorded peak of its dp ranks, within the pair's stored band; the
-    micro-batches held are the running stage's, the stage named worst is the worst recorded."""
+def _check_fsdp_pair(source: tuple, target: tuple) -> list[float]:
+    """One FSDP + PP pair ((stages, micro-batches, schedule[, FSDP world size: 2])): every rank
+    of the source forecast to the target layout, each stage against the worst recorded peak of
+    its dp ranks, within the pair's stored band; the micro-batches held are the running
+    stage's, the stage named worst is the worst recorded."""
     from snapforensics.analysis.forecast import pipeline as pf
 
-    src = _fsdp_pipeline_run(source[0], source[2], source[1])
+    source, target = (*source, 2)[:4], (*target, 2)[:4]
+    src = _fsdp_pipeline_run(source[0], source[2], source[1], source[3])
     assert [pf.source(d).stage for d, _ in src] == [t["stage"] for _, t in src]
     looped = target[2] == "interleaved"
+    world = source[3] != target[3]
     doc = pf.pipeline_forecast([d for d, _ in src], [target[0]], [target[1]],
-                               ["interleaved:2" if looped else target[2]])
+                               ["interleaved:2" if looped else target[2]],
+                               world_sizes=[target[3]] if world else [])
     sc, = doc.scenarios
     twin: dict[int, tuple[int, int]] = {}
-    for d, t in _fsdp_pipeline_run(target[0], target[2], target[1]):
+    for d, t in _fsdp_pipeline_run(target[0], target[2], target[1], target[3]):
         old = twin.get(t["stage"], (0, 0))
         twin[t["stage"]] = (max(old[0], d.peak_bytes), max(t["held_per_step"]))
     errors = []
@@ -692,10 +705,13 @@ def _check_fsdp_pair(source: tuple[int, int, str], target: tuple[int, int, str])
         peak, held = twin[p["stage"]]
         assert p["held_microbatches"] == held, (target, p)
         errors.append((p["predicted_peak_bytes"] - peak) / peak)
-    name = "S={} M={} {}"
-    pairs = pf.FSDP_INTERLEAVED_PAIRS if looped else pf.FSDP_PAIRS
-    want = "S={}x2 M={} {}" if looped else name
-    pair = next(x for x in pairs if x[:2] == (name.format(*source), want.format(*target)))
+    name = "S={} M={} {}" + (" dp={}" if world else "")
+    pairs = {(False, False): pf.FSDP_PAIRS, (True, False): pf.FSDP_INTERLEAVED_PAIRS,
+             (False, True): pf.FSDP_WORLD_PAIRS,
+             (True, True): pf.FSDP_WORLD_INTERLEAVED_PAIRS}[(looped, world)]
+    want = name.replace("S={}", "S={}x2") if looped else name
+    pair = next(x for x in pairs if x[:2] == (name.format(*source[:3 + world]),
+                                              want.format(*target[:3 + world])))
     print(f"fsdp pipeline {pair[0]} -> {pair[1]}: " + " ".join(f"{e:+.2%}" for e in errors))
     assert pair[2] - 0.003 <= min(errors) and max(errors) <= pair[3] + 0.003, (pair, errors)
     assert sc["error_band"]["validated"] and sc["error_band"]["pairs"] == len(pairs)
@@ -717,6 +733,50 @@ def test_pipeline_fsdp_forecast():
             assert max(abs(e) for e in _check_fsdp_pair(source, target)) <= 0.05
     # and to ScheduleInterleaved1F1B, 2 FSDP roots per rank, each replaying its own gathers
     assert max(abs(e) for e in _check_fsdp_pair((2, 8, "gpipe"), (2, 4, "interleaved"))) <= 0.05
+
+
+@slow
+def test_pipeline_fsdp_world_forecast():
+    """FSDP + PP at another FSDP world size (the ranks FSDP shards each stage over) with the
+    pipeline's changes: the stage's shards scale by w0 / w as the world-size forecast scales
+    them, inside the rebuilt step. dp 2 -> 4 at the same layout, and dp 4 at 2 stages -> dp 2 at
+    4 stages (8 ranks both), within the stored band; without the world size the first misses by
+    more than 3% (the shards are what changes)."""
+    from snapforensics.analysis.forecast import pipeline as pf
+
+    same = _check_fsdp_pair((2, 8, "1f1b", 2), (2, 8, "1f1b", 4))
+    assert max(abs(e) for e in same) <= 0.005
+    assert max(abs(e) for e in _check_fsdp_pair((2, 8, "1f1b", 4), (4, 8, "1f1b", 2))) <= 0.05
+    assert max(abs(e) for e in _check_fsdp_pair((2, 8, "1f1b", 4), (2, 4, "interleaved"))) <= 0.05
+    src = _fsdp_pipeline_run(2, "1f1b", 8, 2)
+    sc, = pf.pipeline_forecast([d for d, _ in src], [2], [8], ["1f1b"]).scenarios
+    twin = max(d.peak_bytes for d, _ in _fsdp_pipeline_run(2, "1f1b", 8, 4))
+    assert sc["worst_peak_bytes"] > 1.03 * twin  # the dp 2 shards kept: too high
+    # past the pairs' ratio the band says so; a stage without FSDP refuses another world size
+    far, = pf.pipeline_forecast([d for d, _ in src], [2], [8], ["1f1b"],
+                                world_sizes=[16]).scenarios
+    assert not far["error_band"]["validated"]
+    assert any("FSDP world size 16" in w for w in far["error_band"]["not_validated"])
+    plain = _pipeline_run(2, "1f1b", 8)
+    sc, = pf.pipeline_forecast([d for d, _ in plain], [2], [8], ["1f1b"],
+                               world_sizes=[4]).scenarios
+    assert all("no FSDP" in p["refused"] for p in sc["per_stage"])
+
+
+@full
+@pytest.mark.parametrize("source", [(s, m, k, 2) for s in (2, 4) for m in (8, 4)
+                                    for k in ("gpipe", "1f1b")] +
+                         [(2, m, k, 4) for m in (8, 4) for k in ("gpipe", "1f1b")],
+                         ids=lambda x: f"from-S{x[0]}-M{x[1]}-{x[2]}-dp{x[3]}")
+def test_pipeline_fsdp_world_layout_forecast(source):
+    """Every FSDP + PP layout at dp 2 forecast to every one recorded at dp 4 (2 stages, 8 ranks)
+    and back, with the world size (FSDP_WORLD_PAIRS)."""
+    other = 4 if source[3] == 2 else 2
+    for target in [(s, m, k, other) for s in ((2,) if other == 4 else (2, 4)) for m in (8, 4)
+                   for k in ("gpipe", "1f1b")]:
+        _check_fsdp_pair(source, target)
+    for m in (8, 4):  # ScheduleInterleaved1F1B, 2 x 2 stages
+        _check_fsdp_pair(source, (2, m, "interleaved", other))
 
 
 @slow

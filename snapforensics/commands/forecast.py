@@ -119,10 +119,14 @@ interleaved schedule (--schedule interleaved:V, torch's
 ScheduleInterleaved1F1B order, each of a rank's V stages rebuilt from the
 recorded stage in its position, sends held to the step's end as torch's
 looped runtime does): 24 pairs at V=2, -5.9%..+5.1%; with FSDP, 20 pairs,
--3.4%..+6.7%. Stages and
+-3.4%..+6.7%. With --world-size (the ranks FSDP shards a stage over): each
+stage's shards scaled as above, then rebuilt; 64 pairs dp 2 <-> 4 across the
+layouts, -5.8%..+8.3%, and 24 to interleaved, -3.0%..+3.5%; --tp with the
+pipeline's options is NOT VALIDATED (no TP + PP pair). Stages and
 micro-batches from 1 to 1024; an interleaved recording is refused.""")
 @click.argument("snapshot", type=click.Path(path_type=Path))
-@click.option("--world-size", help="World sizes to forecast, comma-separated (e.g. 4,8,64,512).")
+@click.option("--world-size", help="World sizes to forecast, comma-separated (e.g. 4,8,64,512): "
+                                   "the ranks FSDP shards over (dp_shard on a 2-D mesh).")
 @click.option("--strategy", help="full_shard | shard_grad_op | no_shard | hsdp:R (R replicas), "
                                  "comma-separated.")
 @click.option("--checkpointing", help="none | full, comma-separated.")
@@ -153,15 +157,14 @@ def forecast_command(snapshot: Path, world_size, strategy, checkpointing, micro_
     from snapforensics.snapshot import load
 
     if pp or microbatches or schedule:
-        mixed = [f"--{k}" for k, v in (("world-size", world_size), ("strategy", strategy),
-                                       ("checkpointing", checkpointing),
+        mixed = [f"--{k}" for k, v in (("strategy", strategy), ("checkpointing", checkpointing),
                                        ("micro-batch-scale", micro_batch_scale),
-                                       ("capacity", capacity), ("tp", tp)) if v]
-        if mixed:  # two models, one per kind of change: neither would read the other's options
+                                       ("capacity", capacity)) if v]
+        if mixed:  # the pipeline rebuild scales sizes (world size, TP), it moves no unit
             raise SnapError(f"{', '.join(mixed)} cannot go with --pp/--microbatches/--schedule "
-                            "(the pipeline forecast changes the stages, micro-batches and "
-                            "schedule only): forecast them in two runs")
-        return _pipeline(snapshot, pp, microbatches, schedule, fmt, output)
+                            "(the pipeline forecast changes the stages, micro-batches, schedule, "
+                            "FSDP world size and TP degree): forecast them in two runs")
+        return _pipeline(snapshot, pp, microbatches, schedule, world_size, tp, fmt, output)
     choose_format("forecast", fmt, output)  # a bad -o fails before the analysis
     cap = None
     if capacity:
@@ -194,7 +197,7 @@ def _schedule(s: str) -> str:
     return s.strip().lower()
 
 
-def _pipeline(snapshot: Path, pp, microbatches, schedule, fmt, output) -> int:
+def _pipeline(snapshot: Path, pp, microbatches, schedule, world_size, tp, fmt, output) -> int:
     from snapforensics.report.output import choose_format, emit
     from snapforensics.runner import pipeline_forecast_paths
 
@@ -202,6 +205,9 @@ def _pipeline(snapshot: Path, pp, microbatches, schedule, fmt, output) -> int:
     stages = _list(pp, _positive_int, "pp")
     counts = _list(microbatches, _positive_int, "microbatches")
     schedules = _list(schedule, _schedule, "schedule")
-    doc = pipeline_forecast_paths([snapshot], stages, counts, schedules, str(snapshot))
+    worlds = _list(world_size, _positive_int, "world-size")
+    tps = _list(tp, _positive_int, "tp")
+    doc = pipeline_forecast_paths([snapshot], stages, counts, schedules, str(snapshot),
+                                  world_sizes=worlds, tps=tps)
     emit("pipeline_forecast", doc, fmt, output)
     return 0

@@ -199,16 +199,29 @@ def _schedule(sc: dict) -> str:
     return f"interleaved:{v}" if v > 1 else sc["schedule"]  # as --schedule takes it
 
 
+def _pipe_mesh(f) -> list[str]:
+    """The mesh columns the scenarios change (FSDP world size, TP degree): shown only then."""
+    r = f.recorded
+    return [k for k in ("world_size", "tp")
+            if any(sc.get(k) != r.get(k) for sc in f.scenarios)]
+
+
+def _pipe_columns(f) -> list[str]:
+    names = {"world_size": "W (FSDP)", "tp": "TP"}
+    return [names[k] for k in _pipe_mesh(f)] + list(PIPE_COLUMNS)
+
+
 def _pipe_rows(f) -> list[list[str]]:
     rows = []
+    mesh = _pipe_mesh(f)
     for sc in f.scenarios:
         b = sc["error_band"]
         band = "exact (replay)" if b["exact"] else \
             f"{b['low']:+.1%}..{b['high']:+.1%}" + ("" if b["validated"] else " NOT VALIDATED")
         for p in sc["per_stage"]:
-            head = [str(sc["stages"]), str(sc["microbatches"]), _schedule(sc), str(p["stage"]),
-                    "?" if p["layers"] is None else str(p["layers"]),
-                    str(p["held_microbatches"])]
+            head = [str(sc[k] or "-") for k in mesh] + [
+                str(sc["stages"]), str(sc["microbatches"]), _schedule(sc), str(p["stage"]),
+                "?" if p["layers"] is None else str(p["layers"]), str(p["held_microbatches"])]
             if p["refused"]:
                 rows.append(head + ["refused", "", p["refused"]])
                 continue
@@ -220,12 +233,16 @@ def _pipe_rows(f) -> list[list[str]]:
 def _pipe_lines(f) -> list[str]:
     r = f.recorded
     peaks = ", ".join(f"stage {k} {human(v)}" for k, v in sorted(r["peaks"].items()))
+    mesh = "".join(f", {name} {r.get(k)}" for k, name in (("world_size", "FSDP world size"),
+                                                          ("tp", "TP")) if r.get(k))
     out = [f"recorded: {r['stages'] or 'unknown'} stages, {r['microbatches']} micro-batches, "
-           f"{r['schedule']}, {r['layers'] or 'unknown'} layers per stage; peaks {peaks}"]
+           f"{r['schedule']}, {r['layers'] or 'unknown'} layers per stage{mesh}; peaks {peaks}"]
+    shown = _pipe_mesh(f)
     for sc in f.scenarios:
         if sc["worst_stage"] is not None:
+            at = "".join(f", {'W' if k == 'world_size' else 'TP'} {sc[k]}" for k in shown)
             out.append(f"{sc['stages']} stages, {sc['microbatches']} micro-batches, "
-                       f"{_schedule(sc)}: worst stage {sc['worst_stage']} at "
+                       f"{_schedule(sc)}{at}: worst stage {sc['worst_stage']} at "
                        f"{human(sc['worst_peak_bytes'])}")
     out += [f"note: {n}" for n in f.notes]
     seen = []
@@ -245,7 +262,7 @@ def pipeline_terminal(f, screen: Screen = PLAIN) -> str:
     console = screen.console(width=140)
     console.print(t(f"snapforensics forecast (pipeline): {f.source}", FRAME, "bold"))
     tab = Table(show_edge=False)
-    for c in PIPE_COLUMNS:
+    for c in _pipe_columns(f):
         tab.add_column(c, justify="right" if c == "predicted peak" else "left", overflow="fold")
     for r in _pipe_rows(f):
         tab.add_row(*[t(x, TEXT) for x in r])
@@ -258,8 +275,9 @@ def pipeline_terminal(f, screen: Screen = PLAIN) -> str:
 
 
 def pipeline_markdown(f, screen: Screen = PLAIN) -> str:
+    cols = _pipe_columns(f)
     out = [f"# snapforensics forecast (pipeline): {md(f.source, FRAME)}", "",
-           "| " + " | ".join(PIPE_COLUMNS) + " |", "|" + "---|" * len(PIPE_COLUMNS)]
+           "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     out += ["| " + " | ".join(md(x, TEXT) for x in r) + " |" for r in _pipe_rows(f)]
     out += [""] + [f"- {md(x, TEXT)}" for x in _pipe_lines(f)] + ["", md(_PIPE_MODEL, TEXT)]
     return "\n".join(out) + "\n"
@@ -268,7 +286,7 @@ def pipeline_markdown(f, screen: Screen = PLAIN) -> str:
 def pipeline_html(f, screen: Screen = PLAIN) -> str:
     rows = "".join("<tr>" + "".join(f"<td>{h(x, TEXT)}</td>" for x in r) + "</tr>"
                    for r in _pipe_rows(f))
-    head = "".join(f"<th>{h(c)}</th>" for c in PIPE_COLUMNS)
+    head = "".join(f"<th>{h(c)}</th>" for c in _pipe_columns(f))
     items = "".join(f"<li>{h(x, TEXT)}</li>" for x in _pipe_lines(f))
     return (
         "<!doctype html><html><head><meta charset='utf-8'>"

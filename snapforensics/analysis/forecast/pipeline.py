@@ -53,6 +53,10 @@ stage's position at its share of the layers, the operations of all laid out in t
 (`_interleaved_peak`); torch's looped runtime waits on every send as the step returns, so what a
 send holds stays to the step's end.
 
+Another FSDP world size (the ranks FSDP shards a stage over) or TP degree with those changes:
+each block's size scaled first as the world-size and TP forecasts scale it (forecast/scaling.py,
+`StageSource.sizes`), the step then rebuilt from those sizes.
+
 What is not modelled, and refused or noted: an interleaved or zero-bubble recording (several
 stages per rank), zero-bubble schedules as the scenario, a trace without either kind of range,
 layers that do not split evenly.
@@ -67,6 +71,8 @@ from functools import cached_property
 import numpy as np
 
 from snapforensics.analysis.context import DeviceAnalysis
+from snapforensics.analysis.forecast.documents import Scenario
+from snapforensics.analysis.forecast.scaling import scaled_sizes, scaling, tp_shares
 from snapforensics.analysis.fsdp import ranges as fsdp_ranges
 from snapforensics.analysis.fsdp.units import ROOT
 from snapforensics.analysis.identity import layer_of
@@ -82,6 +88,7 @@ MAX_ROWS = 1 << 25
 # bounds of a scenario: each new micro-batch rebuilds its operations' blocks once more, so the
 # work grows with M' (the largest pipelines run tens of stages, a few hundred micro-batches)
 MAX_STAGES = MAX_MICROBATCHES = 1024
+MAX_WORLD = 1 << 20  # an FSDP world size (the world-size forecast's bound)
 
 
 @dataclass(frozen=True)
@@ -90,6 +97,8 @@ class PipeScenario:
     microbatches: int
     schedule: str
     virtual: int = 1  # stages each rank runs (interleaved: its model chunks)
+    world_size: int | None = None  # ranks FSDP shards a stage over (dp_shard); None: recorded
+    tp: int | None = None  # tensor-parallel degree; None: as recorded
 
 
 def parse_schedule(text: str) -> tuple[str, int]:
@@ -121,6 +130,7 @@ class StageSource:
     end: int  # the row after its last backward
     stop: int  # where the step's rows end (the next step's start, or the trace's end)
     layer_params: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    _sizes: dict = field(default_factory=dict, repr=False)  # (world, tp) -> `sizes`
 
     @cached_property
     def gathered(self) -> Gathers | None:
@@ -131,6 +141,49 @@ class StageSource:
     @cached_property
     def param_grads(self) -> np.ndarray:
         return _param_grads(self.d)
+
+    @cached_property
+    def _scaling(self) -> tuple[int | None, np.ndarray, tuple]:
+        w0 = self.d.fsdp.world.size
+        cls = scaling(self.d, w0)
+        return w0, cls, tp_shares(self.d, cls)
+
+    @property
+    def world_size(self) -> int | None:
+        """The ranks FSDP shards this stage over (its dp_shard degree), None without FSDP."""
+        return self._scaling[0] if self.d.mask(*FSDP_CATEGORIES).any() else None
+
+    @property
+    def tp(self) -> int | None:
+        """The recorded TP degree (the recorder's DTensor names), None when none is named."""
+        return self._scaling[2][0]
+
+    def sizes(self, world: int | None, tp: int | None) -> np.ndarray:
+        """Every block's size at FSDP world size `world` and TP degree `tp` (None: as
+        recorded), scaled as the world-size and TP forecasts scale it (forecast/scaling.py):
+        shards by w0 / w, what TP splits by tp0 / tp."""
+        key = (world, tp)
+        if key not in self._sizes:
+            w0, cls, shares = self._scaling
+            if (world is None or world == w0) and (tp is None or tp == shares[0]):
+                out = self.d.lt.size.astype(np.float64)
+            else:
+                sc = Scenario(world or w0 or 1, tp=tp or shares[0])
+                out = scaled_sizes(self.d, cls, w0, sc, shares).astype(np.float64)
+            self._sizes[key] = out
+        return self._sizes[key]
+
+    def refusal(self, world: int | None, tp: int | None) -> str | None:
+        """Why this stage cannot be forecast at `world` / `tp`, None when it can."""
+        if world is not None and world != self.world_size:
+            if self.world_size is None:
+                return ("no FSDP on this stage (or its world size is unknown): nothing in it "
+                        "scales with the data-parallel degree")
+        if tp is not None and tp != self.tp and self.tp is None:
+            return ("no tensor split by tensor parallelism is named in this recording (the "
+                    "recorder names DTensors on a mesh dim called 'tp'): the TP degree cannot "
+                    "change")
+        return None
 
     @cached_property
     def param_state(self) -> np.ndarray:
@@ -594,7 +647,7 @@ def rebuild(src: StageSource, sc: PipeScenario, stage: int, layer_ratio: float,
     op_of = np.full(lt.rows + 1, -1, np.int64)
     for i, key in enumerate(keys):
         op_of[src.ops[key][0]:src.ops[key][1]] = i
-    a, f, size = lt.alloc_row, lt.free_row, lt.size.astype(np.float64)
+    a, f, size = lt.alloc_row, lt.free_row, src.sizes(sc.world_size, sc.tp)
     born_in = np.where((a >= 0) & (a < lt.rows), op_of[np.clip(a, 0, lt.rows)], -1)
     dies_in = np.where(f < lt.rows, op_of[np.clip(f, 0, lt.rows)], -1)
     scale_mb = src.microbatches / sc.microbatches
@@ -801,6 +854,9 @@ def predict(srcs: list[StageSource], sc: PipeScenario) -> list[StagePrediction]:
     whole = rec_stages is not None and len(by_stage) == rec_stages and \
         all(s.layers for s in by_stage.values())
     total_stages = sc.stages * sc.virtual
+    # another FSDP world size or TP degree: every stage's blocks scaled as forecast/scaling.py
+    # scales them (the same classes as the world-size and TP forecasts)
+    mesh_refusal = next((r for s in srcs if (r := s.refusal(sc.world_size, sc.tp))), None)
 
     def pick(st: int) -> StageSource:
         """The recorded stage in the position of stage `st` (of all the pipeline's)."""
@@ -843,6 +899,8 @@ def predict(srcs: list[StageSource], sc: PipeScenario) -> list[StagePrediction]:
                              "record` for tensor names): an interleaved schedule is refused")
         if sc.schedule == INTERLEAVED and p.refused is None:
             p.refused = interleaved_refusal(sc.stages, sc.microbatches)
+        if p.refused is None:
+            p.refused = mesh_refusal
         if p.refused is None and sc.virtual > 1:
             p.predicted_peak_bytes = _interleaved_peak(sc, st, pick, (p.layers or 0) //
                                                        sc.virtual)
@@ -877,7 +935,7 @@ def _interleaved_peak(sc: PipeScenario, rank: int, pick, layers: int) -> int:
                                   (lt.free_row >= first.end))
             parts.append(Rebuilt(0, held, np.full(held.size, -1, np.int64),
                                  np.full(held.size, 1 << 62, np.int64),
-                                 lt.size[held].astype(np.float64)))
+                                 first.sizes(sc.world_size, sc.tp)[held]))
     rows = max(r.rows for r in parts)
     return Rebuilt(rows, *(np.concatenate([getattr(r, k) for r in parts])
                            for k in ("block", "alloc", "free", "size"))).peak()[0]
@@ -902,14 +960,14 @@ PAIRS: tuple[tuple[str, str, float, float], ...] = (
     ("S=2 M=8 1f1b", "S=4 M=8 1f1b", -0.0045, 0.0055),
     ("S=2 M=8 1f1b", "S=4 M=4 gpipe", 0.0102, 0.0147),
     ("S=2 M=8 1f1b", "S=4 M=4 1f1b", 0.0102, 0.0439),
-    ("S=2 M=4 gpipe", "S=2 M=8 gpipe", -0.0000, 0.0000),
+    ("S=2 M=4 gpipe", "S=2 M=8 gpipe", 0.0000, 0.0000),
     ("S=2 M=4 gpipe", "S=2 M=8 1f1b", -0.0177, -0.0142),
     ("S=2 M=4 gpipe", "S=2 M=4 1f1b", -0.0081, 0.0000),
     ("S=2 M=4 gpipe", "S=4 M=8 gpipe", 0.0023, 0.0234),
     ("S=2 M=4 gpipe", "S=4 M=8 1f1b", -0.0227, -0.0073),
     ("S=2 M=4 gpipe", "S=4 M=4 gpipe", 0.0147, 0.0306),
     ("S=2 M=4 gpipe", "S=4 M=4 1f1b", -0.0066, 0.0306),
-    ("S=2 M=4 1f1b", "S=2 M=8 gpipe", -0.0000, 0.0000),
+    ("S=2 M=4 1f1b", "S=2 M=8 gpipe", 0.0000, 0.0000),
     ("S=2 M=4 1f1b", "S=2 M=8 1f1b", -0.0118, 0.0142),
     ("S=2 M=4 1f1b", "S=2 M=4 gpipe", 0.0000, 0.0000),
     ("S=2 M=4 1f1b", "S=4 M=8 gpipe", 0.0023, 0.0077),
@@ -1063,14 +1121,114 @@ FSDP_INTERLEAVED_PAIRS: tuple[tuple[str, str, float, float], ...] = (
     ("S=4 M=4 1f1b", "S=2x2 M=4 interleaved", -0.0153, -0.0063),
     ("S=4 M=4 1f1b", "S=4x2 M=8 interleaved", -0.0312, -0.0113),
 )
+# Another FSDP world size with the pipeline's changes (FSDP + PP): the --dp 2 layouts and the
+# example recorded with --dp 4 at 2 stages (8 ranks), each forecast to the other's layouts,
+# every stage against the worst of its dp ranks
+# (tests/test_forecast.py::test_pipeline_fsdp_world_layout_forecast).
+FSDP_WORLD_PAIRS: tuple[tuple[str, str, float, float], ...] = (
+    ("S=2 M=8 gpipe dp=2", "S=2 M=8 gpipe dp=4", 0.0000, 0.0000),
+    ("S=2 M=8 gpipe dp=2", "S=2 M=8 1f1b dp=4", 0.0186, 0.0227),
+    ("S=2 M=8 gpipe dp=2", "S=2 M=4 gpipe dp=4", 0.0000, 0.0000),
+    ("S=2 M=8 gpipe dp=2", "S=2 M=4 1f1b dp=4", 0.0084, 0.0229),
+    ("S=2 M=8 1f1b dp=2", "S=2 M=8 gpipe dp=4", 0.0000, 0.0000),
+    ("S=2 M=8 1f1b dp=2", "S=2 M=8 1f1b dp=4", 0.0000, 0.0000),
+    ("S=2 M=8 1f1b dp=2", "S=2 M=4 gpipe dp=4", -0.0057, 0.0000),
+    ("S=2 M=8 1f1b dp=2", "S=2 M=4 1f1b dp=4", 0.0084, 0.0230),
+    ("S=2 M=4 gpipe dp=2", "S=2 M=8 gpipe dp=4", 0.0000, 0.0000),
+    ("S=2 M=4 gpipe dp=2", "S=2 M=8 1f1b dp=4", 0.0062, 0.0077),
+    ("S=2 M=4 gpipe dp=2", "S=2 M=4 gpipe dp=4", 0.0000, 0.0000),
+    ("S=2 M=4 gpipe dp=2", "S=2 M=4 1f1b dp=4", -0.0084, 0.0000),
+    ("S=2 M=4 1f1b dp=2", "S=2 M=8 gpipe dp=4", 0.0000, 0.0000),
+    ("S=2 M=4 1f1b dp=2", "S=2 M=8 1f1b dp=4", 0.0000, 0.0300),
+    ("S=2 M=4 1f1b dp=2", "S=2 M=4 gpipe dp=4", 0.0000, 0.0000),
+    ("S=2 M=4 1f1b dp=2", "S=2 M=4 1f1b dp=4", 0.0000, 0.0000),
+    ("S=4 M=8 gpipe dp=2", "S=2 M=8 gpipe dp=4", -0.0112, 0.0082),
+    ("S=4 M=8 gpipe dp=2", "S=2 M=8 1f1b dp=4", -0.0077, 0.0309),
+    ("S=4 M=8 gpipe dp=2", "S=2 M=4 gpipe dp=4", 0.0114, 0.0282),
+    ("S=4 M=8 gpipe dp=2", "S=2 M=4 1f1b dp=4", 0.0115, 0.0253),
+    ("S=4 M=8 1f1b dp=2", "S=2 M=8 gpipe dp=4", 0.0055, 0.0082),
+    ("S=4 M=8 1f1b dp=2", "S=2 M=8 1f1b dp=4", 0.0496, 0.0527),
+    ("S=4 M=8 1f1b dp=2", "S=2 M=4 gpipe dp=4", 0.0172, 0.0282),
+    ("S=4 M=8 1f1b dp=2", "S=2 M=4 1f1b dp=4", 0.0253, 0.0576),
+    ("S=4 M=4 gpipe dp=2", "S=2 M=8 gpipe dp=4", -0.0112, 0.0082),
+    ("S=4 M=4 gpipe dp=2", "S=2 M=8 1f1b dp=4", -0.0227, 0.0185),
+    ("S=4 M=4 gpipe dp=2", "S=2 M=4 gpipe dp=4", 0.0114, 0.0282),
+    ("S=4 M=4 gpipe dp=2", "S=2 M=4 1f1b dp=4", -0.0115, 0.0085),
+    ("S=4 M=4 1f1b dp=2", "S=2 M=8 gpipe dp=4", 0.0082, 0.0083),
+    ("S=4 M=4 1f1b dp=2", "S=2 M=8 1f1b dp=4", 0.0309, 0.0828),
+    ("S=4 M=4 1f1b dp=2", "S=2 M=4 gpipe dp=4", 0.0282, 0.0287),
+    ("S=4 M=4 1f1b dp=2", "S=2 M=4 1f1b dp=4", 0.0253, 0.0346),
+    ("S=2 M=8 gpipe dp=4", "S=2 M=8 gpipe dp=2", 0.0000, 0.0000),
+    ("S=2 M=8 gpipe dp=4", "S=2 M=8 1f1b dp=2", 0.0177, 0.0214),
+    ("S=2 M=8 gpipe dp=4", "S=2 M=4 gpipe dp=2", 0.0000, 0.0000),
+    ("S=2 M=8 gpipe dp=4", "S=2 M=4 1f1b dp=2", 0.0081, 0.0219),
+    ("S=2 M=8 gpipe dp=4", "S=4 M=8 gpipe dp=2", -0.0001, 0.0224),
+    ("S=2 M=8 gpipe dp=4", "S=4 M=8 1f1b dp=2", 0.0073, 0.0241),
+    ("S=2 M=8 gpipe dp=4", "S=4 M=4 gpipe dp=2", -0.0094, 0.0147),
+    ("S=2 M=8 gpipe dp=4", "S=4 M=4 1f1b dp=2", 0.0147, 0.0409),
+    ("S=2 M=8 1f1b dp=4", "S=2 M=8 gpipe dp=2", 0.0000, 0.0000),
+    ("S=2 M=8 1f1b dp=4", "S=2 M=8 1f1b dp=2", 0.0000, 0.0000),
+    ("S=2 M=8 1f1b dp=4", "S=2 M=4 gpipe dp=2", -0.0056, 0.0000),
+    ("S=2 M=8 1f1b dp=4", "S=2 M=4 1f1b dp=2", 0.0081, 0.0220),
+    ("S=2 M=8 1f1b dp=4", "S=4 M=8 gpipe dp=2", -0.0001, 0.0074),
+    ("S=2 M=8 1f1b dp=4", "S=4 M=8 1f1b dp=2", -0.0423, -0.0207),
+    ("S=2 M=8 1f1b dp=4", "S=4 M=4 gpipe dp=2", -0.0094, -0.0049),
+    ("S=2 M=8 1f1b dp=4", "S=4 M=4 1f1b dp=2", -0.0313, -0.0049),
+    ("S=2 M=4 gpipe dp=4", "S=2 M=8 gpipe dp=2", 0.0000, 0.0000),
+    ("S=2 M=4 gpipe dp=4", "S=2 M=8 1f1b dp=2", 0.0059, 0.0072),
+    ("S=2 M=4 gpipe dp=4", "S=2 M=4 gpipe dp=2", 0.0000, 0.0000),
+    ("S=2 M=4 gpipe dp=4", "S=2 M=4 1f1b dp=2", -0.0081, 0.0000),
+    ("S=2 M=4 gpipe dp=4", "S=4 M=8 gpipe dp=2", -0.0001, 0.0224),
+    ("S=2 M=4 gpipe dp=4", "S=4 M=8 1f1b dp=2", -0.0085, 0.0103),
+    ("S=2 M=4 gpipe dp=4", "S=4 M=4 gpipe dp=2", -0.0094, 0.0147),
+    ("S=2 M=4 gpipe dp=4", "S=4 M=4 1f1b dp=2", -0.0063, 0.0147),
+    ("S=2 M=4 1f1b dp=4", "S=2 M=8 gpipe dp=2", 0.0000, 0.0000),
+    ("S=2 M=4 1f1b dp=4", "S=2 M=8 1f1b dp=2", 0.0000, 0.0283),
+    ("S=2 M=4 1f1b dp=4", "S=2 M=4 gpipe dp=2", 0.0000, 0.0000),
+    ("S=2 M=4 1f1b dp=4", "S=2 M=4 1f1b dp=2", 0.0000, 0.0000),
+    ("S=2 M=4 1f1b dp=4", "S=4 M=8 gpipe dp=2", -0.0001, 0.0074),
+    ("S=2 M=4 1f1b dp=4", "S=4 M=8 1f1b dp=2", -0.0241, 0.0000),
+    ("S=2 M=4 1f1b dp=4", "S=4 M=4 gpipe dp=2", -0.0094, 0.0049),
+    ("S=2 M=4 1f1b dp=4", "S=4 M=4 1f1b dp=2", -0.0575, 0.0049),
+)
+# and to ScheduleInterleaved1F1B recorded at the other world size (2 x 2 stages, 8 and 4
+# micro-batches), from the same test
+FSDP_WORLD_INTERLEAVED_PAIRS: tuple[tuple[str, str, float, float], ...] = (
+    ("S=2 M=8 gpipe dp=2", "S=2x2 M=8 interleaved dp=4", 0.0136, 0.0199),
+    ("S=2 M=8 gpipe dp=2", "S=2x2 M=4 interleaved dp=4", 0.0197, 0.0354),
+    ("S=2 M=8 1f1b dp=2", "S=2x2 M=8 interleaved dp=4", -0.0099, -0.0091),
+    ("S=2 M=8 1f1b dp=2", "S=2x2 M=4 interleaved dp=4", 0.0039, 0.0066),
+    ("S=2 M=4 gpipe dp=2", "S=2x2 M=8 interleaved dp=4", 0.0099, 0.0136),
+    ("S=2 M=4 gpipe dp=2", "S=2x2 M=4 interleaved dp=4", 0.0197, 0.0197),
+    ("S=2 M=4 1f1b dp=2", "S=2x2 M=8 interleaved dp=4", -0.0136, -0.0099),
+    ("S=2 M=4 1f1b dp=2", "S=2x2 M=4 interleaved dp=4", -0.0119, 0.0132),
+    ("S=4 M=8 gpipe dp=2", "S=2x2 M=8 interleaved dp=4", 0.0000, 0.0000),
+    ("S=4 M=8 gpipe dp=2", "S=2x2 M=4 interleaved dp=4", 0.0000, 0.0157),
+    ("S=4 M=8 1f1b dp=2", "S=2x2 M=8 interleaved dp=4", -0.0298, -0.0181),
+    ("S=4 M=8 1f1b dp=2", "S=2x2 M=4 interleaved dp=4", -0.0131, 0.0000),
+    ("S=4 M=4 gpipe dp=2", "S=2x2 M=8 interleaved dp=4", 0.0000, 0.0000),
+    ("S=4 M=4 gpipe dp=2", "S=2x2 M=4 interleaved dp=4", 0.0000, 0.0000),
+    ("S=4 M=4 1f1b dp=2", "S=2x2 M=8 interleaved dp=4", -0.0298, -0.0226),
+    ("S=4 M=4 1f1b dp=2", "S=2x2 M=4 interleaved dp=4", -0.0157, -0.0065),
+    ("S=2 M=8 gpipe dp=4", "S=2x2 M=8 interleaved dp=2", 0.0131, 0.0191),
+    ("S=2 M=8 gpipe dp=4", "S=2x2 M=4 interleaved dp=2", 0.0192, 0.0343),
+    ("S=2 M=8 1f1b dp=4", "S=2x2 M=8 interleaved dp=2", -0.0096, -0.0088),
+    ("S=2 M=8 1f1b dp=4", "S=2x2 M=4 interleaved dp=2", 0.0038, 0.0064),
+    ("S=2 M=4 gpipe dp=4", "S=2x2 M=8 interleaved dp=2", 0.0096, 0.0131),
+    ("S=2 M=4 gpipe dp=4", "S=2x2 M=4 interleaved dp=2", 0.0191, 0.0192),
+    ("S=2 M=4 1f1b dp=4", "S=2x2 M=8 interleaved dp=2", -0.0131, -0.0096),
+    ("S=2 M=4 1f1b dp=4", "S=2x2 M=4 interleaved dp=2", -0.0115, 0.0128),
+)
+WORLD_RATIOS = (0.5, 2.0)  # the FSDP world sizes the pairs change (new / recorded)
 # what the pairs span: stage-count and micro-batch-count ratios (new / recorded)
 STAGE_RATIOS = (0.5, 2.0)
 MICROBATCH_RATIOS = (0.5, 2.0)
 SOURCE = ("tests/test_forecast.py::test_pipeline_layout_forecast, "
-          "test_pipeline_fsdp_layout_forecast and test_pipeline_interleaved_layout_forecast: "
-          "the bundled pipeline example recorded on CPU (gloo) at 2 and 4 stages, 4 and 8 "
-          "micro-batches, GPipe and 1F1B, without and with FSDP2 sharding each stage, each "
-          "layout forecast to the other seven and to ScheduleInterleaved1F1B's")
+          "test_pipeline_fsdp_layout_forecast, test_pipeline_fsdp_world_layout_forecast and "
+          "test_pipeline_interleaved_layout_forecast: the bundled pipeline example recorded on "
+          "CPU (gloo) at 2 and 4 stages, 4 and 8 micro-batches, GPipe and 1F1B, without and "
+          "with FSDP2 sharding each stage over 2 ranks (and over 4 at 2 stages), each layout "
+          "forecast to the others and to ScheduleInterleaved1F1B's")
 
 
 def band(sc: PipeScenario, src: StageSource, srcs: list[StageSource] | None = None) -> dict:
@@ -1078,17 +1236,30 @@ def band(sc: PipeScenario, src: StageSource, srcs: list[StageSource] | None = No
     schedule, the stage count or the micro-batch count, several at once; FSDP's pairs when FSDP
     shards the stage), what lies outside them; the recorded layout itself is the recording
     replayed (exact)."""
-    if (sc.stages, sc.microbatches, sc.schedule, sc.virtual) == \
-            (src.stages, src.microbatches, src.schedule, 1):
+    world = sc.world_size is not None and sc.world_size != src.world_size
+    tp = sc.tp is not None and sc.tp != src.tp
+    if (sc.stages, sc.microbatches, sc.schedule, sc.virtual, world, tp) == \
+            (src.stages, src.microbatches, src.schedule, 1, False, False):
         return {"low": 0.0, "high": 0.0, "pairs": 0, "validated": True, "not_validated": [],
                 "exact": True}
     fsdp = bool(src.d.mask(*FSDP_CATEGORIES).any())
-    pairs = {(False, False): PAIRS, (True, False): FSDP_PAIRS,
-             (False, True): INTERLEAVED_PAIRS,
-             (True, True): FSDP_INTERLEAVED_PAIRS}[(fsdp, sc.schedule == INTERLEAVED)]
-    lo = min(p[2] for p in pairs)
-    hi = max(p[3] for p in pairs)
+    pairs = {(False, False, False): PAIRS, (True, False, False): FSDP_PAIRS,
+             (False, True, False): INTERLEAVED_PAIRS,
+             (True, True, False): FSDP_INTERLEAVED_PAIRS,
+             (True, False, True): FSDP_WORLD_PAIRS,
+             (True, True, True): FSDP_WORLD_INTERLEAVED_PAIRS,
+             }.get((fsdp, sc.schedule == INTERLEAVED, world), ())
     why = []
+    if world:
+        r = (sc.world_size or 0) / (src.world_size or 1)
+        if not WORLD_RATIOS[0] <= r <= WORLD_RATIOS[1]:
+            why.append(f"FSDP world size {sc.world_size} is {r:g}x the recorded "
+                       f"{src.world_size} (pairs: {WORLD_RATIOS[0]:g}x..{WORLD_RATIOS[1]:g}x)")
+    if tp:
+        why.append(f"TP {sc.tp} from the recorded {src.tp} with the pipeline forecast (no "
+                   "recorded pair: the TP degree's own pairs are without a pipeline)")
+    lo = min((p[2] for p in pairs), default=0.0)
+    hi = max((p[3] for p in pairs), default=0.0)
     total = sc.stages * sc.virtual  # what scales the layers: every stage of the pipeline
     if total != src.stages and src.stages:
         r = total / src.stages
@@ -1134,7 +1305,8 @@ class PipelineForecast:
             for p in sc["per_stage"]:
                 rows.append({"stages": sc["stages"], "microbatches": sc["microbatches"],
                              "schedule": sc["schedule"],
-                             "virtual_stages": sc["virtual_stages"], **p,
+                             "virtual_stages": sc["virtual_stages"],
+                             "world_size": sc["world_size"], "tp": sc["tp"], **p,
                              "worst": p["stage"] == sc["worst_stage"],
                              "error_low": band["low"], "error_high": band["high"],
                              "validated": band["validated"]})
@@ -1142,16 +1314,23 @@ class PipelineForecast:
 
 
 def pipeline_forecast(analyses: list[DeviceAnalysis], stages=(), microbatches=(),
-                      schedules=(), source_name: str = "") -> PipelineForecast:
-    """Each stage's peak under every combination of pipeline degree, micro-batch count and
-    schedule (empty = as recorded), from the recorded stages; the worst stage named."""
+                      schedules=(), source_name: str = "", world_sizes=(),
+                      tps=()) -> PipelineForecast:
+    """Each stage's peak under every combination of pipeline degree, micro-batch count,
+    schedule, FSDP world size (the ranks FSDP shards a stage over) and TP degree (empty = as
+    recorded), from the recorded stages; the worst stage named."""
     from snapforensics.errors import SnapError
+    from snapforensics.snapshot.tensors import MAX_TP
 
     if any(not 1 <= int(x) <= MAX_STAGES for x in stages) or \
             any(not 1 <= int(x) <= MAX_MICROBATCHES for x in microbatches):
         raise SnapError(f"pipeline forecast: stages and micro-batches from 1 to {MAX_STAGES} "
                         "(the largest pipelines run tens of stages and a few hundred "
                         "micro-batches)")
+    if any(not 1 <= int(x) <= MAX_WORLD for x in world_sizes) or \
+            any(not 1 <= int(x) <= MAX_TP for x in tps):
+        raise SnapError(f"pipeline forecast: world sizes from 1 to {MAX_WORLD}, TP degrees from "
+                        f"1 to {MAX_TP}")
     srcs: list[StageSource] = []
     why: list[str] = []
     for d in analyses:
@@ -1178,6 +1357,7 @@ def pipeline_forecast(analyses: list[DeviceAnalysis], stages=(), microbatches=()
     by = {s.stage: s for s in srcs}
     recorded = {"stages": first.stages, "microbatches": first.microbatches,
                 "schedule": first.schedule, "layers": first.layers,
+                "world_size": first.world_size, "tp": first.tp,
                 "stage_files": sorted(k for k in by if k is not None),
                 "peaks": {str(s.stage): s.d.peak_bytes for s in srcs}}
     try:
@@ -1185,7 +1365,10 @@ def pipeline_forecast(analyses: list[DeviceAnalysis], stages=(), microbatches=()
     except ValueError as e:
         raise SnapError(f"pipeline forecast: schedule {str(e)[:40]!r}: expected gpipe, 1f1b or "
                         f"interleaved[:V] (V stages per rank, 2 to {MAX_VIRTUAL})") from None
-    scen = [PipeScenario(int(p), int(m), k, v)
+    scen = [PipeScenario(int(p), int(m), k, v, None if w is None else int(w),
+                         None if t is None else int(t))
+            for w in (world_sizes or [None])
+            for t in (tps or [None])
             for p in (stages or [first.stages or 1])
             for m in (microbatches or [first.microbatches])
             for k, v in kinds]
@@ -1196,6 +1379,7 @@ def pipeline_forecast(analyses: list[DeviceAnalysis], stages=(), microbatches=()
         worst = max(ok, key=lambda p: p.predicted_peak_bytes or 0) if ok else None
         out.append({"stages": sc.stages, "microbatches": sc.microbatches,
                     "schedule": sc.schedule, "virtual_stages": sc.virtual,
+                    "world_size": sc.world_size or first.world_size, "tp": sc.tp or first.tp,
                     "worst_stage": worst.stage if worst else None,
                     "worst_peak_bytes": worst.predicted_peak_bytes if worst else None,
                     "error_band": band(sc, first, srcs),
