@@ -121,9 +121,13 @@ recorded stage in its position, sends held to the step's end as torch's
 looped runtime does): 24 pairs at V=2, -5.9%..+5.1%; with FSDP, 20 pairs,
 -3.4%..+6.7%. With --world-size (the ranks FSDP shards a stage over): each
 stage's shards scaled as above, then rebuilt; 64 pairs dp 2 <-> 4 across the
-layouts, -5.8%..+8.3%, and 24 to interleaved, -3.0%..+3.5%; --tp with the
-pipeline's options is NOT VALIDATED (no TP + PP pair). Stages and
-micro-batches from 1 to 1024; an interleaved recording is refused.""")
+layouts, -5.8%..+8.3%, and 24 to interleaved, -3.0%..+3.5%. With --tp (TP
+inside the stages): what TP splits scaled by tp0 / tp, then rebuilt; 88 pairs
+tp 2 <-> 4, -10.5%..+10.7% (72 within 5%). An interleaved recording is a
+source too (each of a rank's stages its own, by its marks and the model's
+layer names): 36 pairs, -5.1%..+5.1%; with FSDP, NOT VALIDATED (the looped
+runtime's UNSHARD actions). Stages and micro-batches from 1 to 1024; a
+zero-bubble recording is refused.""")
 @click.argument("snapshot", type=click.Path(path_type=Path))
 @click.option("--world-size", help="World sizes to forecast, comma-separated (e.g. 4,8,64,512): "
                                    "the ranks FSDP shards over (dp_shard on a 2-D mesh).")

@@ -1,6 +1,10 @@
 """A pipeline-parallel run (``torch.distributed.pipelining``) with ground truth, for the pipeline
 rules: one stage per rank, a stack of MLP blocks split evenly, GPipe or 1F1B over M micro-batches;
-with ``--dp N`` each stage is fully_shard-ed over N ranks (FSDP2 + PP on a (pp, dp_shard) mesh).
+with ``--dp N`` each stage is fully_shard-ed over N ranks (FSDP2 + PP on a (pp, dp_shard) mesh);
+with ``--tp N`` each block's MLP is ColwiseParallel / RowwiseParallel over N ranks (TP inside the
+stages, on a (pp, dp_shard, tp) mesh, as torchtitan composes them). A stage keeps the model's
+layer names (``layers.5.up.weight``): torchtitan splits a model by deleting the layers another
+stage runs, so its names stay the whole model's.
 
     snapforensics record --nproc-per-node 2 --device cpu --out DIR \\
         -m snapforensics.examples.pipeline -- --schedule gpipe --microbatches 8 --truth DIR
@@ -27,6 +31,19 @@ from snapforensics.examples.common import parser, write_truth
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
              "interleaved": ScheduleInterleaved1F1B}  # two stages per rank (a looped layout)
+
+
+class Chunk(nn.Module):
+    """The layers one stage runs, under the whole model's names (``layers.<i>``)."""
+
+    def __init__(self, blocks: dict[int, nn.Module]):
+        super().__init__()
+        self.layers = nn.ModuleDict({str(i): b for i, b in blocks.items()})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.layers.values():
+            x = b(x)
+        return x
 
 
 class Block(nn.Module):
@@ -66,28 +83,43 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dp", type=int, default=1,
                    help="dp_shard degree: each stage fully_shard-ed over it (FSDP2 + PP on a "
                         "2-D mesh, as torchtitan composes them)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tp degree: each block's MLP column-/row-wise parallel over it")
     a = p.parse_args(argv)
     dist.init_process_group("gloo")
     world = dist.get_world_size()
-    stages, group = world // a.dp, None
+    stages, group = world // (a.dp * a.tp), None
     rank = index = dist.get_rank()  # the stage index when there is no dp dimension
-    if a.dp > 1:
+    if a.dp > 1 or a.tp > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (stages, a.dp), mesh_dim_names=("pp", "dp_shard"))
+        dims = [("pp", stages)] + [(n, k) for n, k in (("dp_shard", a.dp), ("tp", a.tp)) if k > 1]
+        mesh = init_device_mesh("cpu", tuple(k for _, k in dims),
+                                mesh_dim_names=tuple(n for n, _ in dims))
         index, group = mesh["pp"].get_local_rank(), mesh["pp"].get_group()
     torch.manual_seed(0)
     blocks = [Block(a.dim) for _ in range(a.layers)]
     v = 2 if a.schedule == "interleaved" else 1  # stages per rank: index, index + stages, ...
     per = a.layers // (stages * v)
-    chunks = [nn.Sequential(*blocks[i * per:(i + 1) * per])
+    chunks = [Chunk({j: blocks[j] for j in range(i * per, (i + 1) * per)})
               for i in range(index, stages * v, stages)]
     del blocks  # every rank drew the same weights; a stage holds only its own layers
+    if a.tp > 1:
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        for chunk in chunks:
+            for b in chunk.layers.values():
+                parallelize_module(b, mesh["tp"], {"up": ColwiseParallel(),
+                                                   "down": RowwiseParallel()})
     if a.dp > 1:
         from torch.distributed.fsdp import fully_shard
 
         for chunk in chunks:
-            for b in chunk:
+            for b in chunk.layers.values():
                 fully_shard(b, mesh=mesh["dp_shard"])
             fully_shard(chunk, mesh=mesh["dp_shard"])
     pipe = [PipelineStage(c, i, stages * v, torch.device("cpu"), group=group)
@@ -112,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
         opt.step()
         opt.zero_grad()
     write_truth(a.truth, rank, {"schedule": a.schedule, "stage": index, "stages": stages,
-                                "dp": a.dp, "microbatches": a.microbatches,
+                                "dp": a.dp, "tp": a.tp, "microbatches": a.microbatches,
                                 "held_per_step": held})
     dist.destroy_process_group()
 

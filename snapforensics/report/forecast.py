@@ -235,8 +235,11 @@ def _pipe_lines(f) -> list[str]:
     peaks = ", ".join(f"stage {k} {human(v)}" for k, v in sorted(r["peaks"].items()))
     mesh = "".join(f", {name} {r.get(k)}" for k, name in (("world_size", "FSDP world size"),
                                                           ("tp", "TP")) if r.get(k))
-    out = [f"recorded: {r['stages'] or 'unknown'} stages, {r['microbatches']} micro-batches, "
-           f"{r['schedule']}, {r['layers'] or 'unknown'} layers per stage{mesh}; peaks {peaks}"]
+    v = r.get("virtual_stages") or 1
+    where = f"{r['stages'] or 'unknown'} ranks x {v} stages" if v > 1 else \
+        f"{r['stages'] or 'unknown'} stages"
+    out = [f"recorded: {where}, {r['microbatches']} micro-batches, {r['schedule']}, "
+           f"{r['layers'] or 'unknown'} layers per stage{mesh}; peaks {peaks}"]
     shown = _pipe_mesh(f)
     for sc in f.scenarios:
         if sc["worst_stage"] is not None:

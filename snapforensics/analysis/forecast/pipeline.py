@@ -57,9 +57,15 @@ Another FSDP world size (the ranks FSDP shards a stage over) or TP degree with t
 each block's size scaled first as the world-size and TP forecasts scale it (forecast/scaling.py,
 `StageSource.sizes`), the step then rebuilt from those sizes.
 
-What is not modelled, and refused or noted: an interleaved or zero-bubble recording (several
-stages per rank), zero-bubble schedules as the scenario, a trace without either kind of range,
-layers that do not split evenly.
+An interleaved recording as the source (a rank running several stages, the recorder's marks
+naming each): each of the rank's stages is a source of its own, its operations those its marks
+delimit, its layers the rank's named layers split in order (torchtitan keeps the whole model's
+layer names on each stage), the parameters and gathers of the rank's other stages left out, its
+share of the rank's receive buffers, and the sends held to the step's end (the looped runtime).
+
+What is not modelled, and refused or noted: a zero-bubble recording or scenario (weight
+gradients computed apart from the backward), a trace without either kind of range, layers that
+do not split evenly, an interleaved recording whose stages name their layers alike.
 """
 
 from __future__ import annotations
@@ -130,6 +136,12 @@ class StageSource:
     end: int  # the row after its last backward
     stop: int  # where the step's rows end (the next step's start, or the trace's end)
     layer_params: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    # a rank running several stages (an interleaved recording): how many, the layers of all,
+    # the blocks of the other stages' layers, this stage's share of the receive buffers
+    virtual: int = 1
+    rank_layers: int | None = None
+    others: np.ndarray | None = None
+    p2p_share: float = 1.0
     _sizes: dict = field(default_factory=dict, repr=False)  # (world, tp) -> `sizes`
 
     @cached_property
@@ -320,31 +332,34 @@ def marked_stages(d: DeviceAnalysis, spans: list | None = None) -> set[int]:
     return {int(st) for _, (_, st, _), _ in (_spans(d, MARK) if spans is None else spans)}
 
 
-def _marked_steps(d: DeviceAnalysis) -> list[Ops] | str:
+def _marked_steps(d: DeviceAnalysis) -> list[dict[int | None, Ops]]:
     """Steps cut from the recorder's marks (any schedule): each operation from its mark to the
     next one's (the receives and sends the schedule runs between them go with the operation
-    before), the step's last to its own end; a step starts at micro-batch 0's forward."""
+    before), the step's last to its own end; per stage the rank runs (its index in the marks:
+    several under an interleaved schedule), that stage's operations; a step starts at
+    micro-batch 0's forward of the rank's first stage."""
     spans = _spans(d, MARK)
-    stages = marked_stages(d, spans)
-    if len(stages) > 1:
-        return (f"this rank runs {len(stages)} pipeline stages (an interleaved or zero-bubble "
-                "schedule): not modelled")
-    steps: list[list[tuple[int, str, int, int]]] = []
-    for r0, (kind, _, mb), r1 in spans:
+    first = min(marked_stages(d, spans), default=0)
+    steps: list[list[tuple[int, str, int, int, int]]] = []
+    for r0, (kind, st, mb), r1 in spans:
         op = ("F" if kind == "forward" else "B", int(mb))
-        if op == ("F", 0) or not steps:
+        if (op == ("F", 0) and int(st) == first) or not steps:
             steps.append([])
-        steps[-1].append((r0, *op, r1))
+        steps[-1].append((r0, *op, int(st), r1))
     out = []
     for step in steps:
-        fwd = sorted(k for _, kind, k, _ in step if kind == "F")
-        bwd = sorted(k for _, kind, k, _ in step if kind == "B")
-        if len(fwd) < 2 or fwd != list(range(len(fwd))) or bwd != fwd:
-            continue  # a step the marks do not cover whole (cut by the recording's window)
-        ops = {}
-        for i, (r0, kind, k, r1) in enumerate(step):
-            ops[(kind, k)] = (r0, step[i + 1][0] if i + 1 < len(step) else r1)
-        out.append(ops)
+        by: dict[int | None, Ops] = {}
+        for i, (r0, kind, k, st, r1) in enumerate(step):
+            by.setdefault(st, {})[(kind, k)] = (r0, step[i + 1][0] if i + 1 < len(step) else r1)
+        whole = True
+        for ops in by.values():
+            fwd = sorted(k for kind, k in ops if kind == "F")
+            bwd = sorted(k for kind, k in ops if kind == "B")
+            # a step the marks do not cover whole (cut by the recording's window)
+            whole &= len(fwd) >= 2 and fwd == list(range(len(fwd))) and bwd == fwd and \
+                len(fwd) == len(next(iter(by.values()))) // 2
+        if whole:
+            out.append(by)
     return out
 
 
@@ -358,39 +373,125 @@ def _span(ops: Ops) -> tuple[int, int]:
     return min(r0 for r0, _ in ops.values()), max(r1 for _, r1 in ops.values())
 
 
+def _chunk_layers(d: DeviceAnalysis, v: int) -> list[tuple[int, np.ndarray]] | str:
+    """The rank's numbered layers split over its `v` stages in order (torchtitan splits a model
+    by deleting the layers another stage runs: a stage keeps the whole model's names, so the
+    rank's first stage holds its lowest-numbered layers), as (layers, blocks of their
+    parameters, gradients and optimizer state) per stage; or why they cannot be."""
+    names = d.names
+    if names is None:
+        return ("the recording names no layers (record with `snapforensics record`): which of "
+                "the rank's stages holds which parameters is unknown")
+    layer: dict[int, str] = {}
+    params: dict[int, list[int]] = {}  # identity -> its parameter blocks
+    for b in np.flatnonzero(names.ident >= 0).tolist():
+        ident = names.identity(b)
+        if ident is None or ident.kind not in ("parameter", "gradient", "optimizer_state"):
+            continue
+        name = layer_of(ident.module)
+        if any(x.isdigit() for x in name.split(".")):
+            layer[b] = name
+            if ident.kind == "parameter":
+                params.setdefault(int(names.ident[b]), []).append(b)
+    lt = d.lt
+    for bs in params.values():  # one name, two parameters alive at once: names of one stage
+        live = sorted((int(lt.alloc_row[b]), int(lt.free_row[b])) for b in bs)
+        if any(b0[1] > b1[0] for b0, b1 in zip(live, live[1:])):
+            return ("two of the rank's stages name their parameters alike (a stage that keeps "
+                    "the whole model's layer names, as torchtitan's splitting does, tells them "
+                    "apart)")
+    numbered = sorted({layer[bs[0]] for bs in params.values()}, key=_natural_key)
+    if not numbered or len(numbered) % v:
+        return f"{len(numbered)} named layers do not split over the rank's {v} stages"
+    # FSDP's unsharded parameters and all-gather buffers: a unit's by its module (a looped
+    # runtime gathers a stage's units ahead of its first forward, inside another stage's rows)
+    for b in np.flatnonzero(d.mask(Category.UNSHARDED_PARAM, Category.ALL_GATHER)).tolist():
+        name = layer_of(d.module_of(b))
+        if name in numbered:
+            layer.setdefault(b, name)
+    n = len(numbered) // v
+    out = []
+    for j in range(v):
+        mine = set(numbered[j * n:(j + 1) * n])
+        mask = np.zeros(len(lt), bool)
+        mask[[b for b, name in layer.items() if name in mine]] = True
+        out.append((n, mask))
+    return out
+
+
+def _natural_key(name: str) -> list:
+    return [(0, int(x[:18]), len(x)) if x.isdigit() else (1, 0, x) for x in name.split(".")]
+
+
 def stage_steps(d: DeviceAnalysis) -> list[StageSource] | str:
-    """Every step of the stage recorded in `d` its ranges delimit, cut into operations; or why
-    none can be."""
-    steps = _gpipe_steps(d)
+    """Every step of the stage recorded in `d` its ranges delimit, cut into operations (one
+    source per stage the rank runs, the same step's sharing its rows); or why none can be."""
+    if any(f.name == "backward_weight_one_chunk" for f in d.snapshot.frames):
+        return ("a zero-bubble schedule (its stages compute weight gradients apart from the "
+                "backward, `backward_weight_one_chunk`): not modelled")
+    steps: list[dict[int | None, Ops]] = [{None: o} for o in _gpipe_steps(d)]
     if not steps:
-        marked = _marked_steps(d)
-        if isinstance(marked, str):
-            return marked
-        steps = marked
+        steps = _marked_steps(d)
     if not steps:
         return ("the trace does not delimit the micro-batches' forwards and backwards (record "
                 "with `snapforensics record`, which marks them, or use ScheduleGPipe, whose "
                 "ranges do)")
     layout = mesh(d.snapshot.provenance)
     stage, stages = layout.index("pp"), layout.degree("pp")
+    stage = stage if type(stage) is int else None
+    stages = stages if type(stages) is int else None
     layers, lp = _layer_params(d)
-    starts = [_span(o)[0] for o in steps]
+    v = max(len(s) for s in steps)
+    chunks = _chunk_layers(d, v) if v > 1 else None
+    if isinstance(chunks, str):
+        return chunks
+    spans = [(min(_span(o)[0] for o in st.values()), max(_span(o)[1] for o in st.values()))
+             for st in steps]
     out = []
-    for ops in steps:
-        start, end = _span(ops)
-        stop = min([s for s in starts if s > end], default=d.lt.rows)
-        out.append(StageSource(d, stage if type(stage) is int else None,
-                               stages if type(stages) is int else None, len(ops) // 2,
-                               _schedule_of(ops), layers, ops, start, end, stop, lp))
+    for step, (start, end) in zip(steps, spans):
+        stop = min([s for s, _ in spans if s > end], default=d.lt.rows)
+        if chunks is None:
+            ops = next(iter(step.values()))
+            out.append(StageSource(d, stage, stages, len(ops) // 2, _schedule_of(ops), layers,
+                                   ops, start, end, stop, lp))
+            continue
+        if len(step) != v:
+            continue
+        total = stages * v if stages else None
+        gs = sorted(g for g in step if g is not None)
+        # each stage's receive buffers (one per micro-batch for activations unless it is the
+        # pipeline's first, one for gradients unless its last): its share of the rank's
+        want = [(g > 0) + (total is None or g < total - 1) for g in gs]
+        for j, g in enumerate(gs):
+            ops = step[g]
+            others = np.zeros(len(d.lt), bool)
+            for i, (_, mask) in enumerate(chunks):
+                if i != j:
+                    others |= mask
+            out.append(StageSource(d, g, total, len(ops) // 2, INTERLEAVED, chunks[j][0], ops,
+                                   start, end, stop, chunks[j][1], virtual=v,
+                                   rank_layers=layers, others=others,
+                                   p2p_share=want[j] / max(sum(want), 1)))
     return out
 
 
 def source(d: DeviceAnalysis) -> StageSource | str:
-    """The step of `d` a forecast starts from: the one holding the peak, else the last."""
+    """The step of `d` a forecast starts from: the one holding the peak, else the last (its
+    first stage, where the rank runs several: `sources`)."""
+    srcs = sources(d)
+    return srcs if isinstance(srcs, str) else srcs[0]
+
+
+def sources(d: DeviceAnalysis) -> list[StageSource] | str:
+    """The step of `d` a forecast starts from (the one holding the peak, else the last), one
+    source per stage the rank runs."""
     steps = stage_steps(d)
     if isinstance(steps, str):
         return steps
-    return next((s for s in steps if s.start <= d.peak_row <= s.end), steps[-1])
+    if not steps:
+        return "no step whose every stage the marks cover whole"
+    at = next((s for s in steps if s.start <= d.peak_row <= s.end), steps[-1]).start
+    return [s for s in steps if s.start == at]
 
 
 def order(schedule: str, stage: int, stages: int, m: int, virtual: int = 1
@@ -551,7 +652,13 @@ def gathers(src: StageSource) -> Gathers | None:
     """The stage's gathers (`Gathers`), or None when FSDP does not shard it."""
     d, lt = src.d, src.d.lt
     a, f = lt.alloc_row, lt.free_row
-    inside = (a >= src.start) & (a < src.end)
+    in_ops = np.zeros(lt.rows + 1, bool)  # this stage's operations (a rank may run several)
+    for r0, r1 in src.ops.values():
+        in_ops[r0:r1] = True
+    inside = (a >= src.start) & (a < src.end) & (
+        in_ops[np.clip(a, 0, lt.rows)] | (src.layer_params if src.virtual > 1 else False))
+    if src.others is not None:
+        inside &= ~src.others
     params = d.mask(Category.UNSHARDED_PARAM) & inside
     buffers = d.mask(Category.ALL_GATHER) & inside
     if not params.any():
@@ -570,6 +677,8 @@ def gathers(src: StageSource) -> Gathers | None:
     born: dict[tuple[tuple[str, int], str], list[int]] = {}
     for b, u in sorted(unit.items(), key=lambda x: int(a[x[0]])):
         i = int(np.searchsorted(starts, a[b], "right")) - 1
+        if i < 0 or a[b] >= bounds[i][1]:  # before its operation (a looped runtime's UNSHARD)
+            i = min(i + 1, len(bounds) - 1)
         born.setdefault((bounds[i][2], str(u)), []).append(b)
     for at, u in born:  # every gather in an operation that opened the unit's range
         if ("pre_forward" if at[0] == "F" else "pre_backward", u) not in marks[at]:
@@ -677,21 +786,26 @@ def rebuild(src: StageSource, sc: PipeScenario, stage: int, layer_ratio: float,
     # freed inside the step (the batch's chunks) goes where its operation now runs
     p2p = d.mask(Category.PP_P2P)
     state = src.param_state
-    for b in np.flatnonzero((a < src.start) & (f > src.start)).tolist():
+    others = src.others if src.others is not None else np.zeros(len(size), bool)
+    for b in np.flatnonzero((a < src.start) & (f > src.start) & ~others).tolist():
         if chunk is not None and not (src.layer_params[b] or p2p[b] or (
                 edge if state[b] else whole)):
             continue
-        sz = size[b] * (layer_ratio if src.layer_params[b] else 1.0)
+        sz = size[b] * (layer_ratio if src.layer_params[b] else
+                        src.p2p_share if p2p[b] else 1.0)
         if f[b] >= src.end:
             add(b, -1, after(b), sz)
             continue
-        runs = runs_of_first(keys[dies_in[b]])
+        runs = runs_of_first(keys[dies_in[b]]) if dies_in[b] >= 0 else None
         add(b, -1, int(f[b]) + offsets[runs] if runs else rows, sz)
     # made inside the step, once per new operation its own stands for
     m_new, last = sc.microbatches, src.microbatches - 1
     # a stage before the last sends its outputs on; the last keeps them for the step's return
     sends = src.stage is None or src.stages is None or src.stage < src.stages - 1
     gpipe = src.schedule == GPIPE
+    # what the source's runtime waits on only as the step returns: GPipe's lists of works, the
+    # looped runtime's every send (an interleaved recording)
+    held_sends = src.schedule in (GPIPE, INTERLEAVED)
     one_f = sc.schedule != GPIPE
     # torch's runtime for looped schedules (`_PipelineScheduleRuntime._step_microbatches`)
     # waits on every send as the step returns: what a send holds (a forward's output, a
@@ -699,7 +813,7 @@ def rebuild(src: StageSource, sc: PipeScenario, stage: int, layer_ratio: float,
     looped = sc.schedule == INTERLEAVED
     sent = ~src.layer_params
     g = src.gathered
-    made = born_in >= 0
+    made = (born_in >= 0) & ~others  # (another stage's gathers a looped runtime ran here)
     if g is not None:
         made[g.blocks] = False  # replayed below
     grads = src.param_grads
@@ -721,7 +835,7 @@ def rebuild(src: StageSource, sc: PipeScenario, stage: int, layer_ratio: float,
         # step's return under both) and a backward's gradient send (1F1B waits on it at the
         # next backward)
         phase_wait = gpipe and kind == "F" and freed == ("F", last) and k < last
-        step_wait = gpipe and freed is None and not to_optimizer and f[b] < src.stop
+        step_wait = held_sends and freed is None and not to_optimizer and f[b] < src.stop
         # per layer of the stage: what a forward saves for its micro-batch's backward and the
         # parameters' gradients (one per parameter, not per micro-batch); not: what lives and
         # dies inside one operation (one layer's temporaries: their maximum does not grow with
@@ -758,11 +872,15 @@ def rebuild(src: StageSource, sc: PipeScenario, stage: int, layer_ratio: float,
                         chunk is not None and not edge)
     # made after the last backward (the optimizer's temporaries and FSDP's sharded gradients
     # scale with the layers)
+    # (the rank's: a stage of an interleaved recording takes its layers' share of the unnamed)
     sharded = d.mask(Category.SHARDED_GRAD)
-    for b in np.flatnonzero((a >= src.end) & (a < src.stop)).tolist():
+    share = (src.layers or 1) / src.rank_layers if src.rank_layers else 1.0
+    for b in np.flatnonzero((a >= src.end) & (a < src.stop) & ~others).tolist():
         per_layer = d.tl.phase[a[b]] == Phase.OPTIMIZER or bool(sharded[b])
         if whole or per_layer:
-            add(b, int(a[b]) + tail, after(b), size[b] * (layer_ratio if per_layer else 1.0))
+            r = (layer_ratio if src.layer_params[b] else layer_ratio * share) if per_layer \
+                else 1.0
+            add(b, int(a[b]) + tail, after(b), size[b] * r)
     return Rebuilt(rows, np.array(blocks, np.int64), np.array(allocs, np.int64),
                    np.array(frees, np.int64), np.array(sizes, np.float64))
 
@@ -931,11 +1049,11 @@ def _interleaved_peak(sc: PipeScenario, rank: int, pick, layers: int) -> int:
         if 0 < g < sc.stages * sc.virtual - 1 and src is not first and \
                 src.stage is not None and src.stages is not None and src.stage == src.stages - 1:
             lt = first.d.lt
-            held = np.flatnonzero(first.d.mask(Category.PP_P2P) & (lt.alloc_row < first.start) &
+            recv = np.flatnonzero(first.d.mask(Category.PP_P2P) & (lt.alloc_row < first.start) &
                                   (lt.free_row >= first.end))
-            parts.append(Rebuilt(0, held, np.full(held.size, -1, np.int64),
-                                 np.full(held.size, 1 << 62, np.int64),
-                                 first.sizes(sc.world_size, sc.tp)[held]))
+            parts.append(Rebuilt(0, recv, np.full(recv.size, -1, np.int64),
+                                 np.full(recv.size, 1 << 62, np.int64),
+                                 first.sizes(sc.world_size, sc.tp)[recv]))
     rows = max(r.rows for r in parts)
     return Rebuilt(rows, *(np.concatenate([getattr(r, k) for r in parts])
                            for k in ("block", "alloc", "free", "size"))).peak()[0]
@@ -1220,6 +1338,173 @@ FSDP_WORLD_INTERLEAVED_PAIRS: tuple[tuple[str, str, float, float], ...] = (
     ("S=2 M=4 1f1b dp=4", "S=2x2 M=4 interleaved dp=2", -0.0115, 0.0128),
 )
 WORLD_RATIOS = (0.5, 2.0)  # the FSDP world sizes the pairs change (new / recorded)
+# An interleaved recording as the source (each of a rank's stages its own source, in its
+# position): examples/pipeline.py --schedule interleaved at 2 and 4 ranks x 2 stages, 4 and 8
+# micro-batches, forecast to the 8 GPipe / 1F1B layouts and the other interleaved ones whose
+# stages are 1/2x..2x its own (tests/test_forecast.py::test_pipeline_from_interleaved_forecast).
+FROM_INTERLEAVED_PAIRS: tuple[tuple[str, str, float, float], ...] = (
+    ("S=2x2 M=8 interleaved", "S=2 M=8 gpipe", -0.0114, 0.0083),
+    ("S=2x2 M=8 interleaved", "S=2 M=8 1f1b", -0.0177, -0.0071),
+    ("S=2x2 M=8 interleaved", "S=2 M=4 gpipe", -0.0112, 0.0055),
+    ("S=2x2 M=8 interleaved", "S=2 M=4 1f1b", -0.0081, 0.0110),
+    ("S=2x2 M=8 interleaved", "S=4 M=8 gpipe", 0.0000, 0.0000),
+    ("S=2x2 M=8 interleaved", "S=4 M=8 1f1b", -0.0091, 0.0000),
+    ("S=2x2 M=8 interleaved", "S=4 M=4 gpipe", 0.0000, 0.0000),
+    ("S=2x2 M=8 interleaved", "S=4 M=4 1f1b", 0.0000, 0.0351),
+    ("S=2x2 M=8 interleaved", "S=2x2 M=4 interleaved", 0.0131, 0.0163),
+    ("S=2x2 M=8 interleaved", "S=4x2 M=8 interleaved", 0.0169, 0.0292),
+    ("S=2x2 M=8 interleaved", "S=4x2 M=4 interleaved", 0.0454, 0.0514),
+    ("S=2x2 M=4 interleaved", "S=2 M=8 gpipe", -0.0114, 0.0083),
+    ("S=2x2 M=4 interleaved", "S=2 M=8 1f1b", -0.0296, -0.0213),
+    ("S=2x2 M=4 interleaved", "S=2 M=4 gpipe", -0.0112, 0.0055),
+    ("S=2x2 M=4 interleaved", "S=2 M=4 1f1b", -0.0244, -0.0110),
+    ("S=2x2 M=4 interleaved", "S=4 M=8 gpipe", -0.0001, 0.0000),
+    ("S=2x2 M=4 interleaved", "S=4 M=8 1f1b", -0.0273, -0.0219),
+    ("S=2x2 M=4 interleaved", "S=4 M=4 gpipe", 0.0000, 0.0000),
+    ("S=2x2 M=4 interleaved", "S=4 M=4 1f1b", -0.0132, 0.0000),
+    ("S=2x2 M=4 interleaved", "S=2x2 M=8 interleaved", -0.0104, -0.0091),
+    ("S=2x2 M=4 interleaved", "S=4x2 M=8 interleaved", 0.0034, 0.0186),
+    ("S=2x2 M=4 interleaved", "S=4x2 M=4 interleaved", 0.0278, 0.0472),
+    ("S=4x2 M=8 interleaved", "S=4 M=8 gpipe", -0.0209, 0.0150),
+    ("S=4x2 M=8 interleaved", "S=4 M=8 1f1b", -0.0365, -0.0110),
+    ("S=4x2 M=8 interleaved", "S=4 M=4 gpipe", -0.0204, 0.0098),
+    ("S=4x2 M=8 interleaved", "S=4 M=4 1f1b", -0.0204, 0.0176),
+    ("S=4x2 M=8 interleaved", "S=2x2 M=8 interleaved", -0.0228, -0.0155),
+    ("S=4x2 M=8 interleaved", "S=2x2 M=4 interleaved", -0.0196, -0.0081),
+    ("S=4x2 M=8 interleaved", "S=4x2 M=4 interleaved", 0.0000, 0.0222),
+    ("S=4x2 M=4 interleaved", "S=4 M=8 gpipe", -0.0209, 0.0150),
+    ("S=4x2 M=4 interleaved", "S=4 M=8 1f1b", -0.0511, -0.0330),
+    ("S=4x2 M=4 interleaved", "S=4 M=4 gpipe", -0.0204, 0.0098),
+    ("S=4x2 M=4 interleaved", "S=4 M=4 1f1b", -0.0395, -0.0175),
+    ("S=4x2 M=4 interleaved", "S=2x2 M=8 interleaved", -0.0319, -0.0259),
+    ("S=4x2 M=4 interleaved", "S=2x2 M=4 interleaved", -0.0327, -0.0244),
+    ("S=4x2 M=4 interleaved", "S=4x2 M=8 interleaved", -0.0135, -0.0106),
+)
+# the same with FSDP2 sharding each stage (--dp 2): NOT VALIDATED (`band`), measured
+FSDP_FROM_INTERLEAVED_PAIRS: tuple[tuple[str, str, float, float], ...] = (
+    ("S=2x2 M=8 interleaved", "S=2 M=8 gpipe", -0.0109, 0.0669),
+    ("S=2x2 M=8 interleaved", "S=2 M=8 1f1b", 0.0296, 0.1633),
+    ("S=2x2 M=8 interleaved", "S=2 M=4 gpipe", 0.0112, 0.1156),
+    ("S=2x2 M=8 interleaved", "S=2 M=4 1f1b", 0.0245, 0.0550),
+    ("S=2x2 M=8 interleaved", "S=4 M=8 gpipe", 0.0000, 0.0771),
+    ("S=2x2 M=8 interleaved", "S=4 M=8 1f1b", -0.0085, 0.1618),
+    ("S=2x2 M=8 interleaved", "S=4 M=4 gpipe", 0.0000, 0.0945),
+    ("S=2x2 M=8 interleaved", "S=4 M=4 1f1b", 0.0000, 0.0328),
+    ("S=2x2 M=8 interleaved", "S=2x2 M=4 interleaved", 0.0129, 0.0153),
+    ("S=2x2 M=8 interleaved", "S=4x2 M=8 interleaved", 0.0198, 0.1188),
+    ("S=2x2 M=4 interleaved", "S=2 M=8 gpipe", -0.0109, 0.0669),
+    ("S=2x2 M=4 interleaved", "S=2 M=8 1f1b", 0.0176, 0.0782),
+    ("S=2x2 M=4 interleaved", "S=2 M=4 gpipe", 0.0112, 0.1046),
+    ("S=2x2 M=4 interleaved", "S=2 M=4 1f1b", 0.0082, 0.1211),
+    ("S=2x2 M=4 interleaved", "S=4 M=8 gpipe", 0.0000, 0.0771),
+    ("S=2x2 M=4 interleaved", "S=4 M=8 1f1b", -0.0085, 0.0406),
+    ("S=2x2 M=4 interleaved", "S=4 M=4 gpipe", 0.0000, 0.0756),
+    ("S=2x2 M=4 interleaved", "S=4 M=4 1f1b", -0.0125, 0.1314),
+    ("S=2x2 M=4 interleaved", "S=2x2 M=8 interleaved", 0.0000, 0.0264),
+    ("S=2x2 M=4 interleaved", "S=4x2 M=8 interleaved", 0.0160, 0.0536),
+    ("S=4x2 M=8 interleaved", "S=4 M=8 gpipe", -0.0143, 0.0723),
+    ("S=4x2 M=8 interleaved", "S=4 M=8 1f1b", 0.0207, 0.0713),
+    ("S=4x2 M=8 interleaved", "S=4 M=4 gpipe", -0.0188, 0.0475),
+    ("S=4x2 M=8 interleaved", "S=4 M=4 1f1b", 0.0173, 0.0376),
+    ("S=4x2 M=8 interleaved", "S=2x2 M=8 interleaved", 0.0132, 0.0383),
+    ("S=4x2 M=8 interleaved", "S=2x2 M=4 interleaved", -0.0072, -0.0063),
+)
+# Another TP degree with the pipeline's changes (TP inside the stages: examples/pipeline.py --tp,
+# each block's MLP ColwiseParallel / RowwiseParallel): the 8 layouts at tp 2 (4 and 8 ranks) and
+# the 4 at 2 stages with tp 4 (8 ranks), each forecast to every layout at the other degree and to
+# ScheduleInterleaved1F1B there (2 x 2 stages), every stage against the worst of its tp ranks
+# (tests/test_forecast.py::test_pipeline_tp_layout_forecast).
+TP_PAIRS: tuple[tuple[str, str, float, float], ...] = (
+    ("S=2 M=8 gpipe tp=2", "S=2 M=8 gpipe tp=4", 0.0000, 0.0000),
+    ("S=2 M=8 gpipe tp=2", "S=2 M=8 1f1b tp=4", -0.0149, 0.0000),
+    ("S=2 M=8 gpipe tp=2", "S=2 M=4 gpipe tp=4", 0.0000, 0.0000),
+    ("S=2 M=8 gpipe tp=2", "S=2 M=4 1f1b tp=4", -0.0107, 0.0000),
+    ("S=2 M=8 gpipe tp=2", "S=2x2 M=8 interleaved tp=4", 0.0095, 0.0238),
+    ("S=2 M=8 gpipe tp=2", "S=2x2 M=4 interleaved tp=4", 0.0246, 0.0543),
+    ("S=2 M=8 1f1b tp=2", "S=2 M=8 gpipe tp=4", 0.0000, 0.0077),
+    ("S=2 M=8 1f1b tp=2", "S=2 M=8 1f1b tp=4", 0.0000, 0.0000),
+    ("S=2 M=8 1f1b tp=2", "S=2 M=4 gpipe tp=4", -0.0153, 0.0000),
+    ("S=2 M=8 1f1b tp=2", "S=2 M=4 1f1b tp=4", -0.0107, 0.0000),
+    ("S=2 M=8 1f1b tp=2", "S=2x2 M=8 interleaved tp=4", -0.0238, 0.0095),
+    ("S=2 M=8 1f1b tp=2", "S=2x2 M=4 interleaved tp=4", 0.0233, 0.0246),
+    ("S=2 M=4 gpipe tp=2", "S=2 M=8 gpipe tp=4", 0.0000, 0.0000),
+    ("S=2 M=4 gpipe tp=2", "S=2 M=8 1f1b tp=4", -0.0149, 0.0000),
+    ("S=2 M=4 gpipe tp=2", "S=2 M=4 gpipe tp=4", 0.0000, 0.0000),
+    ("S=2 M=4 gpipe tp=2", "S=2 M=4 1f1b tp=4", -0.0107, 0.0000),
+    ("S=2 M=4 gpipe tp=2", "S=2x2 M=8 interleaved tp=4", 0.0190, 0.0333),
+    ("S=2 M=4 gpipe tp=2", "S=2x2 M=4 interleaved tp=4", 0.0328, 0.0620),
+    ("S=2 M=4 1f1b tp=2", "S=2 M=8 gpipe tp=4", 0.0000, 0.0000),
+    ("S=2 M=4 1f1b tp=2", "S=2 M=8 1f1b tp=4", 0.0000, 0.0615),
+    ("S=2 M=4 1f1b tp=2", "S=2 M=4 gpipe tp=4", 0.0000, 0.0000),
+    ("S=2 M=4 1f1b tp=2", "S=2 M=4 1f1b tp=4", 0.0000, 0.0107),
+    ("S=2 M=4 1f1b tp=2", "S=2x2 M=8 interleaved tp=4", -0.0238, 0.0190),
+    ("S=2 M=4 1f1b tp=2", "S=2x2 M=4 interleaved tp=4", 0.0328, 0.0465),
+    ("S=4 M=8 gpipe tp=2", "S=2 M=8 gpipe tp=4", -0.0539, 0.0000),
+    ("S=4 M=8 gpipe tp=2", "S=2 M=8 1f1b tp=4", -0.0447, 0.1071),
+    ("S=4 M=8 gpipe tp=2", "S=2 M=4 gpipe tp=4", -0.0534, 0.0000),
+    ("S=4 M=8 gpipe tp=2", "S=2 M=4 1f1b tp=4", -0.0537, 0.0000),
+    ("S=4 M=8 gpipe tp=2", "S=2x2 M=8 interleaved tp=4", 0.0000, 0.0000),
+    ("S=4 M=8 gpipe tp=2", "S=2x2 M=4 interleaved tp=4", 0.0000, 0.0078),
+    ("S=4 M=8 1f1b tp=2", "S=2 M=8 gpipe tp=4", -0.0077, 0.0000),
+    ("S=4 M=8 1f1b tp=2", "S=2 M=8 1f1b tp=4", 0.0000, 0.0000),
+    ("S=4 M=8 1f1b tp=2", "S=2 M=4 gpipe tp=4", -0.0381, 0.0000),
+    ("S=4 M=8 1f1b tp=2", "S=2 M=4 1f1b tp=4", -0.0537, 0.0000),
+    ("S=4 M=8 1f1b tp=2", "S=2x2 M=8 interleaved tp=4", -0.0952, -0.0571),
+    ("S=4 M=8 1f1b tp=2", "S=2x2 M=4 interleaved tp=4", -0.0542, -0.0328),
+    ("S=4 M=4 gpipe tp=2", "S=2 M=8 gpipe tp=4", -0.0539, 0.0000),
+    ("S=4 M=4 gpipe tp=2", "S=2 M=8 1f1b tp=4", -0.0448, 0.1071),
+    ("S=4 M=4 gpipe tp=2", "S=2 M=4 gpipe tp=4", -0.0534, 0.0000),
+    ("S=4 M=4 gpipe tp=2", "S=2 M=4 1f1b tp=4", -0.0537, 0.0000),
+    ("S=4 M=4 gpipe tp=2", "S=2x2 M=8 interleaved tp=4", 0.0000, 0.0000),
+    ("S=4 M=4 gpipe tp=2", "S=2x2 M=4 interleaved tp=4", 0.0000, 0.0077),
+    ("S=4 M=4 1f1b tp=2", "S=2 M=8 gpipe tp=4", -0.0001, 0.0000),
+    ("S=4 M=4 1f1b tp=2", "S=2 M=8 1f1b tp=4", -0.0149, 0.1071),
+    ("S=4 M=4 1f1b tp=2", "S=2 M=4 gpipe tp=4", -0.0076, 0.0000),
+    ("S=4 M=4 1f1b tp=2", "S=2 M=4 1f1b tp=4", -0.0107, 0.0000),
+    ("S=4 M=4 1f1b tp=2", "S=2x2 M=8 interleaved tp=4", -0.1047, -0.0571),
+    ("S=4 M=4 1f1b tp=2", "S=2x2 M=4 interleaved tp=4", -0.0387, -0.0328),
+    ("S=2 M=8 gpipe tp=4", "S=2 M=8 gpipe tp=2", 0.0000, 0.0000),
+    ("S=2 M=8 gpipe tp=4", "S=2 M=8 1f1b tp=2", -0.0297, 0.0000),
+    ("S=2 M=8 gpipe tp=4", "S=2 M=4 gpipe tp=2", 0.0000, 0.0000),
+    ("S=2 M=8 gpipe tp=4", "S=2 M=4 1f1b tp=2", -0.0277, 0.0000),
+    ("S=2 M=8 gpipe tp=4", "S=4 M=8 gpipe tp=2", -0.0002, 0.0301),
+    ("S=2 M=8 gpipe tp=4", "S=4 M=8 1f1b tp=2", -0.0173, -0.0118),
+    ("S=2 M=8 gpipe tp=4", "S=4 M=4 gpipe tp=2", 0.0000, 0.0254),
+    ("S=2 M=8 gpipe tp=4", "S=4 M=4 1f1b tp=2", 0.0000, 0.0254),
+    ("S=2 M=8 gpipe tp=4", "S=2x2 M=8 interleaved tp=2", 0.0105, 0.0150),
+    ("S=2 M=8 gpipe tp=4", "S=2x2 M=4 interleaved tp=2", 0.0247, 0.0266),
+    ("S=2 M=8 1f1b tp=4", "S=2 M=8 gpipe tp=2", 0.0000, 0.0000),
+    ("S=2 M=8 1f1b tp=4", "S=2 M=8 1f1b tp=2", -0.0198, 0.0000),
+    ("S=2 M=8 1f1b tp=4", "S=2 M=4 gpipe tp=2", -0.0097, 0.0000),
+    ("S=2 M=8 1f1b tp=4", "S=2 M=4 1f1b tp=2", -0.0277, 0.0000),
+    ("S=2 M=8 1f1b tp=4", "S=4 M=8 gpipe tp=2", -0.0002, 0.0043),
+    ("S=2 M=8 1f1b tp=4", "S=4 M=8 1f1b tp=2", -0.0176, -0.0119),
+    ("S=2 M=8 1f1b tp=4", "S=4 M=4 gpipe tp=2", -0.0085, 0.0158),
+    ("S=2 M=8 1f1b tp=4", "S=4 M=4 1f1b tp=2", -0.0085, 0.0172),
+    ("S=2 M=8 1f1b tp=4", "S=2x2 M=8 interleaved tp=2", -0.0245, 0.0150),
+    ("S=2 M=8 1f1b tp=4", "S=2x2 M=4 interleaved tp=2", 0.0053, 0.0247),
+    ("S=2 M=4 gpipe tp=4", "S=2 M=8 gpipe tp=2", -0.0049, 0.0000),
+    ("S=2 M=4 gpipe tp=4", "S=2 M=8 1f1b tp=2", -0.0297, 0.0000),
+    ("S=2 M=4 gpipe tp=4", "S=2 M=4 gpipe tp=2", -0.0097, 0.0000),
+    ("S=2 M=4 gpipe tp=4", "S=2 M=4 1f1b tp=2", -0.0278, 0.0000),
+    ("S=2 M=4 gpipe tp=4", "S=4 M=8 gpipe tp=2", -0.0002, 0.0215),
+    ("S=2 M=4 gpipe tp=4", "S=4 M=8 1f1b tp=2", -0.0173, -0.0118),
+    ("S=2 M=4 gpipe tp=4", "S=4 M=4 gpipe tp=2", 0.0000, 0.0158),
+    ("S=2 M=4 gpipe tp=4", "S=4 M=4 1f1b tp=2", 0.0000, 0.0172),
+    ("S=2 M=4 gpipe tp=4", "S=2x2 M=8 interleaved tp=2", 0.0105, 0.0150),
+    ("S=2 M=4 gpipe tp=4", "S=2x2 M=4 interleaved tp=2", 0.0247, 0.0266),
+    ("S=2 M=4 1f1b tp=4", "S=2 M=8 gpipe tp=2", -0.0049, 0.0000),
+    ("S=2 M=4 1f1b tp=4", "S=2 M=8 1f1b tp=2", -0.0198, 0.0449),
+    ("S=2 M=4 1f1b tp=4", "S=2 M=4 gpipe tp=2", -0.0097, 0.0000),
+    ("S=2 M=4 1f1b tp=4", "S=2 M=4 1f1b tp=2", -0.0139, 0.0000),
+    ("S=2 M=4 1f1b tp=4", "S=4 M=8 gpipe tp=2", -0.0043, 0.0000),
+    ("S=2 M=4 1f1b tp=4", "S=4 M=8 1f1b tp=2", -0.0235, 0.0451),
+    ("S=2 M=4 1f1b tp=4", "S=4 M=4 gpipe tp=2", -0.0085, 0.0158),
+    ("S=2 M=4 1f1b tp=4", "S=4 M=4 1f1b tp=2", -0.0085, 0.0172),
+    ("S=2 M=4 1f1b tp=4", "S=2x2 M=8 interleaved tp=2", -0.0315, 0.0150),
+    ("S=2 M=4 1f1b tp=4", "S=2x2 M=4 interleaved tp=2", 0.0159, 0.0247),
+)
+TP_RATIOS = (0.5, 2.0)  # the TP degrees the pairs change (new / recorded)
 # what the pairs span: stage-count and micro-batch-count ratios (new / recorded)
 STAGE_RATIOS = (0.5, 2.0)
 MICROBATCH_RATIOS = (0.5, 2.0)
@@ -1238,8 +1523,8 @@ def band(sc: PipeScenario, src: StageSource, srcs: list[StageSource] | None = No
     replayed (exact)."""
     world = sc.world_size is not None and sc.world_size != src.world_size
     tp = sc.tp is not None and sc.tp != src.tp
-    if (sc.stages, sc.microbatches, sc.schedule, sc.virtual, world, tp) == \
-            (src.stages, src.microbatches, src.schedule, 1, False, False):
+    if (sc.stages * sc.virtual, sc.microbatches, sc.schedule, sc.virtual, world, tp) == \
+            (src.stages, src.microbatches, src.schedule, src.virtual, False, False):
         return {"low": 0.0, "high": 0.0, "pairs": 0, "validated": True, "not_validated": [],
                 "exact": True}
     fsdp = bool(src.d.mask(*FSDP_CATEGORIES).any())
@@ -1250,14 +1535,29 @@ def band(sc: PipeScenario, src: StageSource, srcs: list[StageSource] | None = No
              (True, True, True): FSDP_WORLD_INTERLEAVED_PAIRS,
              }.get((fsdp, sc.schedule == INTERLEAVED, world), ())
     why = []
+    if src.virtual > 1:  # an interleaved recording: each of its stages a source
+        pairs = FSDP_FROM_INTERLEAVED_PAIRS if fsdp else FROM_INTERLEAVED_PAIRS
+        if fsdp:
+            why.append("FSDP under the looped runtime (an interleaved recording): its UNSHARD "
+                       "actions gather a stage's units ahead of its first forward and keep "
+                       "them while the stage is among the next 3 to run; the gathers are "
+                       "replayed as a 1F1B stage's")
+        if world or tp:
+            why.append("another FSDP world size or TP degree from an interleaved recording (no "
+                       "recorded pair)")
     if world:
         r = (sc.world_size or 0) / (src.world_size or 1)
         if not WORLD_RATIOS[0] <= r <= WORLD_RATIOS[1]:
             why.append(f"FSDP world size {sc.world_size} is {r:g}x the recorded "
                        f"{src.world_size} (pairs: {WORLD_RATIOS[0]:g}x..{WORLD_RATIOS[1]:g}x)")
     if tp:
-        why.append(f"TP {sc.tp} from the recorded {src.tp} with the pipeline forecast (no "
-                   "recorded pair: the TP degree's own pairs are without a pipeline)")
+        pairs = TP_PAIRS
+        r = (sc.tp or 0) / (src.tp or 1)
+        if not TP_RATIOS[0] <= r <= TP_RATIOS[1]:
+            why.append(f"TP {sc.tp} is {r:g}x the recorded {src.tp} (pairs: "
+                       f"{TP_RATIOS[0]:g}x..{TP_RATIOS[1]:g}x)")
+        if world:
+            why.append("the FSDP world size and the TP degree together (each checked alone)")
     lo = min((p[2] for p in pairs), default=0.0)
     hi = max((p[3] for p in pairs), default=0.0)
     total = sc.stages * sc.virtual  # what scales the layers: every stage of the pipeline
@@ -1334,11 +1634,11 @@ def pipeline_forecast(analyses: list[DeviceAnalysis], stages=(), microbatches=()
     srcs: list[StageSource] = []
     why: list[str] = []
     for d in analyses:
-        s = source(d)
-        if isinstance(s, str):
-            why.append(s)
+        got = sources(d)
+        if isinstance(got, str):
+            why.append(got)
         else:
-            srcs.append(s)
+            srcs.extend(got)
     if not srcs:
         raise SnapError(f"cannot forecast the pipeline: {why[0] if why else 'no stage'}")
     # the run's schedule: a stage whose warm-up covers every micro-batch (1F1B's first stage
@@ -1347,7 +1647,7 @@ def pipeline_forecast(analyses: list[DeviceAnalysis], stages=(), microbatches=()
         for s in srcs:
             s.schedule = ONE_F_ONE_B
     first = srcs[0]
-    if any(s.stages != first.stages for s in srcs):
+    if any((s.stages, s.virtual) != (first.stages, first.virtual) for s in srcs):
         raise SnapError("cannot forecast the pipeline: the files are of different pipeline "
                         "layouts (their stage counts differ)")
     notes = []
@@ -1355,13 +1655,15 @@ def pipeline_forecast(analyses: list[DeviceAnalysis], stages=(), microbatches=()
         notes.append("the files do not say their stage (no recorder provenance): each is "
                      "taken for every stage")
     by = {s.stage: s for s in srcs}
-    recorded = {"stages": first.stages, "microbatches": first.microbatches,
-                "schedule": first.schedule, "layers": first.layers,
+    ranks = first.stages // first.virtual if first.stages else None
+    recorded = {"stages": ranks, "virtual_stages": first.virtual,
+                "microbatches": first.microbatches, "schedule": first.schedule,
+                "layers": first.layers,
                 "world_size": first.world_size, "tp": first.tp,
                 "stage_files": sorted(k for k in by if k is not None),
-                "peaks": {str(s.stage): s.d.peak_bytes for s in srcs}}
+                "peaks": {str(s.stage): s.d.peak_bytes for s in srcs}}  # a rank's, per stage
     try:
-        kinds = [parse_schedule(str(k)) for k in schedules] or [(first.schedule, 1)]
+        kinds = [parse_schedule(str(k)) for k in schedules] or [(first.schedule, first.virtual)]
     except ValueError as e:
         raise SnapError(f"pipeline forecast: schedule {str(e)[:40]!r}: expected gpipe, 1f1b or "
                         f"interleaved[:V] (V stages per rank, 2 to {MAX_VIRTUAL})") from None
@@ -1369,7 +1671,7 @@ def pipeline_forecast(analyses: list[DeviceAnalysis], stages=(), microbatches=()
                          None if t is None else int(t))
             for w in (world_sizes or [None])
             for t in (tps or [None])
-            for p in (stages or [first.stages or 1])
+            for p in (stages or [ranks or 1])
             for m in (microbatches or [first.microbatches])
             for k, v in kinds]
     out = []

@@ -156,8 +156,10 @@ def pipeline(snapshot: Snapshot, analyses: list[DeviceAnalysis]) -> dict[str, An
 
     torch.distributed.pipelining (`torch/distributed/pipelining/`): "gpipe" when the ranges
     ScheduleGPipe alone opens (`Forward i` / `Backward i`) show every forward of each step before
-    its first backward, "1f1b" otherwise (Schedule1F1B and the interleaved schedules open no such
-    ranges and start backwards during the forwards). Megatron-Core (`megatron/core/
+    its first backward, "interleaved_1f1b" where the recorder's marks show a rank running several
+    stages, "zero_bubble" where a stage computed weight gradients apart from its backward
+    (`backward_weight_one_chunk`, the zero-bubble schedules), "1f1b" otherwise (Schedule1F1B
+    opens no such ranges and starts backwards during the forwards). Megatron-Core (`megatron/core/
     pipeline_parallel/schedules.py`): its pipelined schedules are 1F1B
     (`forward_backward_pipelining_without_interleaving`) or interleaved 1F1B (`..._with_
     interleaving`); without its pipeline group, its stage is the rank only where the file shows no
@@ -189,7 +191,9 @@ def pipeline(snapshot: Snapshot, analyses: list[DeviceAnalysis]) -> dict[str, An
         return {"stage": stage if ok else None, "stages": stages if ok else None,
                 "schedule": _MEGATRON_PIPELINED[min(megatron)]}
     steps = [st for d in analyses if d.lt.rows for st in gpipe_ranges(d) if st]
-    if steps and all(all_forward_first(st) for st in steps):
+    if any(f.name == "backward_weight_one_chunk" for f in snapshot.frames):
+        schedule = "zero_bubble"  # weight gradients apart from the backward (I/W split)
+    elif steps and all(all_forward_first(st) for st in steps):
         schedule = "gpipe"
     elif any(len(marked_stages(d)) > 1 for d in analyses):  # the recorder's marks
         schedule = "interleaved_1f1b"
