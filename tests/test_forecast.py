@@ -587,6 +587,9 @@ def test_pipeline_forecast_command():
     scen = json.loads(p.stdout)["scenarios"]
     assert [(s["world_size"], s["tp"]) for s in scen] == [(8, 1), (8, 2)]
     assert all("no FSDP" in st["refused"] for s in scen for st in s["per_stage"])
+    p = run_cli(["forecast", str(gpipe), "--pp", "4", "--tp", "2", "--format", "json"])
+    scen = json.loads(p.stdout)["scenarios"]
+    assert all("tensor parallelism" in st["refused"] for st in scen[0]["per_stage"])
 
 
 @slow
@@ -979,6 +982,8 @@ def test_pipeline_from_interleaved_forecast():
         d = sf.diagnose(folder / f"rank{r}.pickle").diagnosis
         assert "pipeline.all_forward_before_backward" not in {f.rule for f in d.findings}
         assert d.framework["pipeline"]["schedule"] == "interleaved_1f1b"  # not taken for 1F1B
+        # each rank ran torch's interleaved order, as `order` computes it
+        assert all(s.regular for s in pf.sources(_fx(folder / f"rank{r}.pickle").d))
     fsdp = _mesh_run(2, 4, "interleaved", dp=2)
     sc, = pf.pipeline_forecast([d for d, _ in fsdp], [2], [8], ["1f1b"]).scenarios
     assert not sc["error_band"]["validated"]
@@ -1009,6 +1014,55 @@ for _ in range(2):
     opt.zero_grad()
 dist.destroy_process_group()
 """
+
+
+ALIKE = """\
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+from snapforensics.examples.pipeline import Block
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(0)
+blocks = [Block(64) for _ in range(4)]
+idx = [rank, rank + world]
+# each stage an nn.Sequential of its own blocks: both stages name theirs 0.up.weight, ...
+stages = [PipelineStage(nn.Sequential(blocks[i]), i, 2 * world, torch.device("cpu"))
+          for i in idx]
+sched = ScheduleInterleaved1F1B(stages, n_microbatches=4,
+                                loss_fn=lambda o, t: ((o - t) ** 2).mean())
+opt = torch.optim.SGD([p for s in stages for p in s.submod.parameters()], lr=0.01)
+for _ in range(2):
+    x, y = torch.randn(8, 16, 64), torch.randn(8, 16, 64)
+    if rank == 0:
+        sched.step(x)
+    else:
+        sched.step(target=y, losses=[])
+    opt.step()
+    opt.zero_grad()
+dist.destroy_process_group()
+"""
+
+
+@slow
+def test_interleaved_stages_named_alike_are_refused(tmp_path):
+    """An interleaved run whose stages each name their layers from 0 (an nn.Sequential per
+    stage, not the model's names): which stage holds which parameter is unknown, so the
+    pipeline forecast refuses in one line (exit 2) rather than split them by guess."""
+    from recordings import run_cli
+
+    script = tmp_path / "alike.py"
+    script.write_text(ALIKE)
+    out = tmp_path / "out"
+    p = run_cli(["record", "--nproc-per-node", "2", "--device", "cpu", "--out", str(out),
+                 str(script)])
+    assert p.returncode == 0, p.stderr
+    p = run_cli(["forecast", str(out), "--pp", "2"])
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "alike" in p.stderr
 
 
 @slow

@@ -142,6 +142,7 @@ class StageSource:
     rank_layers: int | None = None
     others: np.ndarray | None = None
     p2p_share: float = 1.0
+    regular: bool = True  # its rank ran ScheduleInterleaved1F1B's order (what the pairs ran)
     _sizes: dict = field(default_factory=dict, repr=False)  # (world, tp) -> `sizes`
 
     @cached_property
@@ -163,12 +164,14 @@ class StageSource:
     @property
     def world_size(self) -> int | None:
         """The ranks FSDP shards this stage over (its dp_shard degree), None without FSDP."""
-        return self._scaling[0] if self.d.mask(*FSDP_CATEGORIES).any() else None
+        return self.d.fsdp.world.size if self.d.mask(*FSDP_CATEGORIES).any() else None
 
     @property
     def tp(self) -> int | None:
-        """The recorded TP degree (the recorder's DTensor names), None when none is named."""
-        return self._scaling[2][0]
+        """The recorded TP degree (the most ways the recorder saw TP split a tensor, as
+        `tp_shares` reads it), None when none is named."""
+        names = self.d.names
+        return int(names.tp.max()) if names is not None and (names.tp > 1).any() else None
 
     def sizes(self, world: int | None, tp: int | None) -> np.ndarray:
         """Every block's size at FSDP world size `world` and TP degree `tp` (None: as
@@ -176,13 +179,12 @@ class StageSource:
         shards by w0 / w, what TP splits by tp0 / tp."""
         key = (world, tp)
         if key not in self._sizes:
+            if (world is None or world == self.world_size) and (tp is None or tp == self.tp):
+                self._sizes[key] = self.d.lt.size.astype(np.float64)
+                return self._sizes[key]
             w0, cls, shares = self._scaling
-            if (world is None or world == w0) and (tp is None or tp == shares[0]):
-                out = self.d.lt.size.astype(np.float64)
-            else:
-                sc = Scenario(world or w0 or 1, tp=tp or shares[0])
-                out = scaled_sizes(self.d, cls, w0, sc, shares).astype(np.float64)
-            self._sizes[key] = out
+            sc = Scenario(world or w0 or 1, tp=tp or shares[0])
+            self._sizes[key] = scaled_sizes(self.d, cls, w0, sc, shares).astype(np.float64)
         return self._sizes[key]
 
     def refusal(self, world: int | None, tp: int | None) -> str | None:
@@ -401,7 +403,10 @@ def _chunk_layers(d: DeviceAnalysis, v: int) -> list[tuple[int, np.ndarray]] | s
                     "the whole model's layer names, as torchtitan's splitting does, tells them "
                     "apart)")
     numbered = sorted({layer[bs[0]] for bs in params.values()}, key=_natural_key)
-    if not numbered or len(numbered) % v:
+    if not numbered:
+        return ("the recording names none of the rank's layers (the recorder names the "
+                "parameters an optimizer or FSDP holds): which stage holds which is unknown")
+    if len(numbered) % v:
         return f"{len(numbered)} named layers do not split over the rank's {v} stages"
     # FSDP's unsharded parameters and all-gather buffers: a unit's by its module (a looped
     # runtime gathers a stage's units ahead of its first forward, inside another stage's rows)
@@ -420,7 +425,10 @@ def _chunk_layers(d: DeviceAnalysis, v: int) -> list[tuple[int, np.ndarray]] | s
 
 
 def _natural_key(name: str) -> list:
-    return [(0, int(x[:18]), len(x)) if x.isdigit() else (1, 0, x) for x in name.split(".")]
+    """`layers.10` after `layers.9`: a run of ASCII digits by its length, then its text (never
+    int(): a name from a snapshot may hold any digits, and as many as it likes)."""
+    return [(0, len(x.lstrip("0")), x.lstrip("0")) if x.isascii() and x.isdigit() else (1, 0, x)
+            for x in name.split(".")]
 
 
 def stage_steps(d: DeviceAnalysis) -> list[StageSource] | str:
@@ -459,6 +467,11 @@ def stage_steps(d: DeviceAnalysis) -> list[StageSource] | str:
             continue
         total = stages * v if stages else None
         gs = sorted(g for g in step if g is not None)
+        m = len(step[gs[0]]) // 2
+        ran = [(kind, gs.index(g) * m + k) for _, kind, k, g in
+               sorted((r0, kind, k, g) for g in gs for (kind, k), (r0, _) in step[g].items())]
+        regular = stage is not None and stages is not None and \
+            ran == order(INTERLEAVED, stage, stages, m, v)
         # each stage's receive buffers (one per micro-batch for activations unless it is the
         # pipeline's first, one for gradients unless its last): its share of the rank's
         want = [(g > 0) + (total is None or g < total - 1) for g in gs]
@@ -471,7 +484,7 @@ def stage_steps(d: DeviceAnalysis) -> list[StageSource] | str:
             out.append(StageSource(d, g, total, len(ops) // 2, INTERLEAVED, chunks[j][0], ops,
                                    start, end, stop, chunks[j][1], virtual=v,
                                    rank_layers=layers, others=others,
-                                   p2p_share=want[j] / max(sum(want), 1)))
+                                   p2p_share=want[j] / max(sum(want), 1), regular=regular))
     return out
 
 
@@ -1053,7 +1066,7 @@ def _interleaved_peak(sc: PipeScenario, rank: int, pick, layers: int) -> int:
                                   (lt.free_row >= first.end))
             parts.append(Rebuilt(0, recv, np.full(recv.size, -1, np.int64),
                                  np.full(recv.size, 1 << 62, np.int64),
-                                 first.sizes(sc.world_size, sc.tp)[recv]))
+                                 first.sizes(sc.world_size, sc.tp)[recv] * first.p2p_share))
     rows = max(r.rows for r in parts)
     return Rebuilt(rows, *(np.concatenate([getattr(r, k) for r in parts])
                            for k in ("block", "alloc", "free", "size"))).peak()[0]
@@ -1545,6 +1558,10 @@ def band(sc: PipeScenario, src: StageSource, srcs: list[StageSource] | None = No
         if world or tp:
             why.append("another FSDP world size or TP degree from an interleaved recording (no "
                        "recorded pair)")
+        if not src.regular:
+            why.append("the rank's stages ran in an order other than ScheduleInterleaved1F1B's "
+                       "(another looped schedule, or a rank whose place is unknown): the pairs "
+                       "ran that one")
     if world:
         r = (sc.world_size or 0) / (src.world_size or 1)
         if not WORLD_RATIOS[0] <= r <= WORLD_RATIOS[1]:
@@ -1552,12 +1569,17 @@ def band(sc: PipeScenario, src: StageSource, srcs: list[StageSource] | None = No
                        f"{src.world_size} (pairs: {WORLD_RATIOS[0]:g}x..{WORLD_RATIOS[1]:g}x)")
     if tp:
         pairs = TP_PAIRS
+        if fsdp:
+            why.append("another TP degree where FSDP shards the stages (the TP pairs ran "
+                       "without FSDP)")
         r = (sc.tp or 0) / (src.tp or 1)
         if not TP_RATIOS[0] <= r <= TP_RATIOS[1]:
             why.append(f"TP {sc.tp} is {r:g}x the recorded {src.tp} (pairs: "
                        f"{TP_RATIOS[0]:g}x..{TP_RATIOS[1]:g}x)")
         if world:
             why.append("the FSDP world size and the TP degree together (each checked alone)")
+    if not pairs:
+        why.append("no recorded pair for this change")
     lo = min((p[2] for p in pairs), default=0.0)
     hi = max((p[3] for p in pairs), default=0.0)
     total = sc.stages * sc.virtual  # what scales the layers: every stage of the pipeline
