@@ -82,11 +82,19 @@ def test_zero3_gathered_parameters_are_named():
         d = analyse(snap, snap.active_traces[0])
         gathered = d.category == CAT_CODE[Category.DEEPSPEED_GATHERED_PARAM]
         assert truth["gathered"]
+        untraced = 0
         for st in truth["gathered"]:
             row = int(np.searchsorted(d.trace.time_us, st["time_us"], "right")) - 1
             at = np.flatnonzero((d.lt.addr == st["addr"]) & (d.lt.alloc_row <= row)
                                 & (d.lt.free_row > row))
+            if not len(at):
+                # a storage the coordinator held at an address whose traced block was freed
+                # before (seen once in 200, on one of several recordings: CPU's profiler
+                # memory events missed its allocation); nothing there to classify
+                untraced += 1
+                continue
             assert len(at) == 1 and gathered[at[0]] and d.lt.size[at[0]] >= st["bytes"], st
+        assert untraced <= max(1, len(truth["gathered"]) // 100), untraced
         assert set(d.lt.size[gathered].tolist()) <= sizes
     for path, truth in _run(2, ()):
         snap = load(path)
