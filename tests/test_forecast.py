@@ -1047,22 +1047,29 @@ dist.destroy_process_group()
 """
 
 
+def _refused_pipeline(tmp_path, script: str):
+    """`script` recorded fresh by the recorder on 2 CPU ranks, then forecast with --pp 2: the
+    run folder and the one-line refusal (exit 2) the forecast must give."""
+    from recordings import run_cli
+
+    path = tmp_path / "script.py"
+    path.write_text(script)
+    out = tmp_path / "out"
+    p = run_cli(["record", "--nproc-per-node", "2", "--device", "cpu", "--out", str(out),
+                 str(path)])
+    assert p.returncode == 0, p.stderr
+    p = run_cli(["forecast", str(out), "--pp", "2"])
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    return out, p.stderr
+
+
 @slow
 def test_interleaved_stages_named_alike_are_refused(tmp_path):
     """An interleaved run whose stages each name their layers from 0 (an nn.Sequential per
     stage, not the model's names): which stage holds which parameter is unknown, so the
     pipeline forecast refuses in one line (exit 2) rather than split them by guess."""
-    from recordings import run_cli
-
-    script = tmp_path / "alike.py"
-    script.write_text(ALIKE)
-    out = tmp_path / "out"
-    p = run_cli(["record", "--nproc-per-node", "2", "--device", "cpu", "--out", str(out),
-                 str(script)])
-    assert p.returncode == 0, p.stderr
-    p = run_cli(["forecast", str(out), "--pp", "2"])
-    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
-    assert "alike" in p.stderr
+    _, why = _refused_pipeline(tmp_path, ALIKE)
+    assert "alike" in why
 
 
 @slow
@@ -1071,19 +1078,10 @@ def test_zero_bubble_recording_is_refused(tmp_path):
     compute weight gradients apart from the backward (`backward_weight_one_chunk`), which the
     marks do not delimit, so the pipeline forecast refuses in one line (exit 2) rather than take
     it for an interleaved schedule; diagnose names the schedule zero_bubble."""
-    from recordings import run_cli
-
     import snapforensics as sf
 
-    script = tmp_path / "zbv.py"
-    script.write_text(ZERO_BUBBLE)
-    out = tmp_path / "out"
-    p = run_cli(["record", "--nproc-per-node", "2", "--device", "cpu", "--out", str(out),
-                 str(script)])
-    assert p.returncode == 0, p.stderr
-    p = run_cli(["forecast", str(out), "--pp", "2"])
-    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
-    assert "zero-bubble" in p.stderr
+    out, why = _refused_pipeline(tmp_path, ZERO_BUBBLE)
+    assert "zero-bubble" in why
     d = sf.diagnose(out / "rank0.pickle").diagnosis
     assert d.framework["pipeline"]["schedule"] == "zero_bubble"
 

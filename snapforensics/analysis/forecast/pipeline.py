@@ -431,10 +431,16 @@ def _natural_key(name: str) -> list:
             for x in name.split(".")]
 
 
+def zero_bubble(snapshot) -> bool:
+    """Did a stage compute weight gradients apart from its backward (the zero-bubble schedules'
+    `backward_weight_one_chunk`, which the recorder's marks do not delimit)?"""
+    return any(f.name == "backward_weight_one_chunk" for f in snapshot.frames)
+
+
 def stage_steps(d: DeviceAnalysis) -> list[StageSource] | str:
     """Every step of the stage recorded in `d` its ranges delimit, cut into operations (one
     source per stage the rank runs, the same step's sharing its rows); or why none can be."""
-    if any(f.name == "backward_weight_one_chunk" for f in d.snapshot.frames):
+    if zero_bubble(d.snapshot):
         return ("a zero-bubble schedule (its stages compute weight gradients apart from the "
                 "backward, `backward_weight_one_chunk`): not modelled")
     steps: list[dict[int | None, Ops]] = [{None: o} for o in _gpipe_steps(d)]

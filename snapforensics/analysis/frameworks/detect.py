@@ -170,6 +170,7 @@ def pipeline(snapshot: Snapshot, analyses: list[DeviceAnalysis]) -> dict[str, An
         all_forward_first,
         gpipe_ranges,
         marked_stages,
+        zero_bubble,
     )
 
     names = {f.name for f in snapshot.frames
@@ -191,7 +192,7 @@ def pipeline(snapshot: Snapshot, analyses: list[DeviceAnalysis]) -> dict[str, An
         return {"stage": stage if ok else None, "stages": stages if ok else None,
                 "schedule": _MEGATRON_PIPELINED[min(megatron)]}
     steps = [st for d in analyses if d.lt.rows for st in gpipe_ranges(d) if st]
-    if any(f.name == "backward_weight_one_chunk" for f in snapshot.frames):
+    if zero_bubble(snapshot):
         schedule = "zero_bubble"  # weight gradients apart from the backward (I/W split)
     elif steps and all(all_forward_first(st) for st in steps):
         schedule = "gpipe"
