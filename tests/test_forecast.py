@@ -924,14 +924,20 @@ def test_pipeline_tp_forecast():
     """TP inside the pipeline's stages (examples/pipeline.py --tp: each block's MLP column- and
     row-wise parallel, as torchtitan composes TP with PP): another TP degree with the
     pipeline's changes, what TP splits scaled by tp0 / tp in the rebuilt step. tp 2 -> 4 at the
-    same layout (exact to 0.5%) and to 1F1B, within the stored band; without --tp the forecast
-    misses by more than 5%."""
+    same layout (exact to 0.5%) and to 1F1B (from M=4, to 1%), within the stored band; without
+    --tp the forecast misses by more than 5%."""
     from snapforensics.analysis.forecast import pipeline as pf
 
     same = _check_mesh_pair((2, 8, "gpipe", 1, 2), (2, 8, "gpipe", 1, 4), pf.TP_PAIRS, TP_NAME,
                             tps=[4])
     assert max(abs(e) for e in same) <= 0.005
     _check_mesh_pair((2, 8, "gpipe", 1, 2), (2, 8, "1f1b", 1, 4), pf.TP_PAIRS, TP_NAME, tps=[4])
+    # 1F1B drops a backward's send at the next backward: the one before the last backward is
+    # freed past the last mark (read as held to the step's end, the last stage at M=8 was
+    # +6.2% off: one more micro-batch's gradient per backward)
+    one = _check_mesh_pair((2, 4, "1f1b", 1, 2), (2, 8, "1f1b", 1, 4), pf.TP_PAIRS, TP_NAME,
+                           tps=[4])
+    assert max(abs(e) for e in one) <= 0.01
     src = _mesh_run(2, 8, "gpipe", tp=2)
     assert {pf.source(d).tp for d, _ in src} == {2}
     sc, = pf.pipeline_forecast([d for d, _ in src]).scenarios
@@ -963,8 +969,11 @@ def test_pipeline_from_interleaved_forecast():
     its own (its operations, its layers by the model's names, its share of the receive
     buffers), forecast through the CLI to other layouts: the recorded layout replays exact, 2
     and 4 stages of 1F1B lie within the stored band; the GPipe rule says nothing and the
-    schedule is named interleaved. With FSDP sharding the stages the looped runtime's UNSHARD
-    actions gather ahead: forecast, NOT VALIDATED, saying why."""
+    schedule is named interleaved. With FSDP sharding the stages, the looped runtime's UNSHARD
+    actions gather each stage's units before the rank's first mark: they are the stage's first
+    forward's gathers (left out, a stage of 4 at M=4 was +13.1% off), and the parameters'
+    gradients, reduced inside the stage's last backward, stay to the last backward of the
+    new order (validated, within the stored band)."""
     import json
 
     from recordings import recorded_module, run_cli
@@ -992,11 +1001,10 @@ def test_pipeline_from_interleaved_forecast():
         assert d.framework["pipeline"]["schedule"] == "interleaved_1f1b"  # not taken for 1F1B
         # each rank ran torch's interleaved order, as `order` computes it
         assert all(s.regular for s in pf.sources(_fx(folder / f"rank{r}.pickle").d))
-    fsdp = _mesh_run(2, 4, "interleaved", dp=2)
-    sc, = pf.pipeline_forecast([d for d, _ in fsdp], [2], [8], ["1f1b"]).scenarios
-    assert not sc["error_band"]["validated"]
-    assert any("looped runtime" in w for w in sc["error_band"]["not_validated"])
-    assert all(s["predicted_peak_bytes"] for s in sc["per_stage"])
+    for target in ((2, 8, "1f1b", 2), (4, 4, "1f1b", 2)):
+        errors = _check_mesh_pair((2, 4, "interleaved", 2), target,
+                                  pf.FSDP_FROM_INTERLEAVED_PAIRS, FROM_INTERLEAVED_NAME)
+        assert max(abs(e) for e in errors) <= 0.05
 
 
 ZERO_BUBBLE = """\
@@ -1101,7 +1109,7 @@ def test_zero_bubble_recording_is_refused(tmp_path):
 def test_pipeline_from_interleaved_layout_forecast(source):
     """Every interleaved recording forecast to every GPipe, 1F1B and other interleaved layout
     whose stages are 1/2x..2x its own (FROM_INTERLEAVED_PAIRS; with FSDP,
-    FSDP_FROM_INTERLEAVED_PAIRS, NOT VALIDATED)."""
+    FSDP_FROM_INTERLEAVED_PAIRS)."""
     from snapforensics.analysis.forecast import pipeline as pf
 
     dp = (*source, 1)[3]
@@ -1112,8 +1120,7 @@ def test_pipeline_from_interleaved_layout_forecast(source):
             [x for x in inter if x[:3] != source[:3]]:
         total = target[0] * (2 if target[2] == "interleaved" else 1)
         if 0.5 <= total / (source[0] * 2) <= 2:
-            _check_mesh_pair((*source, 1)[:4], target, pairs, FROM_INTERLEAVED_NAME,
-                             validated=dp == 1)
+            _check_mesh_pair((*source, 1)[:4], target, pairs, FROM_INTERLEAVED_NAME)
 
 
 def _check_interleaved_pair(source: tuple[int, int, str], target: tuple[int, int]
