@@ -43,21 +43,10 @@ def layout(label: str, dp: int) -> tuple[int, int, str, int, int]:
 
 def measure(source: tuple, target: tuple) -> list[float]:
     """The source's ranks forecast to the target layout: each stage's error against the worst
-    recorded peak of its dp and tp ranks (the tests' `_check_mesh_pair`)."""
-    from test_forecast import _mesh_run
+    recorded peak of its dp and tp ranks (the tests' `_mesh_errors`)."""
+    from test_forecast import _mesh_errors
 
-    src = _mesh_run(*source)
-    looped = target[2] == "interleaved"
-    doc = pf.pipeline_forecast([d for d, _ in src], [target[0]], [target[1]],
-                               ["interleaved:2" if looped else target[2]],
-                               world_sizes=[target[3]] if target[3] != source[3] else [],
-                               tps=[target[4]] if target[4] != source[4] else [])
-    sc, = doc.scenarios
-    twin: dict[int, int] = {}
-    for d, t in _mesh_run(*target):
-        twin[t["stage"]] = max(twin.get(t["stage"], 0), d.peak_bytes)
-    return [(p["predicted_peak_bytes"] - twin[p["stage"]]) / twin[p["stage"]]
-            for p in sc["per_stage"]]
+    return _mesh_errors(source, target)[0]
 
 
 def table_text(name: str, rows: list[tuple[str, str, float, float]]) -> str:
