@@ -1260,7 +1260,7 @@ def test_pipeline_forecast_held_out_layout():
     """Every one of 6 recorded layouts of the held-out model forecast to the 5 others (30
     pairs, every stage): each error inside the band the tuned pairs measured and within 5%, the
     stage named worst the worst recorded (within 1%), the micro-batches held the running
-    stage's count. Measured 2026-12-05: -1.76%..+3.23%."""
+    stage's count. Measured 2026-12-05: -1.52%..+3.23%."""
     from snapforensics.analysis.forecast import pipeline as pf
 
     runs = {lay: _pipeline_run(lay[0], lay[2], lay[1], PIPE_HELD_OUT) for lay in HELD_OUT_LAYOUTS}
