@@ -1201,12 +1201,13 @@ def test_pipeline_interleaved_layout_forecast(source):
 
 def test_fsdp_units_a_stage_of_other_layers_runs():
     """What a stage with another share of the layers gathers: its numbered layers' units thinned
-    or repeated (each layer its own FSDP unit), the root (embeddings, head) once as recorded; a
-    stage FSDP wraps whole (no numbered unit) scales its one unit with the layers."""
+    to the last ones (the backward's first gather and the prefetch made during it) or repeated
+    (each layer its own FSDP unit), the root (embeddings, head) once as recorded; a stage FSDP
+    wraps whole (no numbered unit) scales its one unit with the layers."""
     from snapforensics.analysis.forecast.pipeline import _unit_copies
 
     units = ["(root)", "layers.0", "layers.1", "layers.2", "layers.3"]
-    assert _unit_copies(units, 0.5) == [("(root)", 0.0, 1.0, 1.0), ("layers.1", 0.0, 1.0, 1.0),
+    assert _unit_copies(units, 0.5) == [("(root)", 0.0, 1.0, 1.0), ("layers.2", 0.0, 1.0, 1.0),
                                         ("layers.3", 0.0, 1.0, 1.0)]
     doubled = _unit_copies(units, 2.0)
     assert doubled[0] == ("(root)", 0.0, 1.0, 1.0) and len(doubled) == 9
