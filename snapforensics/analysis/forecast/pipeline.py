@@ -158,6 +158,18 @@ class StageSource:
         return _param_grads(self.d)
 
     @cached_property
+    def born_dies(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each block's operation (its index in `ops`) that made it and that freed it, -1 for
+        none (before the step, between operations, after the last backward)."""
+        lt = self.d.lt
+        op_of = np.full(lt.rows + 1, -1, np.int64)
+        for i, (r0, r1) in enumerate(self.ops.values()):
+            op_of[r0:r1] = i
+        a, f = lt.alloc_row, lt.free_row
+        return (np.where((a >= 0) & (a < lt.rows), op_of[np.clip(a, 0, lt.rows)], -1),
+                np.where(f < lt.rows, op_of[np.clip(f, 0, lt.rows)], -1))
+
+    @cached_property
     def sends(self) -> np.ndarray:
         """Blocks a forward makes that its stage sends on (`_forward_sends`)."""
         return _forward_sends(self)[0]
@@ -300,9 +312,7 @@ def _forward_sends(src: StageSource) -> tuple[np.ndarray, np.ndarray]:
 
     a, f = lt.alloc_row, lt.free_row
     keys = list(src.ops)
-    op_of = np.full(lt.rows + 1, -1, np.int64)
-    for i, (x0, x1) in enumerate(src.ops.values()):
-        op_of[x0:x1] = i
+    born_in, dies_in = src.born_dies
     others = src.others if src.others is not None else np.zeros(len(lt), bool)
     made = np.flatnonzero((a >= src.start) & (a < src.end) & ~src.layer_params & ~others)
     made = made[np.argsort(a[made], kind="stable")]
@@ -312,13 +322,13 @@ def _forward_sends(src: StageSource) -> tuple[np.ndarray, np.ndarray]:
     sent.discard(())
     on_path: dict[int, list[int]] = {}  # forward -> its blocks on the path, in order
     for b in made.tolist():
-        i = int(op_of[a[b]])
+        i = int(born_in[b])
         if i >= 0 and keys[i][0] == "F" and path(int(lt.stack[b])) in sent:
             on_path.setdefault(i, []).append(b)
     for i, blocks in on_path.items():
         sends[blocks[-1]] = True  # (made in allocation order)
         for b in blocks[:-1]:
-            if f[b] < lt.rows and op_of[f[b]] >= 0 and keys[op_of[f[b]]] == ("B", keys[i][1]):
+            if dies_in[b] >= 0 and keys[dies_in[b]] == ("B", keys[i][1]):
                 outputs[b] = True
     return sends, outputs
 
@@ -851,12 +861,8 @@ def rebuild(src: StageSource, sc: PipeScenario, stage: int, layer_ratio: float,
     rows = pos + (src.stop - src.end)
     whole = not chunk  # what is not the layers' comes once per rank
     keys = list(src.ops)
-    op_of = np.full(lt.rows + 1, -1, np.int64)
-    for i, key in enumerate(keys):
-        op_of[src.ops[key][0]:src.ops[key][1]] = i
+    born_in, dies_in = src.born_dies
     a, f, size = lt.alloc_row, lt.free_row, src.sizes(sc.world_size, sc.tp)
-    born_in = np.where((a >= 0) & (a < lt.rows), op_of[np.clip(a, 0, lt.rows)], -1)
-    dies_in = np.where(f < lt.rows, op_of[np.clip(f, 0, lt.rows)], -1)
     scale_mb = src.microbatches / sc.microbatches
     freed_phase = d.tl.phase[np.clip(f, 0, max(lt.rows - 1, 0))]
     blocks: list[int] = []
