@@ -314,22 +314,30 @@ def _forward_sends(src: StageSource) -> tuple[np.ndarray, np.ndarray]:
     keys = list(src.ops)
     born_in, dies_in = src.born_dies
     others = src.others if src.others is not None else np.zeros(len(lt), bool)
-    made = np.flatnonzero((a >= src.start) & (a < src.end) & ~src.layer_params & ~others)
-    made = made[np.argsort(a[made], kind="stable")]
+    forward = np.array([k[0] == "F" for k in keys] + [False])  # (-1: no operation)
+    made = np.flatnonzero((a >= src.start) & (a < src.end) & ~src.layer_params & ~others &
+                          forward[born_in])
+    made = made[np.argsort(a[made], kind="stable")]  # in allocation order
+    # one path per distinct stack, not per block
+    stacks, inv = np.unique(lt.stack[made], return_inverse=True)
+    key = [path(int(x)) for x in stacks.tolist()]
     r0, r1 = src.ops[last]
-    sent = {path(int(lt.stack[b])) for b in made.tolist()
-            if r0 <= a[b] < r1 and src.end <= f[b] < src.stop}
-    sent.discard(())
-    on_path: dict[int, list[int]] = {}  # forward -> its blocks on the path, in order
-    for b in made.tolist():
-        i = int(born_in[b])
-        if i >= 0 and keys[i][0] == "F" and path(int(lt.stack[b])) in sent:
-            on_path.setdefault(i, []).append(b)
-    for i, blocks in on_path.items():
-        sends[blocks[-1]] = True  # (made in allocation order)
-        for b in blocks[:-1]:
-            if dies_in[b] >= 0 and keys[dies_in[b]] == ("B", keys[i][1]):
-                outputs[b] = True
+    held = (a[made] >= r0) & (a[made] < r1) & (f[made] >= src.end) & (f[made] < src.stop)
+    sent = {key[i] for i in np.unique(inv[held]).tolist()} - {()}
+    on = made[np.array([k in sent for k in key] + [False])[inv]] if made.size else made
+    if not on.size:
+        return sends, outputs
+    # in each forward, the last block on the path is the send; the others its micro-batch's
+    # backward frees are earlier layers' outputs
+    op = born_in[on]
+    order = np.argsort(op, kind="stable")  # group by forward, allocation order kept
+    on, op = on[order], op[order]
+    last_of = np.r_[op[1:] != op[:-1], True]
+    sends[on[last_of]] = True
+    own_b = np.array([keys.index(("B", k[1])) if ("B", k[1]) in src.ops else -2
+                      for k in keys])
+    rest = on[~last_of]
+    outputs[rest[dies_in[rest] == own_b[born_in[rest]]]] = True
     return sends, outputs
 
 
