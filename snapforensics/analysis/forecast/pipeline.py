@@ -145,7 +145,8 @@ class StageSource:
     others: np.ndarray | None = None
     p2p_share: float = 1.0
     regular: bool = True  # its rank ran ScheduleInterleaved1F1B's order (what the pairs ran)
-    _sizes: dict = field(default_factory=dict, repr=False)  # (world, tp) -> `sizes`
+    # (world, tp) -> `sizes`, shared by the sources of one recording (they scale alike)
+    _sizes: dict = field(default_factory=dict, repr=False)
 
     @cached_property
     def gathered(self) -> Gathers | None:
@@ -552,12 +553,13 @@ def stage_steps(d: DeviceAnalysis) -> list[StageSource] | str:
     spans = [(min(_span(o)[0] for o in st.values()), max(_span(o)[1] for o in st.values()))
              for st in steps]
     out = []
+    sized: dict = {}  # every source of `d` scales its blocks alike: one `sizes` cache
     for step, (start, end) in zip(steps, spans):
         stop = min([s for s, _ in spans if s > end], default=d.lt.rows)
         if chunks is None:
             ops = next(iter(step.values()))
             out.append(StageSource(d, stage, stages, len(ops) // 2, _schedule_of(ops), layers,
-                                   ops, start, end, stop, lp))
+                                   ops, start, end, stop, lp, _sizes=sized))
             continue
         if len(step) != v:
             continue
@@ -580,7 +582,8 @@ def stage_steps(d: DeviceAnalysis) -> list[StageSource] | str:
             out.append(StageSource(d, g, total, len(ops) // 2, INTERLEAVED, chunks[j][0], ops,
                                    start, end, stop, chunks[j][1], virtual=v,
                                    rank_layers=layers, others=others,
-                                   p2p_share=want[j] / max(sum(want), 1), regular=regular))
+                                   p2p_share=want[j] / max(sum(want), 1), regular=regular,
+                                   _sizes=sized))
     return out
 
 
