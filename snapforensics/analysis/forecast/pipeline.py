@@ -335,8 +335,8 @@ def _forward_sends(src: StageSource) -> tuple[np.ndarray, np.ndarray]:
     on, op = on[order], op[order]
     last_of = np.r_[op[1:] != op[:-1], True]
     sends[on[last_of]] = True
-    own_b = np.array([keys.index(("B", k[1])) if ("B", k[1]) in src.ops else -2
-                      for k in keys])
+    index = {k: i for i, k in enumerate(keys)}
+    own_b = np.array([index.get(("B", k[1]), -2) for k in keys])
     rest = on[~last_of]
     outputs[rest[dies_in[rest] == own_b[born_in[rest]]]] = True
     return sends, outputs
