@@ -468,3 +468,12 @@ def recorded_module(module: str, args: Iterable[str] = (), nproc: int = 2) -> Pa
         out.chmod(0o755)
         _publish(out, folder)
     return folder
+
+
+def bucket_slack(truth: dict, peak: int) -> int:
+    """How far a recorded twin's peak can move between recordings of the same run: one of its
+    reduction buckets, which gloo reduces on its own thread, so whether one is alive at the
+    peak is a matter of timing; none when the bucket is most of the peak (DeepSpeed's default
+    2 GB on these models: allocated once, alive through every peak)."""
+    b = max((s["bytes"] for s in truth["buckets"]), default=0)
+    return b if b <= peak / 4 else 0

@@ -64,7 +64,14 @@ def test_the_bucket_is_named_and_its_twin_predicted(stage, dims, params):
         tsnap = load(twin_path)
         peak = analyse(tsnap, tsnap.active_traces[0]).peak_bytes
         assert peak < d.peak_bytes / 100
-        assert abs(f.predicted_peak_bytes - peak) / peak < 0.05, (f.predicted_peak_bytes, peak)
+        # within 5%, or one reduction bucket of the twin: gloo reduces a bucket on its own
+        # thread, so whether the twin's bucket is alive at its peak varies between recordings
+        # (a fresh clone's ZeRO-3 twin peaked one bucket, 1,052,672 B, below the prediction;
+        # the recordings here and another clone's were within 1%)
+        from recordings import bucket_slack
+
+        slack = max(0.05 * peak, bucket_slack(twin, peak))
+        assert abs(f.predicted_peak_bytes - peak) <= slack, (f.predicted_peak_bytes, peak)
         assert _finding(twin_path) is None  # a bucket the gradients fill: nothing to say
 
 

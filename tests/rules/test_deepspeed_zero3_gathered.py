@@ -75,7 +75,7 @@ def test_persistence_anomaly_predicts_the_threshold_0_twin(args):
     when their reduction bucket is alive: none is under-predicted by more than that), and the
     twin gets no anomaly."""
     base, twin = _run(*args), _run(*args, "--persistence", "0")
-    preds, peaks = [], []
+    preds, peaks, slacks = [], [], []
     for (path, truth), (tpath, ttruth) in zip(base, twin):
         assert ttruth["persistent"] == []
         tf = _finding(tpath)
@@ -89,7 +89,15 @@ def test_persistence_anomaly_predicts_the_threshold_0_twin(args):
         peaks.append(_peak(tpath))
         print(f"{args} rank {truth.get('rank', '?')}: predicted {f.predicted_peak_bytes:,} B, "
               f"twin {peaks[-1]:,} B")
-        assert f.predicted_peak_bytes >= peaks[-1] * 0.95  # never promises more than the twin
+        # never promises more than the twin, by more than 5% or the twin's one reduction
+        # bucket: gloo reduces it on its own thread, so whether it is alive at the twin's peak
+        # varies between recordings (a fresh clone's twin peaked half a bucket above the
+        # prediction, 8.7%; the recordings here were within 5%)
+        from recordings import bucket_slack
+
+        slack = bucket_slack(ttruth, peaks[-1])
+        slacks.append(slack)
+        assert f.predicted_peak_bytes >= peaks[-1] - max(0.05 * peaks[-1], slack)
     if preds:
-        err = (max(preds) - max(peaks)) / max(peaks)
-        assert abs(err) < 0.05, (preds, peaks)
+        err = max(preds) - max(peaks)
+        assert abs(err) <= max(0.05 * max(peaks), max(slacks)), (preds, peaks)
