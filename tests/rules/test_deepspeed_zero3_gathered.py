@@ -90,9 +90,9 @@ def test_persistence_anomaly_predicts_the_threshold_0_twin(args):
         print(f"{args} rank {truth.get('rank', '?')}: predicted {f.predicted_peak_bytes:,} B, "
               f"twin {peaks[-1]:,} B")
         # never promises more than the twin, by more than 5% or the twin's one reduction
-        # bucket: gloo reduces it on its own thread, so whether it is alive at the twin's peak
-        # varies between recordings (a fresh clone's twin peaked half a bucket above the
-        # prediction, 8.7%; the recordings here were within 5%)
+        # bucket: gloo reduces it on its own thread, so whether it is alive at a peak varies
+        # between recordings (a fresh clone's recording predicted 8.7% below the twin, half a
+        # bucket; the recordings here were within 5%)
         from recordings import bucket_slack
 
         slack = bucket_slack(ttruth, peaks[-1])
