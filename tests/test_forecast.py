@@ -624,6 +624,35 @@ def test_dp_degree_on_a_2d_mesh():
             _check(f"FSDP2 + TP 2 (2-D mesh): dp_shard {b} from {a}, rank {r}", fx, twin, 0.05)
 
 
+@slow
+def test_dp_and_tp_degree_together():
+    """FSDP2 + TP on a 2-D mesh, the dp_shard degree and the TP degree changed at once (8 ranks
+    both ways: dp_shard 4 x TP 2 <-> dp_shard 2 x TP 4), every rank against the twin's rank of
+    the same dp and TP index (modulo the twin's degrees): validated (a recorded combination,
+    band.COMBINED), within 5%."""
+    import json
+
+    from recordings import recorded_module
+
+    runs = {}
+    for dp, tp in ((4, 2), (2, 4)):
+        folder = recorded_module("snapforensics.examples.tp", (*TP_SMALL, "--dp", str(dp)),
+                                 nproc=dp * tp)
+        runs[dp, tp] = [(_fx(folder / f"rank{r}.pickle"),
+                         json.loads((folder / f"truth.rank{r}.json").read_text()))
+                        for r in range(dp * tp)]
+    for (dp, tp), ranks in runs.items():
+        assert all((fx.w0, fx.tp[0], t["dp"], t["tp"]) == (dp, tp, dp, tp) for fx, t in ranks)
+    for a, b in (((4, 2), (2, 4)), ((2, 4), (4, 2))):
+        for r, (fx, _) in enumerate(runs[a]):
+            i, j = divmod(r, a[1])  # rank = dp index * tp + tp index
+            twin = runs[b][(i % b[0]) * b[1] + j % b[1]][0]
+            err = _check(f"FSDP2 + TP: dp_shard {b[0]} x TP {b[1]} from dp_shard {a[0]} x "
+                         f"TP {a[1]}, rank {r}", fx, twin, 0.05)
+            assert fx.predict(replace(twin.baseline(), tp=b[1])).error_band["changes"] == [
+                "world_size", "tp"], err
+
+
 TP_SMALL = ("--layers", "2", "--dim", "64", "--seq", "64", "--batch", "2", "--steps", "2")
 TP_LAYOUTS = {"tp": (), "tp_sp": ("--sp",), "fsdp_tp_2d": ("--dp", "2")}
 

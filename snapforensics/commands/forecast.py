@@ -84,7 +84,8 @@ bundled example recorded twice on CPU with one setting changed: world size
 2<->4 and 2<->8, full_shard<->shard_grad_op, checkpointing with micro-batch, micro-batch
 x2, a fix). "NOT VALIDATED" marks a scenario outside those pairs (world sizes
 beyond 4x the recorded one, hsdp/no_shard, micro-batch beyond x1/4..x4, several
-changes at once, CUDA/NPU recordings); the lines under the table say why.
+changes at once other than checkpointing with micro-batch or dp_shard with TP,
+CUDA/NPU recordings); the lines under the table say why.
 
 \b
 Refused, with the reason: world size or strategy without FSDP in the trace or
@@ -101,7 +102,8 @@ DTensor's split (its placement on the mesh dim "tp") and the activations a
 column-wise module hands to its row-wise one; FSDP's buffers of TP-split
 parameters take the parameters' share; a block made where a named one was
 (same stack and size) takes its share. Pairs: tp 2 <-> 4 with and without
-SequenceParallel and under FSDP2 on a 2-D mesh (band printed per scenario);
+SequenceParallel and under FSDP2 on a 2-D mesh, and dp_shard 4 x TP 2 <-> 2 x 4
+(band printed per scenario);
 beyond 2x the recorded degree is NOT VALIDATED.
 
 \b

@@ -12,7 +12,8 @@ that no longer matches the model fails the suite.
 What it does not cover: CUDA/NPU recordings (allocator rounding, stream-ordered frees, NCCL's
 buffers are not in a CPU trace), world sizes further than 4x from the recorded one, HSDP and
 NO_SHARD, micro-batch scales outside 1/4..4, and combinations of changes other than
-checkpointing with micro-batch (a combination is given the sum of its changes' bands).
+checkpointing with micro-batch and dp_shard with TP (a combination is given the sum of its
+changes' bands).
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ PAIRS: tuple[tuple[str, str, float, float], ...] = (
     ("tp", "TP + SequenceParallel: TP 2 from 4", 0.933372, 0.972427),
     ("tp", "FSDP2 + TP (2-D mesh, dp_shard 2): TP 4 from 2", 0.862820, 0.863319),
     ("tp", "FSDP2 + TP (2-D mesh, dp_shard 2): TP 2 from 4", 1.193874, 1.192890),
+    # both at once, 8 ranks each way (tests/test_forecast.py::test_dp_and_tp_degree_together)
+    ("tp", "FSDP2 + TP (2-D mesh): dp_shard 2 x TP 4 from dp_shard 4 x TP 2", 0.862591, 0.863319),
+    ("tp", "FSDP2 + TP (2-D mesh): dp_shard 4 x TP 2 from dp_shard 2 x TP 4", 1.146755, 1.145786),
 )
 
 # What the pairs span: world size ratios (forecast W / recorded W), strategy changes, scales.
@@ -66,7 +70,7 @@ STRATEGY_CHANGES = frozenset({("full_shard", "shard_grad_op"), ("shard_grad_op",
 SCALES = (0.25, 4.0)
 FIXES = ("fsdp.unsharded_params_not_resharded", "pipeline.all_forward_before_backward")
 # changes recorded together in one pair (the rest are summed from their single-change bands)
-COMBINED = ({"checkpointing", "micro_batch"},)
+COMBINED = ({"checkpointing", "micro_batch"}, {"world_size", "tp"})
 # The MiB figures above are rounded to 0.005 MiB each (the TP pairs to 0.000005 MiB: their peaks
 # are under 1.2 MiB): the band is widened by what that can move an error on the smallest
 # recorded peak of the pairs rounded alike (rounding, not model error).
