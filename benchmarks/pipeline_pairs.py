@@ -29,7 +29,8 @@ from snapforensics.analysis.forecast import pipeline as pf  # noqa: E402
 # each table and the FSDP world size its labels mean when they name none
 TABLES = {"PAIRS": 1, "FSDP_PAIRS": 2, "INTERLEAVED_PAIRS": 1, "FSDP_INTERLEAVED_PAIRS": 2,
           "FSDP_WORLD_PAIRS": 2, "FSDP_WORLD_INTERLEAVED_PAIRS": 2,
-          "FROM_INTERLEAVED_PAIRS": 1, "FSDP_FROM_INTERLEAVED_PAIRS": 2, "TP_PAIRS": 1}
+          "FROM_INTERLEAVED_PAIRS": 1, "FSDP_FROM_INTERLEAVED_PAIRS": 2, "TP_PAIRS": 1,
+          "FSDP_TP_PAIRS": 2}
 LABEL = re.compile(r"S=(\d+)(x2)? M=(\d+) (\w+)(?: dp=(\d+))?(?: tp=(\d+))?$")
 
 

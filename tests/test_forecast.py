@@ -1006,6 +1006,43 @@ def test_pipeline_tp_layout_forecast(source):
         _check_mesh_pair(source, target, pf.TP_PAIRS, TP_NAME, tps=[other])
 
 
+FSDP_TP_NAME = "S={0} M={1} {2} dp={3} tp={4}"
+
+
+@slow
+def test_pipeline_fsdp_tp_forecast():
+    """FSDP2 and TP inside the stages (examples/pipeline.py --dp 2 --tp 2, a (pp, dp_shard, tp)
+    mesh of 8 ranks): forecast without TP, alone and with the dp_shard degree doubled at once
+    (the same 8 ranks, TP traded for FSDP), to another schedule and micro-batch count; validated
+    within FSDP_TP_PAIRS' band; TP 4 under FSDP (never recorded: 16 ranks) is NOT VALIDATED."""
+    from snapforensics.analysis.forecast import pipeline as pf
+
+    src = (2, 8, "gpipe", 2, 2)
+    for target, change in (((2, 4, "1f1b", 2, 1), {"tps": [1]}),
+                           ((2, 8, "1f1b", 4, 1), {"tps": [1], "world_sizes": [4]})):
+        _check_mesh_pair(src, target, pf.FSDP_TP_PAIRS, FSDP_TP_NAME, **change)
+    sc, = pf.pipeline_forecast([d for d, _ in _mesh_run(*src)], tps=[4]).scenarios
+    assert not sc["error_band"]["validated"]
+    assert any("with FSDP" in w for w in sc["error_band"]["not_validated"])
+
+
+@full
+@pytest.mark.parametrize("source", [(2, 8, "gpipe", 2, 2), (2, 4, "1f1b", 2, 2)],
+                         ids=lambda x: f"from-S{x[0]}-M{x[1]}-{x[2]}-dp2-tp2")
+def test_pipeline_fsdp_tp_layout_forecast(source):
+    """Every FSDP_TP_PAIRS row of `source`: without TP at 2 and 4 stages, GPipe, 1F1B and
+    ScheduleInterleaved1F1B, and with dp_shard 4 at once."""
+    from snapforensics.analysis.forecast import pipeline as pf
+
+    rows = [r for r in pf.FSDP_TP_PAIRS if r[0] == FSDP_TP_NAME.format(*source)]
+    assert len(rows) == 14
+    for _, label, *_ in rows:
+        s, m, k, dp, tp = (x.split("=")[-1] for x in label.split())
+        target = (int(s[0]), int(m), k, int(dp), int(tp))
+        change = {"tps": [1]} | ({"world_sizes": [4]} if target[3] == 4 else {})
+        _check_mesh_pair(source, target, pf.FSDP_TP_PAIRS, FSDP_TP_NAME, **change)
+
+
 @slow
 def test_pipeline_from_interleaved_forecast():
     """ScheduleInterleaved1F1B recorded (two stages per rank, examples/pipeline.py --schedule
