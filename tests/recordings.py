@@ -470,6 +470,31 @@ def recorded_module(module: str, args: Iterable[str] = (), nproc: int = 2) -> Pa
     return folder
 
 
+def recorded_script(script: Path, args: Iterable[str] = (), nproc: int = 2) -> Path:
+    """A training script of the tests' own (a model no example has) recorded through the real
+    CLI (`snapforensics record SCRIPT ARGS`), cached under a key of the sources, the script's
+    text and its arguments: the folder holding rank{R}.pickle."""
+    args = tuple(str(a) for a in args)
+    folder = CACHE / f"script-{script.stem}-w{nproc}-" \
+        f"{key('script', hashlib.sha256(script.read_bytes()).hexdigest(), args, nproc)}"
+    with _flock(folder.name):
+        if _cached(folder, nproc):
+            return folder
+        with _slot():
+            CACHE.mkdir(parents=True, exist_ok=True)
+            out = Path(tempfile.mkdtemp(prefix=".script-", dir=CACHE))
+            proc = run_cli(["record", "--nproc-per-node", str(nproc), "--device", "cpu",
+                            "--out", str(out), str(script), *args])
+        missing = [p.name for p in _paths(out, nproc) if not p.is_file()]
+        if proc.returncode != 0 or missing:
+            shutil.rmtree(out, ignore_errors=True)
+            raise AssertionError(f"recording {script.name} {args} failed: exit "
+                                 f"{proc.returncode}, missing {missing}\n{proc.stderr[-4000:]}")
+        out.chmod(0o755)
+        _publish(out, folder)
+    return folder
+
+
 def bucket_slack(truth: dict, peak: int) -> int:
     """How far a recorded twin's peak can move between recordings of the same run: one of its
     reduction buckets, which gloo reduces on its own thread, so whether one is alive at the

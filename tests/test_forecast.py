@@ -1006,6 +1006,49 @@ def test_pipeline_tp_layout_forecast(source):
         _check_mesh_pair(source, target, pf.TP_PAIRS, TP_NAME, tps=[other])
 
 
+LM_LAYOUTS = {"gpt": ((2, 8, "gpipe"), (2, 4, "1f1b"), (4, 8, "1f1b"), (2, 8, "interleaved")),
+              "llama": ((2, 8, "gpipe"), (4, 4, "1f1b"), (3, 6, "1f1b"), (2, 4, "interleaved"))}
+
+
+def _lm_run(model: str, stages: int, m: int, schedule: str) -> list:
+    """tests/lm_pipeline.py (embeddings first; a norm, a head over the vocabulary and
+    cross-entropy last) recorded at one layout: each rank's analysis."""
+    from recordings import recorded_script
+
+    folder = recorded_script(Path(__file__).parent / "lm_pipeline.py",
+                             ("--model", model, "--schedule", schedule, "--microbatches", str(m)),
+                             nproc=stages)
+    return [_fx(folder / f"rank{r}.pickle").d for r in range(stages)]
+
+
+@slow
+@pytest.mark.parametrize("model", LM_LAYOUTS)
+def test_pipeline_language_model_forecast(model):
+    """Models with what real pipelines put on their end stages (tests/lm_pipeline.py: GPT-like,
+    and Llama-like with torchtitan's names, RoPE and SwiGLU; embeddings first, a norm, a head
+    over the vocabulary and cross-entropy last): each of 4 layouts forecast to the 3 others,
+    every stage against the recorded twin's rank, within 6%. A middle stage is rebuilt from the
+    last stage's recording without its head, loss and step return (`_head`); with them it was
+    up to +149% (GPT) and +162% (Llama) off at 4 stages, up to +47% to the interleaved
+    schedule. The rules were derived on the GPT model; the Llama model was held out (measured
+    once the rules were done: 72 pairs by hand, -2.19%..+2.88%)."""
+    from snapforensics.analysis.forecast import pipeline as pf
+
+    runs = {x: _lm_run(model, *x) for x in LM_LAYOUTS[model]}
+    worst = 0.0
+    for (source, src), (target, twin) in ((a, b) for a in runs.items() for b in runs.items()
+                                          if a[0] != b[0]):
+        stages, m, schedule = target
+        sc, = pf.pipeline_forecast(src, [stages], [m], [
+            "interleaved:2" if schedule == "interleaved" else schedule]).scenarios
+        errors = [(p["predicted_peak_bytes"] - twin[p["stage"]].peak_bytes) /
+                  twin[p["stage"]].peak_bytes for p in sc["per_stage"]]
+        print(f"{model} {source} -> {target}: " + " ".join(f"{e:+.2%}" for e in errors))
+        assert len(errors) == stages and max(map(abs, errors)) <= 0.06, (source, target, errors)
+        worst = max(worst, *map(abs, errors))
+    assert worst > 0.005  # the stages differ from the recorded ones: not a replay
+
+
 FSDP_TP_NAME = "S={0} M={1} {2} dp={3} tp={4}"
 
 

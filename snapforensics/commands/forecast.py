@@ -115,21 +115,21 @@ forwards and backwards (GPipe's own ranges, or the marks `snapforensics
 record` opens around every schedule's) and rebuilt in the new order; what
 belongs to the layers scales with the layers per stage (counted from the
 recorder's tensor names). 56 recorded pairs (2 <-> 4 stages, 4 <-> 8
-micro-batches, GPipe <-> 1F1B): -2.7%..+4.4% per stage; FSDP-sharded
-stages (FSDP + PP), each unit's gathers replayed: -2.1%..+5.5%. An
+micro-batches, GPipe <-> 1F1B): -2.7%..+3.5% per stage; FSDP-sharded
+stages (FSDP + PP), each unit's gathers replayed: -1.4%..+6.6%. An
 interleaved schedule (--schedule interleaved:V, torch's
 ScheduleInterleaved1F1B order, each of a rank's V stages rebuilt from the
 recorded stage in its position, sends held to the step's end as torch's
-looped runtime does): 24 pairs at V=2, -1.2%..+3.7%; with FSDP, 20 pairs,
-0.0%..+5.4%. With --world-size (the ranks FSDP shards a stage over): each
+looped runtime does): 24 pairs at V=2, -1.4%..+2.2%; with FSDP, 20 pairs,
+-0.6%..+5.1%. With --world-size (the ranks FSDP shards a stage over): each
 stage's shards scaled as above, then rebuilt; 64 pairs dp 2 <-> 4 across the
-layouts, -2.3%..+5.8%, and 24 to interleaved, 0.0%..+3.5%. With --tp (TP
+layouts, -1.5%..+6.9%, and 24 to interleaved, -0.7%..+2.7%. With --tp (TP
 inside the stages): what TP splits scaled by tp0 / tp, then rebuilt; 88 pairs
-tp 2 <-> 4, -3.5%..+3.9%; with FSDP sharding the stages too, 28 pairs tp 2 -> 1
-(with dp_shard 2 -> 4 at once in 10), -1.2%..+4.1%. An interleaved recording is a
+tp 2 <-> 4, -3.5%..+1.1%; with FSDP sharding the stages too, 28 pairs tp 2 -> 1
+(with dp_shard 2 -> 4 at once in 10), -1.2%..+3.7%. An interleaved recording is a
 source too (each of a rank's stages its own, by its marks and the model's
 layer names): 36 pairs, -3.3%..+3.5%; with FSDP (the looped runtime's
-UNSHARD gathers replayed as the stage's own), 26 pairs, -6.1%..+6.3%. Stages
+UNSHARD gathers replayed as the stage's own), 26 pairs, -6.1%..+6.6%. Stages
 and micro-batches from 1 to 1024; a zero-bubble recording is refused.""")
 @click.argument("snapshot", type=click.Path(path_type=Path))
 @click.option("--world-size", help="World sizes to forecast, comma-separated (e.g. 4,8,64,512): "
