@@ -38,7 +38,11 @@ file is given, else one stage's times S (an even split); a file without names fo
 micro-batch counts and schedules but refuses another degree. Stage s' of S' is forecast from
 the recorded stage in the same position: the first from the first, the last from the last, a
 middle one from a recorded middle stage, else from the last (it receives activations as a
-middle stage does).
+middle stage does) without what the last stage does beyond its layers: its norm, head and loss
+(`_head`, told by the recorder's names of saved tensors), what it keeps for the step's return,
+the head's parameters and state; it sends each forward's output on instead and receives
+gradients as the first stage does. On the last stage, what the head saves does not scale with
+the layers, and its layers' outputs are told by its last layer's output's path.
 
 The operations are delimited by ScheduleGPipe's own `Forward i` / `Backward i` ranges, or, for
 any schedule, by the ranges `snapforensics record` opens around each stage's
@@ -312,7 +316,9 @@ def _forward_sends(src: StageSource) -> tuple[np.ndarray, np.ndarray]:
     state aside. The stage's output is its last layer's, so in each forward the last block on
     that path is the send; the others freed by their micro-batch's backward are earlier layers'
     outputs, saved by the next layer (a stage of L layers saves L - 1). Under 1F1B the sends too
-    are freed with their micro-batch's backward, so only this tells them apart."""
+    are freed with their micro-batch's backward, so only this tells them apart. The last stage
+    sends nothing: its path is that of what each forward makes last before the rest (`_head`:
+    its last layer's output), and the others on it are its layers' outputs."""
     lt = src.d.lt
     sends, outputs = np.zeros(len(lt), bool), np.zeros(len(lt), bool)
     last = ("F", src.microbatches - 1)
