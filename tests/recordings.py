@@ -451,23 +451,8 @@ def recorded_module(module: str, args: Iterable[str] = (), nproc: int = 2) -> Pa
     folder holding rank{R}.pickle and the module's truth.rank{R}.json."""
     args = tuple(str(a) for a in args)
     name = module.rsplit(".", 1)[-1]
-    folder = CACHE / f"mod-{name}-w{nproc}-{key('module', module, args, nproc)}"
-    with _flock(folder.name):
-        if _cached(folder, nproc):
-            return folder
-        with _slot():
-            CACHE.mkdir(parents=True, exist_ok=True)
-            out = Path(tempfile.mkdtemp(prefix=".mod-", dir=CACHE))
-            proc = run_cli(["record", "--nproc-per-node", str(nproc), "--device", "cpu",
-                            "--out", str(out), "-m", module, "--", *args, "--truth", str(out)])
-        missing = [p.name for p in _paths(out, nproc) if not p.is_file()]
-        if proc.returncode != 0 or missing:
-            shutil.rmtree(out, ignore_errors=True)
-            raise AssertionError(f"recording {module} {args} failed: exit {proc.returncode}, "
-                                 f"missing {missing}\n{proc.stderr[-4000:]}")
-        out.chmod(0o755)
-        _publish(out, folder)
-    return folder
+    return _recorded_cli(f"mod-{name}-w{nproc}-{key('module', module, args, nproc)}", nproc,
+                         ["-m", module, "--", *args, "--truth"], True)
 
 
 def recorded_script(script: Path, args: Iterable[str] = (), nproc: int = 2) -> Path:
@@ -475,21 +460,28 @@ def recorded_script(script: Path, args: Iterable[str] = (), nproc: int = 2) -> P
     CLI (`snapforensics record SCRIPT ARGS`), cached under a key of the sources, the script's
     text and its arguments: the folder holding rank{R}.pickle."""
     args = tuple(str(a) for a in args)
-    folder = CACHE / f"script-{script.stem}-w{nproc}-" \
-        f"{key('script', hashlib.sha256(script.read_bytes()).hexdigest(), args, nproc)}"
+    text = hashlib.sha256(script.read_bytes()).hexdigest()
+    return _recorded_cli(f"script-{script.stem}-w{nproc}-{key('script', text, args, nproc)}",
+                         nproc, [str(script), *args], False)
+
+
+def _recorded_cli(name: str, nproc: int, run: list[str], truth: bool) -> Path:
+    """`snapforensics record --nproc-per-node N --device cpu --out OUT RUN [OUT]` (OUT after RUN
+    when the run writes its truth there), published as CACHE/name once every rank wrote."""
+    folder = CACHE / name
     with _flock(folder.name):
         if _cached(folder, nproc):
             return folder
         with _slot():
             CACHE.mkdir(parents=True, exist_ok=True)
-            out = Path(tempfile.mkdtemp(prefix=".script-", dir=CACHE))
+            out = Path(tempfile.mkdtemp(prefix=".run-", dir=CACHE))
             proc = run_cli(["record", "--nproc-per-node", str(nproc), "--device", "cpu",
-                            "--out", str(out), str(script), *args])
+                            "--out", str(out), *run, *([str(out)] if truth else [])])
         missing = [p.name for p in _paths(out, nproc) if not p.is_file()]
         if proc.returncode != 0 or missing:
             shutil.rmtree(out, ignore_errors=True)
-            raise AssertionError(f"recording {script.name} {args} failed: exit "
-                                 f"{proc.returncode}, missing {missing}\n{proc.stderr[-4000:]}")
+            raise AssertionError(f"recording {run} failed: exit {proc.returncode}, missing "
+                                 f"{missing}\n{proc.stderr[-4000:]}")
         out.chmod(0o755)
         _publish(out, folder)
     return folder
