@@ -959,6 +959,9 @@ def rebuild(src: StageSource, sc: PipeScenario, stage: int, layer_ratio: float,
     from_end = not edge and src.stage is not None and src.stages is not None and \
         src.stage in (0, src.stages - 1) and src.stages > 1
     from_last = from_end and src.stage == (src.stages or 0) - 1
+    # a middle stage rebuilt from a recording that holds more than a middle stage's: an end
+    # stage's, or a rank of an interleaved recording (its other stages' head or embedding)
+    foreign = not edge and (from_end or src.virtual > 1)
     seq = order(sc.schedule, stage, sc.stages, sc.microbatches, sc.virtual)
     # each new operation's recorded template and the offset of its rows in the new trace
     tmpl = {x: (x[0], _template(x[1] % sc.microbatches, sc.microbatches, src.microbatches))
@@ -1006,8 +1009,7 @@ def rebuild(src: StageSource, sc: PipeScenario, stage: int, layer_ratio: float,
     replayed = np.zeros(len(size), bool)
     if src.gathered is not None:
         replayed[src.gathered.blocks] = True
-    # (a rank of an interleaved recording holds its other stages' embedding or head)
-    drop_state = not edge and (chunk is not None or from_end or src.virtual > 1)
+    drop_state = foreign or not edge and chunk is not None
     for b in np.flatnonzero((a < src.start) & (f > src.start) & ~others & ~replayed).tolist():
         if drop_state and state[b] and not src.layer_params[b]:
             continue  # an embedding, a head and their state: an end stage's
@@ -1148,7 +1150,7 @@ def rebuild(src: StageSource, sc: PipeScenario, stage: int, layer_ratio: float,
     share = (src.layers or 1) / src.rank_layers if src.rank_layers else 1.0
     for b in np.flatnonzero((a >= src.end) & (a < src.stop) & ~others).tolist():
         optimizer = d.tl.phase[a[b]] == Phase.OPTIMIZER
-        if (from_last or chunk is None and not edge) and not optimizer and not sharded[b]:
+        if foreign and (chunk is None or from_last) and not optimizer and not sharded[b]:
             continue  # the last stage's step return (its outputs merged, the losses)
         per_layer = bool(sharded[b]) or optimizer and (
             bool(src.layer_params[b]) or f[b] < src.stop)
