@@ -14,7 +14,8 @@ does not run, so the layers keep their names: `layers.5.attn.qkv.weight`).
         --model gpt --schedule 1f1b --microbatches 8
 
 One stage per rank (`--schedule gpipe | 1f1b`), or two (`interleaved`: ScheduleInterleaved1F1B,
-rank r running stages r and r + S).
+rank r running stages r and r + S). With `--dp N` each stage is fully_shard-ed over N ranks
+(every block, then the stage), on a (pp, dp_shard) mesh, as torchtitan composes FSDP with PP.
 """
 
 from __future__ import annotations
@@ -129,10 +130,16 @@ def main() -> None:
     p.add_argument("--schedule", choices=sorted(SCHEDULES), default="gpipe")
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--dp", type=int, default=1, help="dp_shard degree (FSDP2 inside the stages)")
     a = p.parse_args()
     shape = SHAPES[a.model]
     dist.init_process_group("gloo")
-    ranks, rank = dist.get_world_size(), dist.get_rank()
+    ranks, rank, group = dist.get_world_size() // a.dp, dist.get_rank(), None
+    if a.dp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (ranks, a.dp), mesh_dim_names=("pp", "dp_shard"))
+        rank, group = mesh["pp"].get_local_rank(), mesh["pp"].get_group()
     v = 2 if a.schedule == "interleaved" else 1
     stages = ranks * v
     per = shape["layers"] // stages
@@ -148,7 +155,14 @@ def main() -> None:
         if i != stages - 1:
             m.norm = m.output = None
         chunks.append(m)
-    pipe = [PipelineStage(c, i, stages, torch.device("cpu"))
+    if a.dp > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        for c in chunks:
+            for block in c.layers.values():
+                fully_shard(block, mesh=mesh["dp_shard"])
+            fully_shard(c, mesh=mesh["dp_shard"])
+    pipe = [PipelineStage(c, i, stages, torch.device("cpu"), group=group)
             for c, i in zip(chunks, range(rank, stages, ranks))]
 
     def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -1010,15 +1010,33 @@ LM_LAYOUTS = {"gpt": ((2, 8, "gpipe"), (2, 4, "1f1b"), (4, 8, "1f1b"), (2, 8, "i
               "llama": ((2, 8, "gpipe"), (4, 4, "1f1b"), (3, 6, "1f1b"), (2, 4, "interleaved"))}
 
 
-def _lm_run(model: str, stages: int, m: int, schedule: str) -> list:
+def _lm_run(model: str, stages: int, m: int, schedule: str, dp: int = 1) -> list:
     """tests/lm_pipeline.py (embeddings first; a norm, a head over the vocabulary and
-    cross-entropy last) recorded at one layout: each rank's analysis."""
+    cross-entropy last) recorded at one layout, FSDP over `dp` ranks inside each stage: each
+    rank's analysis (rank = stage index * dp + dp index)."""
     from recordings import recorded_script
 
     folder = recorded_script(Path(__file__).parent / "lm_pipeline.py",
-                             ("--model", model, "--schedule", schedule, "--microbatches", str(m)),
-                             nproc=stages)
-    return [_fx(folder / f"rank{r}.pickle").d for r in range(stages)]
+                             ("--model", model, "--schedule", schedule, "--microbatches", str(m),
+                              *(("--dp", str(dp)) if dp > 1 else ())), nproc=stages * dp)
+    return [_fx(folder / f"rank{r}.pickle").d for r in range(stages * dp)]
+
+
+def _lm_errors(model: str, source: tuple, target: tuple, dp: int = 1) -> dict:
+    """The source layout's ranks forecast to the target's: each stage's error against the
+    worst of its dp ranks in the target's recording, and the scenario's error band."""
+    from snapforensics.analysis.forecast import pipeline as pf
+
+    stages, m, schedule = target
+    sc, = pf.pipeline_forecast(_lm_run(model, *source, dp), [stages], [m], [
+        "interleaved:2" if schedule == "interleaved" else schedule]).scenarios
+    twin = _lm_run(model, *target, dp)
+    peaks = [max(d.peak_bytes for d in twin[i * dp:(i + 1) * dp]) for i in range(stages)]
+    errors = [(p["predicted_peak_bytes"] - peaks[p["stage"]]) / peaks[p["stage"]]
+              for p in sc["per_stage"]]
+    print(f"{model} dp={dp} {source} -> {target}: " + " ".join(f"{e:+.2%}" for e in errors))
+    assert len(errors) == stages
+    return {"errors": errors, "band": sc["error_band"]}
 
 
 @slow
@@ -1032,21 +1050,32 @@ def test_pipeline_language_model_forecast(model):
     up to +149% (GPT) and +162% (Llama) off at 4 stages, up to +47% to the interleaved
     schedule. The rules were derived on the GPT model; the Llama model was held out (measured
     once the rules were done: 72 pairs by hand, -2.19%..+2.88%)."""
-    from snapforensics.analysis.forecast import pipeline as pf
-
-    runs = {x: _lm_run(model, *x) for x in LM_LAYOUTS[model]}
     worst = 0.0
-    for (source, src), (target, twin) in ((a, b) for a in runs.items() for b in runs.items()
-                                          if a[0] != b[0]):
-        stages, m, schedule = target
-        sc, = pf.pipeline_forecast(src, [stages], [m], [
-            "interleaved:2" if schedule == "interleaved" else schedule]).scenarios
-        errors = [(p["predicted_peak_bytes"] - twin[p["stage"]].peak_bytes) /
-                  twin[p["stage"]].peak_bytes for p in sc["per_stage"]]
-        print(f"{model} {source} -> {target}: " + " ".join(f"{e:+.2%}" for e in errors))
-        assert len(errors) == stages and max(map(abs, errors)) <= 0.06, (source, target, errors)
-        worst = max(worst, *map(abs, errors))
+    for source in LM_LAYOUTS[model]:
+        for target in LM_LAYOUTS[model]:
+            if source != target:
+                errors = _lm_errors(model, source, target)["errors"]
+                assert max(map(abs, errors)) <= 0.06, (source, target, errors)
+                worst = max(worst, *map(abs, errors))
     assert worst > 0.005  # the stages differ from the recorded ones: not a replay
+
+
+@full
+def test_pipeline_language_model_fsdp_forecast():
+    """The Llama-like model with FSDP2 inside the stages (`--dp 2`, a (pp, dp_shard) mesh, 4 and
+    8 ranks), held out from the end-stage rules: GPipe and 1F1B at 2 stages and 1F1B at 4, each
+    to the others and to 2 x 2 interleaved, every stage against the worst of its dp ranks,
+    within 5% and validated. From the interleaved recording the forecast says NOT VALIDATED
+    (a stage's gathers cannot be replayed; +11% on one stage of 4, measured by hand)."""
+    layouts = ((2, 8, "gpipe"), (2, 4, "1f1b"), (4, 8, "1f1b"))
+    for source in layouts:
+        for target in (*layouts, (2, 8, "interleaved")):
+            if source != target:
+                got = _lm_errors("llama", source, target, dp=2)
+                assert max(map(abs, got["errors"])) <= 0.05, (source, target, got)
+                assert got["band"]["validated"], got["band"]
+    assert not _lm_errors("llama", (2, 8, "interleaved"), (4, 8, "1f1b"), dp=2)["band"][
+        "validated"]
 
 
 FSDP_TP_NAME = "S={0} M={1} {2} dp={3} tp={4}"
