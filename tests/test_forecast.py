@@ -1063,19 +1063,18 @@ def test_pipeline_language_model_forecast(model):
 @full
 def test_pipeline_language_model_fsdp_forecast():
     """The Llama-like model with FSDP2 inside the stages (`--dp 2`, a (pp, dp_shard) mesh, 4 and
-    8 ranks), held out from the end-stage rules: GPipe and 1F1B at 2 stages and 1F1B at 4, each
-    to the others and to 2 x 2 interleaved, every stage against the worst of its dp ranks,
-    within 5% and validated. From the interleaved recording the forecast says NOT VALIDATED
-    (a stage's gathers cannot be replayed; +11% on one stage of 4, measured by hand)."""
-    layouts = ((2, 8, "gpipe"), (2, 4, "1f1b"), (4, 8, "1f1b"))
+    8 ranks), held out from the end-stage rules: GPipe and 1F1B at 2 stages, 1F1B at 4 and 2 x 2
+    interleaved, each to the others, every stage against the worst of its dp ranks, within 5%
+    and validated. A middle stage of an interleaved rank leaves its end stage's unnumbered
+    units (the norm and head) to that stage: taken as its own, they were gathers no range of
+    its placed, copied as recorded and NOT VALIDATED (+10.95% on one stage of 4)."""
+    layouts = ((2, 8, "gpipe"), (2, 4, "1f1b"), (4, 8, "1f1b"), (2, 8, "interleaved"))
     for source in layouts:
-        for target in (*layouts, (2, 8, "interleaved")):
+        for target in layouts:
             if source != target:
                 got = _lm_errors("llama", source, target, dp=2)
                 assert max(map(abs, got["errors"])) <= 0.05, (source, target, got)
                 assert got["band"]["validated"], got["band"]
-    assert not _lm_errors("llama", (2, 8, "interleaved"), (4, 8, "1f1b"), dp=2)["band"][
-        "validated"]
 
 
 FSDP_TP_NAME = "S={0} M={1} {2} dp={3} tp={4}"

@@ -861,12 +861,12 @@ def gathers(src: StageSource) -> Gathers | None:
     inside = (a >= src.start) & (a < src.end) & (
         in_ops[np.clip(a, 0, lt.rows)] | (src.layer_params if src.virtual > 1 else False))
     if src.virtual > 1:  # the looped runtime's UNSHARD, before the rank's first mark
-        early = (a < src.start) & (f > src.start) & d.mask(Category.UNSHARDED_PARAM,
-                                                           Category.ALL_GATHER)
+        gathered = d.mask(Category.UNSHARDED_PARAM, Category.ALL_GATHER)
+        inside |= (a < src.start) & (f > src.start) & gathered
         if src.stage not in (0, (src.stages or 0) - 1):  # a unit outside the numbered layers
-            for b in np.flatnonzero(early).tolist():  # (an embedding, a head) is an end's
-                early[b] = any(p.isdigit() for p in str(d.module_of(b) or "").split("."))
-        inside |= early
+            for b in np.flatnonzero(inside & gathered).tolist():  # (an embedding, a head) is
+                inside[b] = any(p.isdigit() for p in str(d.module_of(b) or "").split("."))
+                # an end stage's, wherever the rank's runtime gathered it
     if src.others is not None:
         inside &= ~src.others
     params = d.mask(Category.UNSHARDED_PARAM) & inside
