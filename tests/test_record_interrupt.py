@@ -122,14 +122,28 @@ def test_a_keyboard_interrupt_the_script_raises_itself_keeps_its_traceback(tmp_p
     assert "interrupted: writing" not in proc.stderr
 
 
-def test_record_killed_its_ranks_stop_and_leave_no_lock_nor_status(tmp_path):
+# both ranks wait to receive from each other (gloo: GIL released, no Python runs): killed, their
+# main threads never run Python again, and the recorder's own threads write the snapshots and
+# end the processes
+BLOCKED = TRAIN.replace("    time.sleep(0.01)\n", """    time.sleep(0.01)
+    if step == 3:
+        dist.recv(torch.empty(4), src=1 - dist.get_rank())
+""")
+
+
+@pytest.mark.parametrize("script", [TRAIN, BLOCKED], ids=["training", "blocked-in-a-collective"])
+def test_record_killed_its_ranks_stop_and_leave_no_lock_nor_status(tmp_path, script):
     """SIGKILL of the ``record`` process alone (a caller's timeout; issue 29): its ranks, in a
     process group of their own, get SIGTERM from the kernel (PR_SET_PDEATHSIG), write their
-    snapshots and end within seconds, and remove the status and lock files nobody else will."""
+    snapshots and end within seconds, and remove the status and lock files nobody else will;
+    also ranks whose main threads are blocked in gloo receives (each snapshot written by the
+    recorder's thread, which ends the process: a clean clone's run under load left both status
+    files and the lock there, the cleanup being on the main thread only)."""
     out = tmp_path / "out"
-    proc, err = _start(tmp_path, out)
+    proc, err = _start(tmp_path, out, script)
     _wait_for(lambda: all((tmp_path / f"training{r}").exists() for r in (0, 1)), proc,
               "training on both ranks")
+    time.sleep(1.0)  # (BLOCKED's ranks into their receives)
     proc.kill()
     proc.wait()
     t0 = time.time()

@@ -690,6 +690,8 @@ def run_recorded(opts: dict, target: str, args: list[str]) -> dict:
             dump(exit_code)
             if not opts.get("in_place"):  # a launching record reads it
                 finish()
+                if _orphaned():  # ... unless it was killed: then the rank cleans up
+                    _orphaned_cleanup(out, rank)
             sys.stderr.flush()
         finally:
             os._exit(exit_code)
@@ -813,6 +815,14 @@ def _empty_recording(backend: Any, entries: int | None, rank: int) -> list[str]:
     return []
 
 
+_LAUNCHER: list[int] = []  # the launching ``record``'s pid, where `_stop_with_launcher` set it
+
+
+def _orphaned() -> bool:
+    """The launching ``record`` died: this rank's parent is no longer it."""
+    return bool(_LAUNCHER) and os.getppid() != _LAUNCHER[0]
+
+
 def _stop_with_launcher() -> int | None:
     """Linux: SIGTERM this rank when the launching ``record`` dies (even by SIGKILL). The rank
     runs in its own process group, so nothing else would stop it; SIGTERM still dumps.
@@ -826,6 +836,7 @@ def _stop_with_launcher() -> int | None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return None
+    _LAUNCHER[:] = [launcher]
     if os.getppid() != launcher:  # it died before prctl took effect
         os.kill(os.getpid(), signal.SIGTERM)
     return launcher
@@ -834,7 +845,8 @@ def _stop_with_launcher() -> int | None:
 def _orphaned_cleanup(out: Path, rank: int) -> None:
     """The launching ``record`` died (killed by its caller): nobody will read this rank's
     status file nor remove the lock file it left, so the rank removes both (the snapshot
-    stays)."""
+    stays), at the end of its main thread or of the recorder's thread where that one dumped (the
+    main thread blocked in a collective: the process ends there)."""
     from snapforensics.record import LOCK_NAME
 
     for p in (status_path(out, rank), out / LOCK_NAME):
@@ -851,9 +863,9 @@ def main(argv: list[str] | None = None) -> None:
               file=sys.stderr)
         sys.exit(EXIT_RECORD_FAILED)
     opts = json.loads(argv[0])
-    launcher = _stop_with_launcher()
+    _stop_with_launcher()
     status = run_recorded(opts, argv[1], list(argv[2:]))
-    if launcher is not None and os.getppid() != launcher and not opts.get("in_place"):
+    if _orphaned() and not opts.get("in_place"):
         _orphaned_cleanup(Path(opts["out"]), status["rank"])
     sys.stdout.flush()
     sys.stderr.flush()
