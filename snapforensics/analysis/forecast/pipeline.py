@@ -382,7 +382,7 @@ def _head(src: StageSource) -> np.ndarray:
     a numbered layer (the norm's input, the head's, the loss's) everything it makes is the rest;
     a backward runs the rest first, so until it frees the last of those its forward saved,
     everything it makes is (the layers' parameters' gradients aside). A middle stage rebuilt
-    from this stage leaves these out. None on another stage or a recording without names."""
+    from this stage leaves these out. Nothing on another stage or a recording without names."""
     cuts = _head_cuts(src)
     out = np.zeros(len(src.d.lt), bool)
     if cuts is None:
@@ -1140,7 +1140,7 @@ def rebuild(src: StageSource, sc: PipeScenario, stage: int, layer_ratio: float,
             add(b, src.ops[tmpl[x]][1] - 1 + offsets[x], fr, size[b] * scale_mb)
     if g is not None:
         _replay_gathers(g, seq, tmpl, offsets, lambda row: row + tail, layer_ratio, size, add,
-                        not edge)
+                        drop_state)
     # made after the last backward: the optimizer's temporaries, its state of the layers and
     # FSDP's sharded gradients scale with the layers; what the optimizer phase makes that
     # outlives the step and is not the layers' (the next step's batch, made after `step()`)
