@@ -26,6 +26,7 @@ from snapforensics.analysis.forecast.core import forecast, forecast_frame
 from snapforensics.analysis.forecast.documents import Scenario
 from snapforensics.analysis.forecast.replay import Forecaster
 from snapforensics.analysis.rules import fsdp_reshard
+from snapforensics.analysis.vocab import Verdict
 from snapforensics.snapshot import load
 
 RESHARD = fsdp_reshard.RULE.id
@@ -684,6 +685,56 @@ def test_tp_degree_both_ways(layout):
             _check(f"{layout}: TP {b} from {a}, rank {r}", fx, twin, 0.05)
 
 
+LM_TP = {"tp": (), "tp_sp": ("--sp",)}
+
+
+def _lm_tp(tp: int, args: tuple[str, ...]) -> list[Forecaster]:
+    """tests/lm_tp.py (a Llama-like decoder under torchtitan's whole TP plan, the loss under
+    loss_parallel) on `tp` ranks: each rank's forecaster."""
+    from recordings import recorded_script
+
+    folder = recorded_script(Path(__file__).parent / "lm_tp.py", args, nproc=tp)
+    return [_fx(folder / f"rank{r}.pickle") for r in range(tp)]
+
+
+@slow
+@pytest.mark.parametrize("layout", LM_TP)
+def test_tp_language_model(layout):
+    """What a real TP run puts around the blocks (tests/lm_tp.py: embeddings sharded over the
+    vocabulary, the head's logits kept sharded by loss_parallel, AdamW), recorded at TP 2 and
+    TP 4: each rank forecast at the other degree within the stored band, and without
+    SequenceParallel the rule's saving checked against the --sp twin.
+
+    What it caught: the logits the script holds through backward (a DTensor's local shard, which
+    autograd does not save, so no name reached it) were taken as replicated: TP 4 from 2 was
+    7.9% high, TP 2 from 4 5.3% low. And the embedding's RowwiseParallel all-reduce made the whole
+    model a "TP module", so the rule shrank nothing: its predicted peak was 6.9% (TP 2) and 19.6%
+    (TP 4) above the SP twin's."""
+    args = LM_TP[layout]
+    runs = {tp: _lm_tp(tp, args) for tp in (2, 4)}
+    for tp, ranks in runs.items():  # the degree read is the running mesh's (TP over every rank)
+        assert all(fx.tp[0] == tp for fx in ranks), [fx.tp[0] for fx in ranks]
+        assert all(fx.loss_parallel for fx in ranks)
+    for a, b in ((2, 4), (4, 2)):
+        for r, fx in enumerate(runs[a]):
+            _check(f"Llama-like TP, {layout}: TP {b} from {a}, rank {r}", fx, runs[b][0], 0.05)
+    # to TP 1 the loss is the plain cross-entropy: said, not validated
+    src = runs[2][0]
+    band = src.predict(replace(src.baseline(), tp=1)).error_band
+    assert not band["validated"] and "loss_parallel" in band["not_validated"][0], band
+    if layout == "tp_sp":
+        return
+    for tp in (2, 4):
+        twin = max(fx.d.peak_bytes for fx in _lm_tp(tp, ("--sp",)))
+        for fx in runs[tp]:
+            f, = (f for f in fx.findings if f.rule == "tp.sequence_parallel_off")
+            assert f.verdict == Verdict.ANOMALOUS, f
+            err = (f.predicted_peak_bytes - twin) / twin
+            print(f"SP rule, Llama-like TP {tp}: {err:+.2%}")
+            assert abs(err) <= 0.05, (tp, f.predicted_peak_bytes, twin)
+            assert not {"Llama_0"} & set(f.evidence["tp_modules"]), f.evidence
+
+
 def test_tp_degree_without_tp_names_is_refused():
     """A recording with no tensor TP splits (the FSDP fixture) refuses another TP degree and
     says why; its other scenarios are unchanged."""
@@ -1058,6 +1109,33 @@ def test_pipeline_language_model_forecast(model):
                 assert max(map(abs, errors)) <= 0.06, (source, target, errors)
                 worst = max(worst, *map(abs, errors))
     assert worst > 0.005  # the stages differ from the recorded ones: not a replay
+
+
+@slow
+def test_pipeline_head_without_saved_names_is_not_validated():
+    """A last stage whose parameters are named but no tensor it saved is (a script's own
+    saved-tensor hooks shadow the recorder's) has a head `_head` cannot find: a middle stage
+    rebuilt from it keeps the norm, head and loss. The forecast says NOT VALIDATED there (GPT,
+    2 stages -> 4), and only there: the same recording with its names is validated, and 2 stages
+    (no middle stage) is validated without them."""
+    from recordings import recorded_script
+
+    from snapforensics.analysis.forecast import pipeline as pf
+    from snapforensics.analysis.identity import BlockNames
+
+    ds = _lm_run("gpt", 2, 8, "gpipe")
+    s = load(recorded_script(Path(__file__).parent / "lm_pipeline.py", (
+        "--model", "gpt", "--schedule", "gpipe", "--microbatches", "8")) / "rank1.pickle")
+    last = analyse(s, s.active_traces[0])  # its own analysis: `ds` is shared by the module
+    n = last.names
+    last.names = BlockNames(n.table, n.ident, np.full_like(n.saver, -1), n.extra, n.matched,
+                            n.observations, n.tp, n.tp_bytes)
+    for srcs, stages, validated in (([ds[0], ds[-1]], 4, True), ([ds[0], last], 4, False),
+                                    ([ds[0], last], 2, True)):
+        sc, = pf.pipeline_forecast(srcs, [stages], [8], ["1f1b"]).scenarios
+        band = sc["error_band"]
+        assert band["validated"] == validated, (stages, band)
+        assert validated or "saved-tensor hooks" in band["not_validated"][0], band
 
 
 @full

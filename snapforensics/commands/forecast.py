@@ -125,7 +125,7 @@ looped runtime does): 24 pairs at V=2, -1.4%..+2.2%; with FSDP, 20 pairs,
 stage's shards scaled as above, then rebuilt; 64 pairs dp 2 <-> 4 across the
 layouts, -1.5%..+6.9%, and 24 to interleaved, -0.7%..+2.7%. With --tp (TP
 inside the stages): what TP splits scaled by tp0 / tp, then rebuilt; 88 pairs
-tp 2 <-> 4, -3.5%..+1.1%; with FSDP sharding the stages too, 28 pairs tp 2 -> 1
+tp 2 <-> 4, -3.5%..+1.5%; with FSDP sharding the stages too, 28 pairs tp 2 -> 1
 (with dp_shard 2 -> 4 at once in 10), -1.2%..+3.7%. An interleaved recording is a
 source too (each of a rank's stages its own, by its marks and the model's
 layer names): 36 pairs, -3.3%..+3.5%; with FSDP (the looped runtime's

@@ -77,6 +77,10 @@ def evaluate(d: DeviceAnalysis, p: Plan, sizes: np.ndarray, cls: np.ndarray) -> 
                      for i, v in enumerate(bd) if v})
 
 
+# torch's vocabulary-parallel cross-entropy (`torch.distributed.tensor.parallel.loss_parallel`)
+LOSS_PARALLEL = "torch/distributed/tensor/parallel/loss.py"
+
+
 class Forecaster:
     """One device's recording, analysed once; `predict(scenario)` replays it per scenario."""
 
@@ -87,6 +91,8 @@ class Forecaster:
                                 Category.REDUCE_SCATTER, Category.SHARDED_GRAD).any())
         self.cls = scaling(d, self.w0)
         self.tp = tp_shares(d, self.cls)  # (recorded TP degree or None, share per block)
+        # the loss ran under torch's loss_parallel (a vocabulary-sharded cross-entropy)
+        self.loss_parallel = any(f.filename.endswith(LOSS_PARALLEL) for f in d.snapshot.frames)
         # FSDP units of every iteration (forward order), found once
         self.units = {it.index: units(d, it)[0] for it in d.tl.iterations}
         self.strategy = detect_strategy(d, self.units) if self.fsdp else "none"
@@ -144,6 +150,11 @@ class Forecaster:
             if not lo <= r <= hi:
                 outside.append(f"TP {sc.tp} is {r:g}x the recorded {base.tp} (checked: "
                                f"{lo:g}x to {hi:g}x)")
+            if sc.tp == 1 and self.loss_parallel:
+                outside.append("TP 1 from a recording whose loss ran under loss_parallel: at TP 1 "
+                               "the plain cross-entropy runs instead, whose backward holds one "
+                               "logits-sized temporary fewer (a Llama-like model at TP 2: the "
+                               "forecast of TP 1 was 9.9% high)")
         if sc.fix:
             changes.append("fix")
             if sc.fix not in band_data.FIXES:

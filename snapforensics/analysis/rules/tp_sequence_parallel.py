@@ -8,7 +8,8 @@ full-size `tp.all_gather` block that replaces the norm's full output, the same b
 
 Seen by: forward `tp.all_reduce` blocks and no forward `tp.reduce_scatter` (SP off). F, the
 full activation, is the all-reduce's output size; the TP modules are the parents of the
-modules that made those all-reduces (the `<nn.Module>` frames: `Attention_0`, `MLP_0`). The
+modules that made those all-reduces (the `<nn.Module>` frames: `Attention_0`, `MLP_0`), except
+a parent that holds another (a RowwiseParallel embedding's parent is the model). The
 threshold is the mechanism: anomalous when the replay lowers this run's peak (SP costs no extra
 communication: an all-reduce is a reduce-scatter plus an all-gather), info otherwise.
 
@@ -81,6 +82,17 @@ def _modules(d: DeviceAnalysis, b: int) -> list[str]:
     if sid < 0:
         return []
     return [f.name for f in d.snapshot.stack_frames(sid) if f.filename == "<nn.Module>"]
+
+
+def _tp_modules(chains: list[list[str]]) -> set[str]:
+    """The TP modules, from the module frames (innermost first) of the forward all-reduces: each
+    RowwiseParallel module's parent (the attention or MLP whose column-wise projections feed
+    it), unless that parent holds another one (a RowwiseParallel embedding's parent is the
+    model itself, which holds every block: not a TP module; its output, the all-reduce, is
+    what SP shards)."""
+    parents = {c[1] for c in chains if len(c) > 1}
+    holders = {m for c in chains for i, t in enumerate(c) if t in parents for m in c[i + 1:]}
+    return parents - holders
 
 
 MEGATRON_FIX = """\
@@ -163,7 +175,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
             or d.peak_row < 0:
         return []
     full = int(np.bincount(lt.size[ar]).argmax())
-    tp_mods = {m for b in ar.tolist() for m in _modules(d, b)[1:2]}
+    tp_mods = _tp_modules([_modules(d, b) for b in ar.tolist()])
     layout = mesh(d.snapshot.provenance)
     tp = layout.degree("tp")
     alive = lt.alive_at(d.peak_row)
