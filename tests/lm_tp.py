@@ -4,7 +4,8 @@ the SequenceParallel rule's tests: a model unlike the bundled TP example's block
 (`RowwiseParallel`, vocabulary-sharded), a final norm, an untied head over the vocabulary
 (`ColwiseParallel`) and the loss under `loss_parallel()` (the logits stay sharded over the
 vocabulary, `use_local_output=False`), AdamW. torchtitan's names and plan
-(`parallelize_llama`); 6 layers of dim 96, 4 heads, SwiGLU, rotary attention, vocabulary 3000.
+(`parallelize_llama`); 6 layers of dim 96, 8 heads (TP up to 8), SwiGLU, rotary attention,
+vocabulary 3000.
 
     snapforensics record --nproc-per-node 2 --device cpu tests/lm_tp.py --sp
 
@@ -122,6 +123,7 @@ def main():
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--dim", type=int, default=96)
+    p.add_argument("--heads", type=int, default=8)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=96)
     p.add_argument("--vocab", type=int, default=3000)
@@ -131,7 +133,7 @@ def main():
     tp = dist.get_world_size() // a.dp
     mesh = init_device_mesh("cpu", (a.dp, tp), mesh_dim_names=("dp_shard", "tp"))
     torch.manual_seed(0)
-    model = Llama(a.vocab, a.dim, 4, a.layers)
+    model = Llama(a.vocab, a.dim, a.heads, a.layers)
     lp = not a.no_loss_parallel
     if tp > 1:
         parallelize(model, mesh["tp"], a.sp, lp)

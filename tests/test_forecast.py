@@ -701,21 +701,23 @@ def _lm_tp(tp: int, args: tuple[str, ...]) -> list[Forecaster]:
 @pytest.mark.parametrize("layout", LM_TP)
 def test_tp_language_model(layout):
     """What a real TP run puts around the blocks (tests/lm_tp.py: embeddings sharded over the
-    vocabulary, the head's logits kept sharded by loss_parallel, AdamW), recorded at TP 2 and
-    TP 4: each rank forecast at the other degree within the stored band, and without
-    SequenceParallel the rule's saving checked against the --sp twin.
+    vocabulary, the head's logits kept sharded by loss_parallel, AdamW), recorded at TP 2, 4
+    and 8: each rank forecast from TP 2 to 4 and 8 and back, within the stored band (TP 8 <-> 2
+    is what validates 1/4x..4x), and without SequenceParallel the rule's saving checked against
+    the --sp twin at each degree.
 
     What it caught: the logits the script holds through backward (a DTensor's local shard, which
     autograd does not save, so no name reached it) were taken as replicated: TP 4 from 2 was
-    7.9% high, TP 2 from 4 5.3% low. And the embedding's RowwiseParallel all-reduce made the whole
-    model a "TP module", so the rule shrank nothing: its predicted peak was 6.9% (TP 2) and 19.6%
-    (TP 4) above the SP twin's."""
+    7.9% high, TP 2 from 4 5.3% low, TP 2 from 8 25% low (at TP 8 the logits' shard is the
+    whole embedding's size, and its gradient, named, had vetoed that size). And the embedding's
+    RowwiseParallel all-reduce made the whole model a "TP module", so the rule shrank nothing:
+    its predicted peak was 6.9% (TP 2) and 19.6% (TP 4) above the SP twin's."""
     args = LM_TP[layout]
-    runs = {tp: _lm_tp(tp, args) for tp in (2, 4)}
+    runs = {tp: _lm_tp(tp, args) for tp in (2, 4, 8)}
     for tp, ranks in runs.items():  # the degree read is the running mesh's (TP over every rank)
         assert all(fx.tp[0] == tp for fx in ranks), [fx.tp[0] for fx in ranks]
         assert all(fx.loss_parallel for fx in ranks)
-    for a, b in ((2, 4), (4, 2)):
+    for a, b in ((2, 4), (4, 2), (2, 8), (8, 2)):
         for r, fx in enumerate(runs[a]):
             _check(f"Llama-like TP, {layout}: TP {b} from {a}, rank {r}", fx, runs[b][0], 0.05)
     # to TP 1 the loss is the plain cross-entropy: said, not validated
@@ -724,7 +726,7 @@ def test_tp_language_model(layout):
     assert not band["validated"] and "loss_parallel" in band["not_validated"][0], band
     if layout == "tp_sp":
         return
-    for tp in (2, 4):
+    for tp in (2, 4, 8):
         twin = max(fx.d.peak_bytes for fx in _lm_tp(tp, ("--sp",)))
         for fx in runs[tp]:
             f, = (f for f in fx.findings if f.rule == "tp.sequence_parallel_off")

@@ -102,9 +102,10 @@ DTensor's split (its placement on the mesh dim "tp") and the activations a
 column-wise module hands to its row-wise one; FSDP's buffers of TP-split
 parameters take the parameters' share; a block made where a named one was
 (same stack and size) takes its share. Pairs: tp 2 <-> 4 with and without
-SequenceParallel and under FSDP2 on a 2-D mesh, and dp_shard 4 x TP 2 <-> 2 x 4
-(band printed per scenario);
-beyond 2x the recorded degree is NOT VALIDATED.
+SequenceParallel and under FSDP2 on a 2-D mesh, dp_shard 4 x TP 2 <-> 2 x 4, and
+a Llama-like model (embeddings, head, loss_parallel) tp 2 <-> 4 and 2 <-> 8
+(band printed per scenario); beyond 4x the recorded degree, and TP 1 from a
+loss_parallel recording, are NOT VALIDATED.
 
 \b
 Pipeline (--pp, --microbatches, --schedule; SNAPSHOT a run folder of

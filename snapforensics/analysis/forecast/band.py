@@ -59,12 +59,16 @@ PAIRS: tuple[tuple[str, str, float, float], ...] = (
     ("tp", "FSDP2 + TP (2-D mesh, dp_shard 2): TP 4 from 2", 0.862820, 0.863319),
     ("tp", "FSDP2 + TP (2-D mesh, dp_shard 2): TP 2 from 4", 1.193874, 1.192890),
     # a Llama-like decoder under torchtitan's whole TP plan (tests/lm_tp.py: vocabulary-sharded
-    # embeddings, the head's logits kept sharded by loss_parallel, AdamW; 6 x 96, rank 0;
-    # tests/test_forecast.py::test_tp_language_model)
-    ("tp", "TP, Llama-like (embeddings, head, loss_parallel): TP 4 from 2", 32.990349, 32.621216),
-    ("tp", "TP, Llama-like (embeddings, head, loss_parallel): TP 2 from 4", 54.229126, 54.923454),
-    ("tp", "TP + SequenceParallel, Llama-like: TP 4 from 2", 27.477409, 27.108276),
-    ("tp", "TP + SequenceParallel, Llama-like: TP 2 from 4", 50.516479, 51.248161),
+    # embeddings, the head's logits kept sharded by loss_parallel, AdamW; 6 x 96, 8 heads, rank
+    # 0; tests/test_forecast.py::test_tp_language_model): TP 2 <-> 4 and 2 <-> 8
+    ("tp", "TP, Llama-like (embeddings, head, loss_parallel): TP 4 from 2", 32.981560, 33.007935),
+    ("tp", "TP, Llama-like (embeddings, head, loss_parallel): TP 2 from 4", 54.976196, 54.905876),
+    ("tp", "TP, Llama-like (embeddings, head, loss_parallel): TP 8 from 2", 22.019402, 21.870010),
+    ("tp", "TP, Llama-like (embeddings, head, loss_parallel): TP 2 from 8", 54.439578, 54.905876),
+    ("tp", "TP + SequenceParallel, Llama-like: TP 4 from 2", 27.468620, 27.494995),
+    ("tp", "TP + SequenceParallel, Llama-like: TP 2 from 4", 51.301636, 51.230583),
+    ("tp", "TP + SequenceParallel, Llama-like: TP 8 from 2", 15.587639, 15.416275),
+    ("tp", "TP + SequenceParallel, Llama-like: TP 2 from 8", 50.562637, 51.230583),
     # both at once, 8 ranks each way (tests/test_forecast.py::test_dp_and_tp_degree_together)
     ("tp", "FSDP2 + TP (2-D mesh): dp_shard 2 x TP 4 from dp_shard 4 x TP 2", 0.862591, 0.863319),
     ("tp", "FSDP2 + TP (2-D mesh): dp_shard 4 x TP 2 from dp_shard 2 x TP 4", 1.146755, 1.145786),
@@ -72,7 +76,7 @@ PAIRS: tuple[tuple[str, str, float, float], ...] = (
 
 # What the pairs span: world size ratios (forecast W / recorded W), strategy changes, scales.
 WORLD_RATIOS = (0.25, 4.0)  # the 2 <-> 8 pair: 1/4x and 4x
-TP_RATIOS = (0.5, 2.0)  # the tp 2 <-> 4 pairs
+TP_RATIOS = (0.25, 4.0)  # the tp 2 <-> 8 pairs (Llama-like; the rest 2 <-> 4)
 STRATEGY_CHANGES = frozenset({("full_shard", "shard_grad_op"), ("shard_grad_op", "full_shard")})
 SCALES = (0.25, 4.0)
 FIXES = ("fsdp.unsharded_params_not_resharded", "pipeline.all_forward_before_backward")

@@ -141,8 +141,9 @@ def tp_shares(d: DeviceAnalysis, cls: np.ndarray) -> tuple[int | None, np.ndarra
     share[named] = np.minimum(nm.tp_bytes[named] / np.maximum(size[named], 1), 1.0)
     named = _same_site(d.lt.stack, size, named, share)
     batch = (cls == BATCH) & ~named
-    if batch.any():
-        split_sizes = np.setdiff1d(size[named & (share >= 1)], size[named & (share == 0)])
+    if batch.any():  # a whole parameter, gradient or state does not veto a size (TP 8's
+        # vocabulary-sharded logits are the whole embedding table's size); a whole activation does
+        split_sizes = np.setdiff1d(size[named & (share >= 1)], size[named & ~own & (share == 0)])
         share[batch & np.isin(size, split_sizes)] = 1.0
     params = nm.kinds == KINDS.index("parameter")
     if params.any() and size[params].sum():
