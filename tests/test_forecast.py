@@ -726,6 +726,18 @@ def test_tp_language_model(layout):
     assert not band["validated"] and "loss_parallel" in band["not_validated"][0], band
     if layout == "tp_sp":
         return
+    # the fleet names the worst rank's TP index and degree, and does not say the files hide it
+    from recordings import recorded_script
+
+    from snapforensics import parallel
+    from snapforensics.analysis.fleet import fleet
+    from snapforensics.report import fleet as report
+
+    folder = recorded_script(Path(__file__).parent / "lm_tp.py", args, nproc=4)
+    f = fleet(parallel.run([folder / f"rank{r}.pickle" for r in range(4)], jobs=1,
+                           progress=False))
+    assert f.statement["tp"] == 4 and f.statement["tp_rank"] in range(4), f.statement
+    assert "tensor-parallel rank" not in report.statement(f)
     for tp in (2, 4, 8):
         twin = max(fx.d.peak_bytes for fx in _lm_tp(tp, ("--sp",)))
         for fx in runs[tp]:

@@ -139,7 +139,8 @@ def _statement(inputs: list[dict], diags: list[Diagnosis],
     anything but activations, is not what the schedule explains (`anomalous`); under GPipe
     every stage holds all M, which pipeline.all_forward_before_backward reports. Without stage
     information the rank is named and its spread verdict kept (`anomalous` when the spread
-    is flagged, else `info`): the files do not say its pipeline stage or TP rank. With TP (a
+    is flagged, else `info`): the files do not say its pipeline stage (nor its TP rank, unless
+    the recorder noted it). With TP (a
     TP group over 1 in the recorder's process groups, analysis/mesh.py) the rank's TP index and
     degree are named too (`tp_rank`, `tp`): the ranks of one stage share its stage index."""
     if len(inputs) < 2:
@@ -182,7 +183,8 @@ def _statement(inputs: list[dict], diags: list[Diagnosis],
                 f"explain stage {p['stage']} peaking highest by {cause}")}
     else:
         out |= {"verdict": Verdict.ANOMALOUS if spread.get("flagged") else Verdict.INFO,
-                "why": "the files do not say its pipeline stage or tensor-parallel rank"}
+                "why": "the files do not say its pipeline stage" + (
+                    "" if "tp_rank" in out else " or tensor-parallel rank")}
     return out
 
 
