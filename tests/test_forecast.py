@@ -738,7 +738,7 @@ def test_tp_language_model(layout):
                            progress=False))
     assert f.statement["tp"] == 4 and f.statement["tp_rank"] in range(4), f.statement
     assert "tensor-parallel rank" not in report.statement(f)
-    for tp in (2, 4, 8):
+    for tp in (2, 4, 8):  # the rule's fix: its finding, and the forecast's scenario (the band)
         twin = max(fx.d.peak_bytes for fx in _lm_tp(tp, ("--sp",)))
         for fx in runs[tp]:
             f, = (f for f in fx.findings if f.rule == "tp.sequence_parallel_off")
@@ -747,6 +747,10 @@ def test_tp_language_model(layout):
             print(f"SP rule, Llama-like TP {tp}: {err:+.2%}")
             assert abs(err) <= 0.05, (tp, f.predicted_peak_bytes, twin)
             assert not {"Llama_0"} & set(f.evidence["tp_modules"]), f.evidence
+            p = fx.predict(replace(fx.baseline(), fix=f.rule))
+            assert p.predicted_peak_bytes == f.predicted_peak_bytes
+            assert p.error_band["validated"], p.error_band
+            assert p.error_band["low"] <= err <= p.error_band["high"], (tp, err, p.error_band)
 
 
 def test_tp_degree_without_tp_names_is_refused():

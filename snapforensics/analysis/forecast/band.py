@@ -50,6 +50,11 @@ PAIRS: tuple[tuple[str, str, float, float], ...] = (
     ("fix", "pipeline GPipe -> 1F1B, 8 micro-batches, stage 1", 22.77, 22.77),
     ("fix", "pipeline GPipe -> 1F1B, 4 micro-batches, stage 0", 35.02, 35.52),
     ("fix", "pipeline GPipe -> 1F1B, 4 micro-batches, stage 1", 28.52, 28.52),
+    # tp.sequence_parallel_off's fix (its replay) vs the --sp twin, tests/lm_tp.py (the worst
+    # rank; tests/test_forecast.py::test_tp_language_model)
+    ("fix", "TP 2 without SequenceParallel with the rule's fix, vs SP on", 51.109001, 51.230583),
+    ("fix", "TP 4 without SequenceParallel with the rule's fix, vs SP on", 27.312622, 27.494995),
+    ("fix", "TP 8 without SequenceParallel with the rule's fix, vs SP on", 15.203506, 15.416275),
     # the TP degree (`--tp`), examples/tp.py 2 x 64 (tests/test_forecast.py::
     # test_tp_degree_both_ways, rank 0; MiB to 6 places: these peaks are under 1.2 MiB)
     ("tp", "TP (torchtitan plan): TP 4 from 2", 0.815933, 0.815941),
@@ -79,7 +84,8 @@ WORLD_RATIOS = (0.25, 4.0)  # the 2 <-> 8 pair: 1/4x and 4x
 TP_RATIOS = (0.25, 4.0)  # the tp 2 <-> 8 pairs (Llama-like; the rest 2 <-> 4)
 STRATEGY_CHANGES = frozenset({("full_shard", "shard_grad_op"), ("shard_grad_op", "full_shard")})
 SCALES = (0.25, 4.0)
-FIXES = ("fsdp.unsharded_params_not_resharded", "pipeline.all_forward_before_backward")
+FIXES = ("fsdp.unsharded_params_not_resharded", "pipeline.all_forward_before_backward",
+         "tp.sequence_parallel_off")
 # changes recorded together in one pair (the rest are summed from their single-change bands)
 COMBINED = ({"checkpointing", "micro_batch"}, {"world_size", "tp"})
 # The MiB figures above are rounded to 0.005 MiB each (the TP pairs to 0.000005 MiB: their peaks
