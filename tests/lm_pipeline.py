@@ -16,11 +16,14 @@ does not run, so the layers keep their names: `layers.5.attn.qkv.weight`).
 One stage per rank (`--schedule gpipe | 1f1b`), or two (`interleaved`: ScheduleInterleaved1F1B,
 rank r running stages r and r + S). With `--dp N` each stage is fully_shard-ed over N ranks
 (every block, then the stage), on a (pp, dp_shard) mesh, as torchtitan composes FSDP with PP.
+`--truth DIR` writes DIR/truth.rank{R}.json from the running stages, as the bundled example
+does: the rank's pipeline index and the most micro-batches in flight on a stage of it per step.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -32,6 +35,9 @@ from torch.distributed.pipelining import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
+
+from snapforensics.examples.common import write_truth
+from snapforensics.examples.pipeline import _count_in_flight
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 
@@ -131,6 +137,7 @@ def main() -> None:
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--dp", type=int, default=1, help="dp_shard degree (FSDP2 inside the stages)")
+    p.add_argument("--truth", type=Path)
     a = p.parse_args()
     shape = SHAPES[a.model]
     dist.init_process_group("gloo")
@@ -164,6 +171,9 @@ def main() -> None:
             fully_shard(c, mesh=mesh["dp_shard"])
     pipe = [PipelineStage(c, i, stages, torch.device("cpu"), group=group)
             for c, i in zip(chunks, range(rank, stages, ranks))]
+    held: list[int] = []
+    for st in pipe:
+        _count_in_flight(st, held)
 
     def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(out.flatten(0, 1), target.flatten())
@@ -175,6 +185,7 @@ def main() -> None:
         torch.optim.AdamW(params, lr=1e-3)
     g = torch.Generator().manual_seed(1)
     for _ in range(a.steps):
+        held.append(0)
         x, y = (torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]), generator=g)
                 for _ in range(2))
         # the first stage takes the batch, the last the targets (an interleaved schedule's
@@ -182,6 +193,9 @@ def main() -> None:
         schedule.step(*[x] * (rank == 0), **{"target": y} if rank == ranks - 1 else {})
         opt.step()
         opt.zero_grad(set_to_none=True)
+    write_truth(a.truth, dist.get_rank(), {"schedule": a.schedule, "stage": rank,
+                                           "stages": ranks, "dp": a.dp,
+                                           "microbatches": a.microbatches, "held_per_step": held})
     dist.destroy_process_group()
 
 

@@ -455,14 +455,16 @@ def recorded_module(module: str, args: Iterable[str] = (), nproc: int = 2) -> Pa
                          ["-m", module, "--", *args, "--truth"], True)
 
 
-def recorded_script(script: Path, args: Iterable[str] = (), nproc: int = 2) -> Path:
+def recorded_script(script: Path, args: Iterable[str] = (), nproc: int = 2,
+                    truth: bool = False) -> Path:
     """A training script of the tests' own (a model no example has) recorded through the real
-    CLI (`snapforensics record SCRIPT ARGS`), cached under a key of the sources, the script's
-    text and its arguments: the folder holding rank{R}.pickle."""
-    args = tuple(str(a) for a in args)
+    CLI (`snapforensics record SCRIPT ARGS [--truth OUT]`), cached under a key of the sources,
+    the script's text and its arguments: the folder holding rank{R}.pickle (and, with `truth`,
+    the script's truth.rank{R}.json)."""
+    args = tuple(str(a) for a in args) + (("--truth",) if truth else ())
     text = hashlib.sha256(script.read_bytes()).hexdigest()
     return _recorded_cli(f"script-{script.stem}-w{nproc}-{key('script', text, args, nproc)}",
-                         nproc, [str(script), *args], False)
+                         nproc, [str(script), *args], truth)
 
 
 def _recorded_cli(name: str, nproc: int, run: list[str], truth: bool) -> Path:

@@ -1079,21 +1079,28 @@ LM_LAYOUTS = {"gpt": ((2, 8, "gpipe"), (2, 4, "1f1b"), (4, 8, "1f1b"), (2, 8, "i
               "llama": ((2, 8, "gpipe"), (4, 4, "1f1b"), (3, 6, "1f1b"), (2, 4, "interleaved"))}
 
 
-def _lm_run(model: str, stages: int, m: int, schedule: str, dp: int = 1) -> list:
+def _lm_folder(model: str, stages: int, m: int, schedule: str, dp: int = 1) -> Path:
     """tests/lm_pipeline.py (embeddings first; a norm, a head over the vocabulary and
-    cross-entropy last) recorded at one layout, FSDP over `dp` ranks inside each stage: each
-    rank's analysis (rank = stage index * dp + dp index)."""
+    cross-entropy last) recorded at one layout, FSDP over `dp` ranks inside each stage, with
+    its truth files (rank = stage index * dp + dp index)."""
     from recordings import recorded_script
 
-    folder = recorded_script(Path(__file__).parent / "lm_pipeline.py",
-                             ("--model", model, "--schedule", schedule, "--microbatches", str(m),
-                              *(("--dp", str(dp)) if dp > 1 else ())), nproc=stages * dp)
+    return recorded_script(Path(__file__).parent / "lm_pipeline.py",
+                           ("--model", model, "--schedule", schedule, "--microbatches", str(m),
+                            *(("--dp", str(dp)) if dp > 1 else ())), nproc=stages * dp,
+                           truth=True)
+
+
+def _lm_run(model: str, stages: int, m: int, schedule: str, dp: int = 1) -> list:
+    """`_lm_folder`'s recording: each rank's analysis."""
+    folder = _lm_folder(model, stages, m, schedule, dp)
     return [_fx(folder / f"rank{r}.pickle").d for r in range(stages * dp)]
 
 
 def _lm_errors(model: str, source: tuple, target: tuple, dp: int = 1) -> dict:
     """The source layout's ranks forecast to the target's: each stage's error against the
-    worst of its dp ranks in the target's recording, and the scenario's error band."""
+    worst of its dp ranks in the target's recording, and the scenario's error band; the
+    micro-batches each stage holds are the running stage's (the twin's truth files)."""
     from snapforensics.analysis.forecast import pipeline as pf
 
     stages, m, schedule = target
@@ -1101,6 +1108,12 @@ def _lm_errors(model: str, source: tuple, target: tuple, dp: int = 1) -> dict:
         "interleaved:2" if schedule == "interleaved" else schedule]).scenarios
     twin = _lm_run(model, *target, dp)
     peaks = [max(d.peak_bytes for d in twin[i * dp:(i + 1) * dp]) for i in range(stages)]
+    folder = _lm_folder(model, *target, dp)
+    truths = [json.loads((folder / f"truth.rank{r}.json").read_text())
+              for r in range(stages * dp)]
+    held = {t["stage"]: max(t["held_per_step"]) for t in truths}
+    assert [p["held_microbatches"] for p in sc["per_stage"]] == \
+        [held[p["stage"]] for p in sc["per_stage"]], (source, target, sc["per_stage"], held)
     errors = [(p["predicted_peak_bytes"] - peaks[p["stage"]]) / peaks[p["stage"]]
               for p in sc["per_stage"]]
     print(f"{model} dp={dp} {source} -> {target}: " + " ".join(f"{e:+.2%}" for e in errors))
@@ -1136,14 +1149,12 @@ def test_pipeline_head_without_saved_names_is_not_validated():
     rebuilt from it keeps the norm, head and loss. The forecast says NOT VALIDATED there (GPT,
     2 stages -> 4), and only there: the same recording with its names is validated, and 2 stages
     (no middle stage) is validated without them."""
-    from recordings import recorded_script
 
     from snapforensics.analysis.forecast import pipeline as pf
     from snapforensics.analysis.identity import BlockNames
 
     ds = _lm_run("gpt", 2, 8, "gpipe")
-    s = load(recorded_script(Path(__file__).parent / "lm_pipeline.py", (
-        "--model", "gpt", "--schedule", "gpipe", "--microbatches", "8")) / "rank1.pickle")
+    s = load(_lm_folder("gpt", 2, 8, "gpipe") / "rank1.pickle")
     last = analyse(s, s.active_traces[0])  # its own analysis: `ds` is shared by the module
     n = last.names
     last.names = BlockNames(n.table, n.ident, np.full_like(n.saver, -1), n.extra, n.matched,
