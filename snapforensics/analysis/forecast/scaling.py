@@ -125,7 +125,9 @@ def tp_shares(d: DeviceAnalysis, cls: np.ndarray) -> tuple[int | None, np.ndarra
       so it is split as the tensor is), and a tensor autograd did not save (the logits a script
       holds through backward: loss_parallel keeps them sharded over the vocabulary; taken as
       replicated, a Llama-like model's TP 4 from 2 was 7.9% high). Where a split size equals a
-      whole one, as TP 4's MLP hidden and the residual stream can, it stays constant;
+      whole activation's, as TP 4's MLP hidden and the residual stream can, it stays constant;
+      a whole parameter, gradient or optimizer state of that size does not count (at TP 8 the
+      logits' shard is the whole embedding table's size);
     - the rest: 0 (constant: what TP replicates, and what nothing says)."""
     nm = d.names
     size = d.lt.size.astype(np.int64)
