@@ -751,6 +751,16 @@ def test_tp_language_model(layout):
             assert p.predicted_peak_bytes == f.predicted_peak_bytes
             assert p.error_band["validated"], p.error_band
             assert p.error_band["low"] <= err <= p.error_band["high"], (tp, err, p.error_band)
+    # the fix at another TP degree at once: what SP leaves split is split that degree's way
+    # (with the recorded degree's split kept, TP 4 with SP from TP 2 without was 7.7% high)
+    twins = {tp: max(fx.d.peak_bytes for fx in _lm_tp(tp, ("--sp",))) for tp in (2, 4, 8)}
+    for a, b in ((2, 4), (2, 8), (4, 2), (4, 8), (8, 2), (8, 4)):
+        fx = runs[a][0]
+        p = fx.predict(replace(fx.baseline(), tp=b, fix="tp.sequence_parallel_off"))
+        err = (p.predicted_peak_bytes - twins[b]) / twins[b]
+        print(f"SP fix, Llama-like TP {a} -> TP {b} with SP: {err:+.2%}")
+        assert p.error_band["validated"], p.error_band
+        assert p.error_band["low"] <= err <= p.error_band["high"], (a, b, err, p.error_band)
 
 
 def test_tp_degree_without_tp_names_is_refused():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, NamedTuple
 
@@ -46,11 +47,28 @@ _LEAVES = {str, int, float, bool, type(None)}
 
 class Replay(NamedTuple):
     """A fix as a counterfactual trace: blocks' moved rows (None: unchanged) and extra
-    (start_row, end_row, bytes) intervals, as `Lifetimes.replay` takes them."""
+    (start_row, end_row, bytes) intervals, as `Lifetimes.replay` takes them. `split`: the
+    (start_row, end_row, bytes, tp) of blocks the fix leaves split over the recorded `tp` TP
+    ranks (each in `extra` as -(bytes - bytes // tp)), which another TP degree splits its way
+    (`at_tp`)."""
 
     free_row: np.ndarray | None = None
     alloc_row: np.ndarray | None = None
     extra: tuple = ()
+    split: tuple = ()
+
+    def at_tp(self, tp: int) -> tuple:
+        """`extra` with the blocks in `split` split over `tp` ranks instead."""
+        if not self.split:
+            return self.extra
+        recorded = Counter((a, e, -(b - b // t)) for a, e, b, t in self.split)
+        out = []
+        for x in self.extra:
+            if recorded[x] > 0:
+                recorded[x] -= 1
+            else:
+                out.append(x)
+        return tuple(out) + tuple((a, e, -(b - b // tp)) for a, e, b, _ in self.split)
 
 
 # evidence["prediction"] of a finding whose replay can only free sooner than the fix would (the

@@ -86,8 +86,12 @@ STRATEGY_CHANGES = frozenset({("full_shard", "shard_grad_op"), ("shard_grad_op",
 SCALES = (0.25, 4.0)
 FIXES = ("fsdp.unsharded_params_not_resharded", "pipeline.all_forward_before_backward",
          "tp.sequence_parallel_off")
-# changes recorded together in one pair (the rest are summed from their single-change bands)
-COMBINED = ({"checkpointing", "micro_batch"}, {"world_size", "tp"})
+# changes recorded together in one pair (the rest are summed from their single-change bands);
+# "fix:RULE" where one rule's fix was (tp.sequence_parallel_off's with another TP degree: the
+# Llama-like model from TP 2, 4 and 8 without SP to each other degree with it, -1.69%..-0.13%,
+# tests/test_forecast.py::test_tp_language_model)
+COMBINED = ({"checkpointing", "micro_batch"}, {"world_size", "tp"},
+            {"tp", "fix:tp.sequence_parallel_off"})
 # The MiB figures above are rounded to 0.005 MiB each (the TP pairs to 0.000005 MiB: their peaks
 # are under 60 MiB): the band is widened by what that can move an error on the smallest
 # recorded peak of the pairs rounded alike (rounding, not model error).

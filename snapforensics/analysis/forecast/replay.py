@@ -159,7 +159,9 @@ class Forecaster:
             changes.append("fix")
             if sc.fix not in band_data.FIXES:
                 outside.append(f"the fix of {sc.fix} (checked: {', '.join(band_data.FIXES)})")
-        if len(changes) > 1 and set(changes) not in band_data.COMBINED:
+        combo = {f"fix:{sc.fix}" if c == "fix" else c for c in changes}
+        if len(changes) > 1 and set(changes) not in band_data.COMBINED and \
+                combo not in band_data.COMBINED:
             outside.append(f"{' + '.join(changes)} together (each checked alone; the band is "
                            "their sum)")
         if changes and self.d.snapshot.kind.caching_allocator:
@@ -194,13 +196,15 @@ class Forecaster:
         if sc.fix:
             if sc.fix not in self.fixes:
                 raise Refused(f"the rule {sc.fix} gave no replayable fix for this recording")
-            fr, ar, extra = self.fixes[sc.fix]  # a Replay: the rows it moves replace these
+            fix = self.fixes[sc.fix]  # a Replay: the rows it moves replace these
             # (a schedule's replay moves allocations earlier and frees later too)
+            fr, ar = fix.free_row, fix.alloc_row
             if fr is not None:
                 p.free_row = np.where(fr != d.lt.free_row, fr, p.free_row)
             if ar is not None:
                 p.alloc_row = np.where(ar != d.lt.alloc_row, ar, p.alloc_row)
-            p.fixed_extra = list(extra)
+            # what the fix leaves TP-split, split the scenario's way
+            p.fixed_extra = list(fix.at_tp(sc.tp) if sc.tp else fix.extra)
         want = sc.strategy.split(":")[0]
         want = FULL_SHARD if want == "hsdp" else want
         have = base.strategy

@@ -141,10 +141,11 @@ def _megatron(d: DeviceAnalysis) -> list[Finding]:
                & np.isin(d.category[fwd], _SEQUENCE)]] = True
     held = lt.alive_at(d.peak_row) & shrink
     held_bytes = int(lt.size[held].sum())
-    cut = np.flatnonzero(shrink).tolist()
+    split = tuple((int(lt.alloc_row[b]), int(lt.free_row[b]), full, tp)
+                  for b in np.flatnonzero(shrink).tolist())
     first = int(lt.alloc_row[fwd].min())  # the shared gather buffer, from the first forward on
-    extra = tuple((int(lt.alloc_row[b]), int(lt.free_row[b]), -(full - full // tp))
-                  for b in cut) + ((first, lt.rows, full),)
+    extra = tuple((a, e, -(full - full // tp)) for a, e, _, _ in split) + \
+        ((first, lt.rows, full),)
     predicted = max(int(lt.replay(extra=extra).max()), lt.baseline)
     saving = d.peak_bytes - predicted
     anomalous = saving > 0
@@ -162,7 +163,7 @@ def _megatron(d: DeviceAnalysis) -> list[Finding]:
         title="Tensor-parallel activations replicated on every TP rank (Megatron, SP off)",
         cause=cause, bytes=held_bytes, blocks=int(held.sum()), device=d.device,
         fix=MEGATRON_FIX, predicted=predicted, saving=saving, evidence=evidence,
-        replay=Replay(extra=extra), members=np.flatnonzero(held))]
+        replay=Replay(extra=extra, split=split), members=np.flatnonzero(held))]
 
 
 def check(d: DeviceAnalysis) -> list[Finding]:
@@ -215,8 +216,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     # scatters through an all-reduce of a full-size clone of it (CPU recordings)
     cut = np.union1d(np.flatnonzero(shrink), ar)
     transient = full * (2 if d.snapshot.kind.cpu_recorded else 1)
-    extra = tuple((int(lt.alloc_row[b]), int(lt.free_row[b]), -(full - full // tp))
-                  for b in cut.tolist()) + tuple(
+    split = tuple((int(lt.alloc_row[b]), int(lt.free_row[b]), full, tp) for b in cut.tolist())
+    extra = tuple((a, e, -(full - full // tp)) for a, e, _, _ in split) + tuple(
         (int(lt.alloc_row[b]), int(lt.alloc_row[b]) + 1, transient) for b in ar.tolist())
     predicted = max(int(lt.replay(extra=extra).max()), lt.baseline)
     saving = d.peak_bytes - predicted
@@ -226,7 +227,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         anomalous, rule=RULE.id, title=title,
         cause=cause + f" TP degree {tp}, from {layout.source('tp')}.", bytes=held_bytes,
         blocks=int(held.sum()), device=d.device, fix=FIX, predicted=predicted, saving=saving,
-        evidence=evidence, replay=Replay(extra=extra), members=np.flatnonzero(held))]
+        evidence=evidence, replay=Replay(extra=extra, split=split),
+        members=np.flatnonzero(held))]
 
 
 RULE = Rule(
