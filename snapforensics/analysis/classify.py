@@ -61,8 +61,12 @@ _PRE_FORWARD_FUNCS = {"_pre_forward", "pre_forward", "_pre_forward_unshard", "_r
 _BACKWARD_FUNCS = {"_engine_run_backward", "run_backward", "post_backward", "_post_backward_hook",
                    "_root_post_backward_final_callback", "_post_backward_final_callback",
                    "finalize_backward", "backward_hook"}
+# (and loading a checkpoint into the model: Hugging Face's `from_pretrained`, whose safetensors
+# file a CPU recording sees mapped as one block held to the end, and torch's `load_state_dict`;
+# an optimizer's `load_state_dict` is the optimizer's: its frames are in torch/optim/)
 _INIT_FUNCS = {"reset_parameters", "_apply", "to_empty", "__init__", "_materialize_module",
-               "_sync_module_params_and_buffers", "materialize_meta_module"}
+               "_sync_module_params_and_buffers", "materialize_meta_module", "from_pretrained",
+               "load_state_dict"}
 
 # The autograd engine's C++ frames (`stacks="all"`): the row was made while the engine evaluated a
 # node (`Engine::evaluate_function` under `Engine::thread_main`, on a device's autograd thread or

@@ -100,7 +100,7 @@ def scaling(d: DeviceAnalysis, w0: int | None) -> np.ndarray:
 
 
 # what parameters make: sharded by TP as their parameters are, when no tensor of theirs was seen
-_PARAM_MADE = (Category.PARAMETER, Category.SHARDED_PARAM, Category.UNSHARDED_PARAM,
+_PARAM_MADE = (Category.SHARDED_PARAM, Category.UNSHARDED_PARAM,
                Category.ALL_GATHER, Category.REDUCE_SCATTER, Category.SHARDED_GRAD,
                Category.UNSHARDED_GRAD, Category.OPTIMIZER_STATE)
 # a plain parameter, gradient or optimizer state is whole (TP splits parameters as DTensors);
