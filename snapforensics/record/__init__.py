@@ -31,6 +31,7 @@ import fcntl
 import importlib.util
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -190,8 +191,24 @@ _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _HELD = {signal.SIGINT, signal.SIGTERM}  # as the bootstrap's _HELD
 
 
+# MASTER_PORT is bound by rank 0's store after this process let it go: a port the kernel hands
+# out (32768-60999 on Linux) can be taken in between by any connect() on the machine, gloo's
+# many among them (a clean clone's tests, 4 recordings at once: EADDRINUSE). One below that
+# range is taken only by a process that asks for it by number.
+_PORTS = (20000, 32767)
+
+
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    rng = random.Random()  # not the script's seeded generator: its own, from the OS
+    for _ in range(64):
+        port = rng.randint(*_PORTS)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # all busy: the kernel's
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
