@@ -17,6 +17,8 @@ by wrapping the stage's own ``forward_one_chunk``/``backward_one_chunk``.
 
 from __future__ import annotations
 
+import gc
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -122,6 +124,12 @@ def main(argv: list[str] | None = None) -> None:
             for b in chunk.layers.values():
                 fully_shard(b, mesh=mesh["dp_shard"])
             fully_shard(chunk, mesh=mesh["dp_shard"])
+    # what parallelize_module and fully_shard replaced (each layer's whole weights) is left in
+    # reference cycles: collected here, not wherever the collector next runs (that moves with
+    # the interpreter's allocation count, not the program: with another threshold the whole
+    # weights died inside the first step, and a fresh clone's forecast from that recording
+    # moved by one activation)
+    gc.collect()
     pipe = [PipelineStage(c, i, stages * v, torch.device("cpu"), group=group)
             for c, i in zip(chunks, range(index, stages * v, stages))]
     held: list[int] = []
