@@ -109,7 +109,10 @@ def test_frameworks_from_frames():
         "fabric": ["lightning/fabric/fabric.py"],
         "torchtitan": ["torchtitan/train.py", "torch/distributed/fsdp/_fully_shard/_fsdp_state.py"],
         "torch": ["transformers/models/llama/modeling_llama.py"],
+        "deepspeed": ["deepspeed/runtime/engine.py", "transformers/modeling_utils.py"],
     }
+    # the Trainer drives DeepSpeed's engine: the Trainer is what the user configures
+    cases["hf_trainer"].append("deepspeed/runtime/engine.py")
     for owner, files in cases.items():
         fw = detect(Snap([site + f for f in files]), [])  # type: ignore[arg-type]
         assert fw.owner == owner, (owner, fw)

@@ -97,38 +97,48 @@ _DDP_INIT_COLLECTIVES = {"_verify_param_shape_across_processes"}
 # / `_token_combine` in `torchtitan/distributed/expert_parallel.py` before), Megatron's
 # `MoEAlltoAllTokenDispatcher.dispatch_preprocess` / `token_dispatch` / `token_combine` /
 # `combine_postprocess` (`megatron/core/transformer/moe/token_dispatcher.py`, `permute` /
-# `unpermute` in `moe/moe_utils.py`). The innermost named function decides; an all-to-all
-# (`all_to_all_single` in `distributed_c10d.py`, `_functional_collectives.py`'s
-# `all_to_all_single[_autograd]`, which allocate their outputs) under an MoE frame and no named
-# function is a dispatch buffer.
+# `unpermute` in `moe/moe_utils.py`), DeepSpeed's `_sparse_encode` / `_sparse_decode`
+# (`deepspeed/moe/sharded_moe.py`, 0.19; Tutel's `fast_dispatcher.encode` / `decode` the same
+# words). The innermost named function decides; an all-to-all under an MoE frame and no named
+# function is an exchange: `all_to_all_single` in `distributed_c10d.py`,
+# `_functional_collectives.py`'s `all_to_all_single[_autograd]` (which allocate their outputs),
+# or the `forward` of an MoE file's own autograd Function (the frame `Function.apply` calls:
+# DeepSpeed's and fairscale's `_AllToAll`, which allocate the output before the collective). An
+# exchange is a dispatch buffer here; `context._split_moe_exchanges` makes the one after the
+# experts' work the combine's (both are called from the same `MOELayer.forward`).
 _MOE_FILE = re.compile(r"(?:^|[/_])moe(?:[/_.]|$)|expert|token_dispatch", re.IGNORECASE)
 _MOE_MODULE = re.compile(r"moe|expert", re.IGNORECASE)
-_MOE_DISPATCH_WORDS = {"dispatch", "permute", "permutation"}
-_MOE_COMBINE_WORDS = {"combine", "unpermute", "unpermutation"}
+_MOE_DISPATCH_WORDS = {"dispatch", "permute", "permutation", "encode"}
+_MOE_COMBINE_WORDS = {"combine", "unpermute", "unpermutation", "decode"}
 _ALL_TO_ALL_FUNCS = {"all_to_all_single", "all_to_all", "all_to_all_single_autograd"}
 
 
-def _moe_category(frames: list[Frame]) -> Category | None:
-    """moe.dispatch_buffer / moe.combine_buffer for a stack under an MoE layer, else None."""
+def _moe_category(frames: list[Frame]) -> tuple[Category, bool] | None:
+    """(moe.dispatch_buffer / moe.combine_buffer, whether only an exchange says so) for a stack
+    under an MoE layer, else None."""
     if not any(_MOE_MODULE.search(f.name) if f.filename == "<nn.Module>" else
                _MOE_FILE.search(f.filename) for f in frames):
         return None
     a2a = False
-    for f in frames:  # innermost first
-        if f.filename.startswith("<"):
-            continue
-        if f.name in _ALL_TO_ALL_FUNCS and f.filename.replace("\\", "/").endswith(
+    py = [f for f in frames if not f.filename.startswith("<")]  # innermost first
+    for i, f in enumerate(py):
+        fn = f.filename.replace("\\", "/")
+        if f.name in _ALL_TO_ALL_FUNCS and fn.endswith(
                 ("distributed/distributed_c10d.py", "distributed/_functional_collectives.py")):
             a2a = True
             continue
-        if not _MOE_FILE.search(f.filename):
+        if not _MOE_FILE.search(fn):
+            continue
+        if f.name == "forward" and i + 1 < len(py) and py[i + 1].name == "apply" and \
+                py[i + 1].filename.replace("\\", "/").endswith("torch/autograd/function.py"):
+            a2a = True  # an MoE file's autograd Function (`_AllToAll`)
             continue
         words = set(f.name.lower().strip("_").split("_"))
         if words & _MOE_COMBINE_WORDS:
-            return Category.MOE_COMBINE
+            return Category.MOE_COMBINE, False
         if words & _MOE_DISPATCH_WORDS:
-            return Category.MOE_DISPATCH
-    return Category.MOE_DISPATCH if a2a else None
+            return Category.MOE_DISPATCH, False
+    return (Category.MOE_DISPATCH, True) if a2a else None
 
 
 # Tensor parallelism (DTensor): a redistribution's output is made by one of the placements'
@@ -274,11 +284,26 @@ def _deepspeed_category(frames: list[Frame]) -> Category | None:
 
 # torch.distributed.pipelining: a stage makes the buffers it receives into from the metadata
 # its neighbour sent (`_make_tensor_from_meta` in `pipelining/_utils.py`, under the stage's
-# `_setup_forward_recv_info` / `_create_grad_recv_info`, per micro-batch chunk).
+# `_setup_forward_recv_info` / `_create_grad_recv_info`, per micro-batch chunk). DeepSpeed's
+# PipelineEngine (`deepspeed/runtime/pipe/engine.py`): the receive buffers it sizes from the
+# metadata (`_recv_tensor_meta` -> `_allocate_buffer(s)` / `_allocate_zeros`, the gradient
+# buffers `_allocate_or_extend_buffers`) and the copy of each received activation a stage keeps
+# for its micro-batch's backward (`_exec_recv_activations`, into `pipe_buffers['inputs']`). The
+# innermost frame of the pipeline's file decides.
+_DS_PIPE = "deepspeed/runtime/pipe/engine.py"
+_DS_PIPE_BUFFERS = {"_recv_tensor_meta", "_allocate_buffer", "_allocate_buffers",
+                    "_allocate_zeros", "_allocate_or_extend_buffers", "_exec_recv_activations",
+                    "_exec_recv_grads"}
+
+
 def _pp_category(frames: list[Frame]) -> Category | None:
-    f = next((f for f in frames if "distributed/pipelining/" in f.filename.replace("\\", "/")),
-             None)
-    return Category.PP_P2P if f is not None and f.name == "_make_tensor_from_meta" else None
+    for f in frames:
+        fn = f.filename.replace("\\", "/")
+        if "distributed/pipelining/" in fn:
+            return Category.PP_P2P if f.name == "_make_tensor_from_meta" else None
+        if fn.endswith(_DS_PIPE):
+            return Category.PP_P2P if f.name in _DS_PIPE_BUFFERS else None
+    return None
 
 
 # Ranges FSDP2 names `KIND (fqn)`; the root unit's have no fqn.
@@ -307,6 +332,7 @@ class StackInfo:
     module: str | None  # FSDP module FQN, when a range or frame names it
     has_frames: bool  # has a Python frame (a `stacks="all"` stack may have only C++ ones)
     autograd: bool = False  # made inside the autograd engine (C++ frames, `stacks="all"` only)
+    exchange: bool = False  # an MoE all-to-all's output under no dispatch- or combine-named call
 
 
 def _is_fsdp_file(f: Frame) -> bool:
@@ -388,7 +414,7 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
     else:
         phase = Phase.UNKNOWN
 
-    path = None
+    path, exchange = None, False
     fsdp_here = bool(rfkinds or fsdp1kinds) or any(_is_fsdp_file(f) for f in frames)
     parallel = _megatron_category(frames, nameset) or _tp_category(frames, nameset) or \
         _pp_category(frames) or _deepspeed_category(frames)
@@ -417,7 +443,7 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
     elif nameset & _SHARDED_INIT_FUNCS and any(_is_fsdp_file(f) for f in frames):
         category = Category.SHARDED_PARAM
     elif phase != Phase.OPTIMIZER and (moe := _moe_category(frames)) is not None:
-        category = moe
+        category, exchange = moe
     elif phase == Phase.OPTIMIZER:
         category = Category.OPTIMIZER_STATE
     elif phase == Phase.RECOMPUTE:
@@ -432,7 +458,7 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
         category = Category.OTHER
     if category in (Category.UNSHARDED_PARAM, Category.ALL_GATHER):
         path = _unshard_path(frames, ranges, in_recompute)
-    return StackInfo(category, path, phase, module, bool(frames), autograd)
+    return StackInfo(category, path, phase, module, bool(frames), autograd, exchange)
 
 
 def _unshard_path(frames: list[Frame], ranges: tuple[str, ...], in_recompute: bool) -> str:

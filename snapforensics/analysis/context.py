@@ -233,6 +233,7 @@ def analyse(snapshot: Snapshot, trace: Trace, lt: lifetimes.Lifetimes | None = N
                        keys=keys)
     _split_sharded_grads(d)
     _split_ddp_grad_copies(d)
+    _split_moe_exchanges(d)
     name_fsdp1_from_names(d)
     name_fsdp1_backward(d)
     return d
@@ -272,6 +273,32 @@ def _split_ddp_grad_copies(d: DeviceAnalysis) -> None:
         end = it.backward_end if it and it.backward_end >= 0 else -1
         if end >= 0 and lt.free_row[b] > end:
             d.category[b] = CAT_CODE[Category.DDP_GRAD_COPY]
+
+
+def _split_moe_exchanges(d: DeviceAnalysis) -> None:
+    """An MoE all-to-all no dispatch- or combine-named call made (`classify._moe_category`:
+    DeepSpeed's and fairscale's `_AllToAll`, called from `MOELayer.forward` both ways) takes its
+    kind from the forward around it: the one made after the experts' work (a block of the
+    forward that is no MoE buffer, made since the last dispatch buffer) is the combine's; one
+    made right after a combine buffer (a tensor-parallel `gather_tokens` after the exchange
+    back) is the combine's too; any other starts or continues a dispatch."""
+    if not any(i.exchange for i in d.infos):
+        return
+    lt = d.lt
+    exchange = np.array([i.exchange for i in d.infos], bool)[d.info]
+    disp, comb = CAT_CODE[Category.MOE_DISPATCH], CAT_CODE[Category.MOE_COMBINE]
+    fwd = np.flatnonzero((d.phase == Phase.FORWARD) & (lt.alloc_row >= 0))
+    last, work = -1, False
+    for b in fwd[np.argsort(lt.alloc_row[fwd], kind="stable")].tolist():
+        c = int(d.category[b])
+        if c not in (disp, comb):
+            work = True
+            continue
+        if exchange[b]:
+            after_experts, gather_back = last == disp and work, last == comb and not work
+            c = comb if after_experts or gather_back else disp
+            d.category[b] = c
+        last, work = c, False
 
 
 def _split_sharded_grads(d: DeviceAnalysis) -> None:

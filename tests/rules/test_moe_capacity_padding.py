@@ -133,3 +133,62 @@ def test_dropless_dispatch_is_not_padding():
         # ragged: the received rows differ between the calls (the routing's own counts)
         assert len({c["recv_bytes"] for c in truth["calls"]}) > 1
         assert _finding(sf.diagnose(path)) is None
+
+
+# DeepSpeed's own MoE (tests/ds_moe.py: `deepspeed.moe.layer.MoE`, 0.19.8's sharded_moe): top-2
+# over 8 experts at cf 1.5, and one the change was not built on (top-1, 4 experts, other dims,
+# three layers, cf 2.0); each against its cf 1.0 twin
+DS_LAYOUTS = (("1.5", ()), ("2.0", ("--k", "1", "--experts", "4", "--dim", "96", "--tokens",
+                                    "768", "--layers", "3")))
+
+
+def _ds_run(cf: str, extra: tuple[str, ...]):
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed (make setup installs it)")
+    from pathlib import Path
+
+    from recordings import recorded_script
+
+    folder = recorded_script(Path(__file__).parents[1] / "ds_moe.py",
+                             ("--capacity-factor", cf, *extra), truth=True)
+    return [(folder / f"rank{r}.pickle",
+             json.loads((folder / f"truth.rank{r}.json").read_text())) for r in (0, 1)]
+
+
+@slow
+@pytest.mark.parametrize("cf,extra", DS_LAYOUTS, ids=("top2", "held_out_top1"))
+def test_deepspeed_moe_buffers_are_named_and_the_replay_predicts_the_cf1_twin(cf, extra):
+    for (path, truth), (twin_path, twin_truth) in zip(_ds_run(cf, extra), _ds_run("1.0", extra)):
+        snap = load(path)
+        d = analyse(snap, snap.active_traces[0])
+        fwd = d.phase == Phase.FORWARD
+        calls = truth["calls"]  # the last step's; the run takes two
+        buffer = {c["buffer_bytes"] for c in calls}
+        assert len(buffer) == 1
+        at = fwd & (d.lt.size == buffer.pop())
+        # each call's [experts, capacity, dim] buffer as the running gate sized it: made by
+        # `_sparse_encode` and by the all-to-all out (the dispatch's two), and by the all-to-all
+        # back (the combine's); the all-to-alls are one `_AllToAll` called twice by
+        # MOELayer.forward, told apart by the experts' work between them
+        assert int((at & d.mask(Category.MOE_DISPATCH)).sum()) == 2 * 2 * len(calls)
+        assert int((at & d.mask(Category.MOE_COMBINE)).sum()) == 2 * len(calls)
+        rep, twin = sf.diagnose(path), sf.diagnose(twin_path)
+        measured = twin.peaks["overall_bytes"]
+        f = _finding(rep)
+        assert f is not None and f.verdict == "anomalous"
+        assert measured < rep.peaks["overall_bytes"]
+        # measured +0.04% (top-2) and +0.14% (top-1); the top-1 layout read +4.76% with the
+        # experts' backward left to the gradient sizes alone (its hidden size is a dense
+        # block's too), hence 2 %
+        assert abs(f.predicted_peak_bytes - measured) <= 0.02 * measured, \
+            (f.predicted_peak_bytes, measured)
+        # the capacity factor the buffers show: exchanged rows over routed rows, or over the
+        # input `_sparse_encode` gathers from (the tokens and one zero row) when that is more
+        # (top-1)
+        c = calls[0]
+        shown = c["experts"] * c["capacity"] / max(c["tokens"] * c["k"], c["tokens"] + 1)
+        assert f.evidence["capacity_factor_seen"] == pytest.approx(shown, abs=1e-3)
+        assert "deepspeed.moe.layer.MoE" in f.fix
+        # the twin's capacity holds exactly the routed rows: nothing padded, nothing to say
+        t = twin_truth["calls"][0]
+        assert t["experts"] * t["capacity"] == t["tokens"] * t["k"]
+        assert _finding(twin) is None

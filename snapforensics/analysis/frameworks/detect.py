@@ -9,7 +9,7 @@ Recognized from what the file shows, never guessed from one name alone:
 - the package of the frames on the stacks (`transformers/`, `transformers/trainer.py`,
   `accelerate/`, `lightning/pytorch/` / `pytorch_lightning/`, `lightning/fabric/` /
   `lightning_fabric/`, `torchtitan/`, `megatron/core/` (Megatron-LM and NeMo train through
-  Megatron-Core)), and the recorder's command line (`-m torchtitan.train`);
+  Megatron-Core), `deepspeed/`), and the recorder's command line (`-m torchtitan.train`);
 - the FSDP generation from FSDP's own files (`fsdp/_fully_shard/` is FSDP2,
   `fully_sharded_data_parallel.py` / `_flat_param.py` / `_runtime_utils.py` FSDP1) and the
   CPU recorder's module frames (`FullyShardedDataParallel_N` FSDP1, `FSDP<Class>_N` FSDP2);
@@ -18,9 +18,9 @@ Recognized from what the file shows, never guessed from one name alone:
   FSDP2's ranges; FSDP1 units named from the module frames, see `fsdp_units`).
 
 The framework the user configures FSDP through ("owner") is the outermost one: Megatron, torchtitan,
-else Lightning, else the HF Trainer (which drives accelerate), else accelerate, else plain
-torch (an HF model under the user's own `fully_shard` is "torch" for the FSDP calls, with
-`transformers` as the model library).
+else Lightning, else the HF Trainer (which drives accelerate), else accelerate, else DeepSpeed's
+own engine, else plain torch (an HF model under the user's own `fully_shard` is "torch" for the
+FSDP calls, with `transformers` as the model library).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ _PACKAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("fabric", ("lightning/fabric/", "lightning_fabric/")),
     ("hf_trainer", ("transformers/trainer.py", "transformers/trainer_utils.py")),
     ("accelerate", ("accelerate/",)),
+    ("deepspeed", ("deepspeed/",)),  # its engine alone (the Trainer and accelerate drive it too)
     ("transformers", ("transformers/",)),
 )
 _FSDP2_FILES = ("fsdp/_fully_shard/", "_composable/fsdp/")
@@ -108,6 +109,7 @@ class Framework:
 
 _LABEL = {"megatron": "Megatron-Core", "torchtitan": "torchtitan", "lightning": "Lightning Trainer",
           "fabric": "Lightning Fabric", "hf_trainer": "HF Trainer", "accelerate": "accelerate",
+          "deepspeed": "DeepSpeed",
           "transformers": "transformers", "torch": "plain torch"}
 
 

@@ -17,13 +17,18 @@ routed row, are 8 / (dim * itemsize) of a token buffer). Their ratio r = routed 
 up to the capacity's rounding; r < 1 is padding (at cf = 1.0 with E dividing tokens * k the
 buffers are the permuted tokens' size: nothing beyond the routed rows). A dispatcher that pads
 while it permutes (Megatron's fused `permute(..., drop_and_pad=True)`) shows no unpadded tensor:
-r is not seen and the rule is silent.
+r is not seen and the rule is silent. DeepSpeed's MOELayer (0.19's `_sparse_encode`) gathers each
+slot's token straight from the layer's input, so its dispatch holds no routed-rows tensor: the
+combine's (`_sparse_decode` gathers each route's row back out of the padded buffer, appending
+one zero row to it) is read instead, the larger of the two.
 
 The replay is cf = 1.0: every padded-size dispatch and combine block of the call and every block
 made between the call's last dispatch block and its first combine block (the experts' work on
 the padded rows) shrinks by r, and so does every backward gradient at one of those sizes (the
 gradients of the padded tensors: autograd makes them at their shapes; not a size some forward
-block that is not padded has too). The threshold is the mechanism: the padding rows hold zeros
+block that is not padded has too), and, where the backward's exchanges show (an autograd
+Function whose backward calls itself: DeepSpeed's `_AllToAll`), every gradient made between a
+call's two (the experts' backward). The threshold is the mechanism: the padding rows hold zeros
 the experts compute on and the combine throws away, so whatever the replay takes off the peak is
 the saving (the project's 2 % floor, `evidence.MIN_PEAK_SAVING`, for what re-recording moves); a
 lower cf drops the tokens an over-full expert gets beyond its capacity, which a dropless
@@ -51,6 +56,8 @@ capacity_factor = 1.0  # was {cf:.2f}; an over-full expert then drops the tokens
 #   leave --moe-expert-capacity-factor unset for the dropless dispatcher
 # torchtitan: its AllToAllTokenDispatcher is dropless (no capacity factor); the HybridEP
 #   dispatcher's non_blocking_capacity_factor sizes its output buffer the same way
+# DeepSpeed: deepspeed.moe.layer.MoE(..., capacity_factor=1.0, eval_capacity_factor=1.0)
+#   (drop_tokens=False pads every expert to the fullest one's count instead)
 """
 
 
@@ -76,6 +83,7 @@ def _padding(d: DeviceAnalysis) -> tuple[list[tuple[int, int, int]], list[int], 
     lt = d.lt
     extra, padded, ratios = [], [], []
     ratio_of: list[float] = []
+    exchanged: dict[int, float] = {}  # each padded exchange's size: its call's r
     for disp, comb in _calls(d):
         sizes = lt.size[disp]
         big = int(sizes.max())
@@ -86,10 +94,29 @@ def _padding(d: DeviceAnalysis) -> tuple[list[tuple[int, int, int]], list[int], 
         # a token buffer)
         if int((sizes == big).sum()) < 2:
             continue
-        r = float(sizes[np.argmax(sizes >= big / 4)]) / big
+        call = np.concatenate([disp, comb])
+        # the padded buffer, and what holds it with one zero row more (a decoder that gathers
+        # each route's row out of it appends the row a dropped route reads: DeepSpeed's
+        # `_sparse_decode`); one row is under 1 % of experts x capacity rows (>= 100: the
+        # rounding this rule reads cf through is coarser below that)
+        big_like = (lt.size[call] >= big) & (lt.size[call] <= big * 1.01)
+        # the routed rows: the dispatch's permuted tokens, or, where the dispatch gathers each
+        # slot's token straight from the layer's input (DeepSpeed's `_sparse_encode`: that
+        # input, one zero row more, is the first block at least a quarter of `big`), the
+        # combine's rows gathered back per route (not its exchange back, the first block of
+        # the padded size, nor that one row more): the larger of the two
+        back = len(disp) + int(np.argmax(lt.size[comb] == big)) \
+            if (lt.size[comb] == big).any() else -1
+        keep = ~big_like | (lt.size[call] == big)
+        keep[:len(disp)] = False
+        if back >= 0:
+            keep[back] = False
+        rest = lt.size[call][keep]
+        routed = max(int(sizes[np.argmax(sizes >= big / 4)]), int(rest.max()) if rest.size else 0)
+        r = routed / big
         if r >= 1:
             continue
-        shrink = [b for b in np.concatenate([disp, comb]).tolist() if lt.size[b] == big]
+        shrink = call[big_like].tolist()
         first, last = int(lt.alloc_row[disp].max()), int(lt.alloc_row[comb].min())
         made = (lt.alloc_row > first) & (lt.alloc_row < last)
         made &= d.category == CAT_CODE[Category.ACTIVATION]
@@ -101,6 +128,7 @@ def _padding(d: DeviceAnalysis) -> tuple[list[tuple[int, int, int]], list[int], 
                 padded.append(b)
                 ratio_of.append(r)
         ratios.append(r)
+        exchanged[big] = r
     if ratios:  # backward: the gradients of the padded tensors, at their sizes (a size that
         # some forward block not padded has too could be its gradient's: left as it is)
         sizes = {int(lt.size[b]): r for b, r in zip(padded, ratio_of)}
@@ -111,10 +139,30 @@ def _padding(d: DeviceAnalysis) -> tuple[list[tuple[int, int, int]], list[int], 
         grads = np.flatnonzero(np.isin(d.phase, BACKWARD_PHASES) & (lt.alloc_row >= 0) &
                                (d.category == CAT_CODE[Category.GRADIENT]) &
                                np.isin(lt.size, np.fromiter(sizes, np.int64, len(sizes))))
-        for b in grads.tolist():
-            cut = int(lt.size[b]) - int(round(int(lt.size[b]) * sizes[int(lt.size[b])]))
-            extra.append((int(lt.alloc_row[b]), int(lt.free_row[b]), -cut))
-            padded.append(b)
+        shrunk = {(b, sizes[int(lt.size[b])]) for b in grads.tolist()}
+        # the experts' backward, where the backward's exchanges show (an MoE file's autograd
+        # Function whose backward calls it again: DeepSpeed's `_AllToAll`): in each pair, the
+        # gradient sent back through the combine's all-to-all, then the dispatch's, both of
+        # the padded size; every gradient made between them is the padded rows' (a size a
+        # block outside the MoE layer has too included)
+        moe = np.flatnonzero(np.isin(d.phase, BACKWARD_PHASES) & (lt.alloc_row >= 0) &
+                             np.isin(d.category, (CAT_CODE[Category.MOE_DISPATCH],
+                                                  CAT_CODE[Category.MOE_COMBINE])) &
+                             np.isin(lt.size, np.fromiter(exchanged, np.int64)))
+        moe = moe[np.argsort(lt.alloc_row[moe], kind="stable")]
+        if len(moe) % 2 == 0:
+            grad = d.category == CAT_CODE[Category.GRADIENT]
+            for x, y in zip(moe[::2].tolist(), moe[1::2].tolist()):
+                r = exchanged[int(lt.size[x])]
+                between = (lt.alloc_row > lt.alloc_row[x]) & (lt.alloc_row < lt.alloc_row[y])
+                shrunk |= {(b, r) for b in [x, y, *np.flatnonzero(between & grad).tolist()]}
+        done: set[int] = set()
+        for b, r in sorted(shrunk):
+            cut = int(lt.size[b]) - int(round(int(lt.size[b]) * r))
+            if b not in done and cut > 0:
+                extra.append((int(lt.alloc_row[b]), int(lt.free_row[b]), -cut))
+                padded.append(b)
+                done.add(b)
     return extra, padded, ratios
 
 

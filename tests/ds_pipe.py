@@ -1,0 +1,98 @@
+"""DeepSpeed's own pipeline parallelism (`deepspeed.pipe.PipelineModule`, its PipelineEngine's
+1F1B `TrainSchedule`, deepspeed 0.19.8) on its CPU accelerator with gloo: 8 residual MLP blocks
+over 2 stages, 8 micro-batches a step, for the tests of a pipeline no torch schedule runs.
+
+    snapforensics record --nproc-per-node 2 --device cpu tests/ds_pipe.py
+
+`--truth DIR` writes DIR/truth.rank{R}.json from the running engine, never from a snapshot: its
+stage, and the storages of the buffers it receives into (`pipe_recv_buf`, `grad_layer`) and of
+every received activation it keeps for a backward (`pipe_buffers['inputs']`), each seen as the
+step runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from snapforensics.examples.common import write_truth
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+def _storage(t) -> dict | None:
+    if not isinstance(t, torch.Tensor):
+        return None
+    s = t.untyped_storage()
+    return {"addr": s.data_ptr(), "bytes": s.nbytes()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--truth", type=Path)
+    a = p.parse_args()
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = PipelineModule(layers=[LayerSpec(Block, a.dim) for _ in range(8)], num_stages=2,
+                           loss_fn=lambda out, y: ((out - y) ** 2).mean(),
+                           partition_method="uniform")
+    cfg = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+           "gradient_accumulation_steps": 8, "steps_per_print": 10 ** 6,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}}
+    engine, _, _, _ = deepspeed.initialize(model=model, config=cfg,
+                                           model_parameters=list(model.parameters()))
+    received: list[dict] = []
+
+    def seen() -> None:  # the engine's receive buffers and kept inputs now
+        bufs = [engine.pipe_recv_buf, getattr(engine, "grad_layer", None)]
+        if not engine.is_first_stage():  # the first stage's inputs are loaded, not received
+            bufs += engine.pipe_buffers["inputs"]
+        for t in bufs:
+            for x in (t if isinstance(t, (list, tuple)) else [t]):
+                st = _storage(x)
+                if st and st not in received:
+                    received.append(st)
+
+    def watched(func):
+        def run(self, *args, **kwargs):
+            out = func(self, *args, **kwargs)
+            seen()
+            return out
+        return run
+
+    # DeepSpeed binds each instruction's function from the class's `_INSTRUCTION_MAP`
+    engine._INSTRUCTION_MAP = {
+        k: watched(v) if v.__name__ in ("_exec_recv_activations", "_exec_recv_grads") else v
+        for k, v in type(engine)._INSTRUCTION_MAP.items()}
+    g = torch.Generator().manual_seed(1)
+
+    def data():
+        while True:
+            yield torch.randn(4, 64, a.dim, generator=g), torch.randn(4, 64, a.dim, generator=g)
+
+    batches = data()
+    for _ in range(2):
+        engine.train_batch(data_iter=batches)
+    write_truth(a.truth, engine.global_rank, {"stage": engine.stage_id,
+                                              "stages": engine.num_stages,
+                                              "received": received})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""DeepSpeed's own pipeline engine (tests/ds_pipe.py: `deepspeed.pipe.PipelineModule`, its 1F1B
+TrainSchedule, deepspeed 0.19.8 on its CPU accelerator, gloo, 2 stages) recorded by the project's
+recorder: the buffers the running engine received into (`pipe_recv_buf`, `grad_layer`) and the
+received activations it kept for each backward (`pipe_buffers['inputs']`), read from the engine
+as it ran, are `pp.p2p_buffer`; the run reads as DeepSpeed's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import snapforensics as sf
+from snapforensics.analysis.context import analyse
+from snapforensics.analysis.vocab import Category
+from snapforensics.snapshot import load
+
+pytest.importorskip("deepspeed", reason="deepspeed is not installed (make setup installs it)")
+
+
+@pytest.mark.slow
+def test_deepspeed_pipeline_buffers_are_p2p_and_the_run_reads_as_deepspeed():
+    from recordings import recorded_script
+
+    folder = recorded_script(Path(__file__).parent / "ds_pipe.py", nproc=2, truth=True)
+    for r in (0, 1):
+        truth = json.loads((folder / f"truth.rank{r}.json").read_text())
+        assert truth["stage"] == r and truth["received"]
+        path = folder / f"rank{r}.pickle"
+        snap = load(path)
+        d = analyse(snap, snap.active_traces[0])
+        p2p = d.mask(Category.PP_P2P)
+        named = set(zip(d.lt.addr[p2p].tolist(), d.lt.size[p2p].tolist()))
+        for s in truth["received"]:  # every receive buffer and kept input the engine held
+            assert (s["addr"], s["bytes"]) in named, s
+        other = d.lt.alive_at(d.peak_row) & d.mask(Category.OTHER)
+        assert int(d.lt.size[other].sum()) <= 0.01 * d.peak_bytes
+        fw = sf.diagnose(path).to_dict()["framework"]
+        assert fw["owner"] == "deepspeed" and fw["layer_class"] == "Block"
+        assert np.any(p2p & (d.lt.size >= 1024))
