@@ -152,3 +152,30 @@ def test_classify_moe_token_dispatchers():
                Frame("<nn.Module>", 0, "MoELayer_0")) == Category.MOE_DISPATCH
     # no MoE anywhere: a forward's `dispatch` is an activation
     assert cat(_f("dispatch", "mylib/router.py"), _f("forward", "m.py")) == Category.ACTIVATION
+    # DeepSpeed 0.19's MOELayer as a CUDA snapshot shows it (Python frames only): the encode and
+    # decode by their words, the all-to-all by the autograd Function's forward that
+    # `Function.apply` calls (an exchange: context._split_moe_exchanges picks its kind)
+    ds = "deepspeed/moe/sharded_moe.py"
+    apply = _f("apply", "torch/autograd/function.py")
+    assert cat(_f("_sparse_encode", ds), _f("forward", ds)) == Category.MOE_DISPATCH
+    assert cat(_f("_sparse_decode", ds), _f("forward", ds)) == Category.MOE_COMBINE
+    x = classify([_f("forward", ds), apply, _f("forward", ds), mod])
+    assert (x.category, x.exchange) == (Category.MOE_DISPATCH, True)
+    assert not classify([_f("_sparse_encode", ds), _f("forward", ds), mod]).exchange
+    # an autograd Function outside any MoE file is no exchange
+    assert cat(_f("forward", "mylib/fn.py"), apply, _f("forward", "m.py")) == Category.ACTIVATION
+
+
+def test_deepspeed_activation_checkpointing_recomputes():
+    """DeepSpeed's checkpointing (deepspeed.checkpointing.checkpoint, Megatron-DeepSpeed's and
+    GPT-NeoX's): what its reentrant CheckpointFunction.backward and its non-reentrant unpack hook
+    make is the recompute's, from the Python frames alone (a CUDA stack has no op frame)."""
+    ck = "deepspeed/runtime/activation_checkpointing/checkpointing.py"
+    layer = [_f("forward", "model.py"), _f("_call_impl", "torch/nn/modules/module.py")]
+    engine = _f("_engine_run_backward", "torch/autograd/graph.py")
+    for hook in ("backward", "checkpoint_unpack"):
+        info = classify([*layer, _f(hook, ck), engine])
+        assert (info.phase, info.category) == (Phase.RECOMPUTE, Category.RECOMPUTE_ACTIVATION)
+    # its forward is the forward's
+    fwd = classify([*layer, _f("forward", ck), _f("apply", "torch/autograd/function.py")])
+    assert fwd.phase != Phase.RECOMPUTE

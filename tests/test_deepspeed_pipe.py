@@ -40,3 +40,12 @@ def test_deepspeed_pipeline_buffers_are_p2p_and_the_run_reads_as_deepspeed():
         fw = sf.diagnose(path).to_dict()["framework"]
         assert fw["owner"] == "deepspeed" and fw["layer_class"] == "Block"
         assert np.any(p2p & (d.lt.size >= 1024))
+    # the fleet names the worst rank, and no TP: DeepSpeed's groups (`undefined`) name no dim
+    from snapforensics import parallel
+    from snapforensics.analysis.fleet import fleet
+    from snapforensics.report import fleet as report
+
+    f = fleet(parallel.run([folder / f"rank{r}.pickle" for r in (0, 1)], jobs=1,
+                           progress=False))
+    assert f.statement["rank"] == 0 and "tp" not in f.statement, f.statement
+    assert "TP rank" not in report.statement(f)

@@ -205,6 +205,9 @@ _MEGATRON_MAPPINGS = ("tensor_parallel/mappings.py", "mpu/mappings.py")
 MEGATRON_LAYERS = ("tensor_parallel/layers.py", "mpu/layers.py")
 _MEGATRON_P2P = ("pipeline_parallel/p2p_communication.py", "p2p_communication.py")
 _MEGATRON_CKPT = ("tensor_parallel/random.py", "mpu/random.py")
+# DeepSpeed's activation checkpointing (Megatron-DeepSpeed, GPT-NeoX): the reentrant
+# `CheckpointFunction.backward` and the non-reentrant `checkpoint_unpack` hook recompute there
+_DEEPSPEED_CKPT = "deepspeed/runtime/activation_checkpointing/checkpointing.py"
 
 
 def megatron_rel(filename: str) -> str | None:
@@ -375,7 +378,8 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
     in_recompute = bool(nameset & _RECOMPUTE_FUNCS) or (
         "backward" in nameset and "CheckpointFunction" in " ".join(names)) or any(
         n == "backward" and p.endswith("utils/checkpoint.py") or
-        n in ("backward", "_recompute") and megatron_rel(p) in _MEGATRON_CKPT
+        n in ("backward", "_recompute") and megatron_rel(p) in _MEGATRON_CKPT or
+        n in ("backward", "checkpoint_unpack") and p.endswith(_DEEPSPEED_CKPT)
         for n, p in zip(names, files))
     # torch.compile's backward: AOTAutograd's `CompiledFunction.backward` runs the compiled
     # backward graph, whose frames map back to the user's `forward` source lines.
