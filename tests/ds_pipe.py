@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from snapforensics.examples.common import write_truth
+from snapforensics.examples.deepspeed_zero import _storage
 
 
 class Block(nn.Module):
@@ -29,13 +30,6 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(torch.nn.functional.gelu(self.up(x)))
-
-
-def _storage(t) -> dict | None:
-    if not isinstance(t, torch.Tensor):
-        return None
-    s = t.untyped_storage()
-    return {"addr": s.data_ptr(), "bytes": s.nbytes()}
 
 
 def main() -> None:
@@ -65,7 +59,7 @@ def main() -> None:
             bufs += engine.pipe_buffers["inputs"]
         for t in bufs:
             for x in (t if isinstance(t, (list, tuple)) else [t]):
-                st = _storage(x)
+                st = _storage(x) if isinstance(x, torch.Tensor) else None
                 if st and st not in received:
                     received.append(st)
 

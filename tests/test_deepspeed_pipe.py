@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import snapforensics as sf
@@ -39,7 +38,6 @@ def test_deepspeed_pipeline_buffers_are_p2p_and_the_run_reads_as_deepspeed():
         assert int(d.lt.size[other].sum()) <= 0.01 * d.peak_bytes
         fw = sf.diagnose(path).to_dict()["framework"]
         assert fw["owner"] == "deepspeed" and fw["layer_class"] == "Block"
-        assert np.any(p2p & (d.lt.size >= 1024))
     # the fleet names the worst rank, and no TP: DeepSpeed's groups (`undefined`) name no dim
     from snapforensics import parallel
     from snapforensics.analysis.fleet import fleet

@@ -98,14 +98,14 @@ _DDP_INIT_COLLECTIVES = {"_verify_param_shape_across_processes"}
 # `MoEAlltoAllTokenDispatcher.dispatch_preprocess` / `token_dispatch` / `token_combine` /
 # `combine_postprocess` (`megatron/core/transformer/moe/token_dispatcher.py`, `permute` /
 # `unpermute` in `moe/moe_utils.py`), DeepSpeed's `_sparse_encode` / `_sparse_decode`
-# (`deepspeed/moe/sharded_moe.py`, 0.19; Tutel's `fast_dispatcher.encode` / `decode` the same
-# words). The innermost named function decides; an all-to-all under an MoE frame and no named
-# function is an exchange: `all_to_all_single` in `distributed_c10d.py`,
-# `_functional_collectives.py`'s `all_to_all_single[_autograd]` (which allocate their outputs),
-# or the `forward` of an MoE file's own autograd Function (the frame `Function.apply` calls:
-# DeepSpeed's and fairscale's `_AllToAll`, which allocate the output before the collective). An
-# exchange is a dispatch buffer here; `context._split_moe_exchanges` makes the one after the
-# experts' work the combine's (both are called from the same `MOELayer.forward`).
+# (`deepspeed/moe/sharded_moe.py`, 0.19). The innermost named function decides; an all-to-all
+# under an MoE frame and no named function is an exchange: `all_to_all_single` in
+# `distributed_c10d.py`, `_functional_collectives.py`'s `all_to_all_single[_autograd]` (which
+# allocate their outputs), or the `forward` of an MoE file's own autograd Function (the frame
+# `Function.apply` calls: DeepSpeed's `_AllToAll`, which allocates its output before the
+# collective; fairscale's is the same code, read, not run). An exchange is a dispatch buffer
+# here; `context._split_moe_exchanges` makes the one after the experts' work the combine's (both
+# are called from the same `MOELayer.forward`).
 _MOE_FILE = re.compile(r"(?:^|[/_])moe(?:[/_.]|$)|expert|token_dispatch", re.IGNORECASE)
 _MOE_MODULE = re.compile(r"moe|expert", re.IGNORECASE)
 _MOE_DISPATCH_WORDS = {"dispatch", "permute", "permutation", "encode"}

@@ -288,17 +288,18 @@ def _split_moe_exchanges(d: DeviceAnalysis) -> None:
     exchange = np.array([i.exchange for i in d.infos], bool)[d.info]
     disp, comb = CAT_CODE[Category.MOE_DISPATCH], CAT_CODE[Category.MOE_COMBINE]
     fwd = np.flatnonzero((d.phase == Phase.FORWARD) & (lt.alloc_row >= 0))
-    last, work = -1, False
-    for b in fwd[np.argsort(lt.alloc_row[fwd], kind="stable")].tolist():
+    fwd = fwd[np.argsort(lt.alloc_row[fwd], kind="stable")]
+    at = np.flatnonzero(np.isin(d.category[fwd], (disp, comb)))  # the MoE blocks' places
+    # work since the previous MoE block: another forward block made between the two
+    work = np.diff(at, prepend=-1) > 1
+    last = -1
+    for b, w in zip(fwd[at].tolist(), work.tolist()):
         c = int(d.category[b])
-        if c not in (disp, comb):
-            work = True
-            continue
         if exchange[b]:
-            after_experts, gather_back = last == disp and work, last == comb and not work
+            after_experts, gather_back = last == disp and w, last == comb and not w
             c = comb if after_experts or gather_back else disp
             d.category[b] = c
-        last, work = c, False
+        last = c
 
 
 def _split_sharded_grads(d: DeviceAnalysis) -> None:

@@ -105,14 +105,11 @@ def _padding(d: DeviceAnalysis) -> tuple[list[tuple[int, int, int]], list[int], 
         # input, one zero row more, is the first block at least a quarter of `big`), the
         # combine's rows gathered back per route (not its exchange back, the first block of
         # the padded size, nor that one row more): the larger of the two
-        back = len(disp) + int(np.argmax(lt.size[comb] == big)) \
-            if (lt.size[comb] == big).any() else -1
-        keep = ~big_like | (lt.size[call] == big)
-        keep[:len(disp)] = False
-        if back >= 0:
-            keep[back] = False
-        rest = lt.size[call][keep]
-        routed = max(int(sizes[np.argmax(sizes >= big / 4)]), int(rest.max()) if rest.size else 0)
+        cs = lt.size[comb]
+        back = int(np.argmax(cs == big)) if (cs == big).any() else -1
+        rest = [int(x) for i, x in enumerate(cs.tolist())
+                if i != back and not big < x <= big * 1.01]
+        routed = max([int(sizes[np.argmax(sizes >= big / 4)]), *rest])
         r = routed / big
         if r >= 1:
             continue
@@ -139,7 +136,7 @@ def _padding(d: DeviceAnalysis) -> tuple[list[tuple[int, int, int]], list[int], 
         grads = np.flatnonzero(np.isin(d.phase, BACKWARD_PHASES) & (lt.alloc_row >= 0) &
                                (d.category == CAT_CODE[Category.GRADIENT]) &
                                np.isin(lt.size, np.fromiter(sizes, np.int64, len(sizes))))
-        shrunk = {(b, sizes[int(lt.size[b])]) for b in grads.tolist()}
+        shrunk = {b: sizes[int(lt.size[b])] for b in grads.tolist()}  # block: r
         # the experts' backward, where the backward's exchanges show (an MoE file's autograd
         # Function whose backward calls it again: DeepSpeed's `_AllToAll`): in each pair, the
         # gradient sent back through the combine's all-to-all, then the dispatch's, both of
@@ -155,14 +152,13 @@ def _padding(d: DeviceAnalysis) -> tuple[list[tuple[int, int, int]], list[int], 
             for x, y in zip(moe[::2].tolist(), moe[1::2].tolist()):
                 r = exchanged[int(lt.size[x])]
                 between = (lt.alloc_row > lt.alloc_row[x]) & (lt.alloc_row < lt.alloc_row[y])
-                shrunk |= {(b, r) for b in [x, y, *np.flatnonzero(between & grad).tolist()]}
-        done: set[int] = set()
-        for b, r in sorted(shrunk):
+                for b in [x, y, *np.flatnonzero(between & grad).tolist()]:
+                    shrunk.setdefault(b, r)
+        for b, r in sorted(shrunk.items()):
             cut = int(lt.size[b]) - int(round(int(lt.size[b]) * r))
-            if b not in done and cut > 0:
+            if cut > 0:
                 extra.append((int(lt.alloc_row[b]), int(lt.free_row[b]), -cut))
                 padded.append(b)
-                done.add(b)
     return extra, padded, ratios
 
 
