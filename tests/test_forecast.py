@@ -474,8 +474,12 @@ PIPE_LAYOUT = ("--layers", "8", "--dim", "256")
 # A pair's errors as stored in a table were measured on one recording of each layout; a fresh
 # recording of the same layout on another machine moved one of them by 0.33% (FSDP under the
 # looped runtime, S=2 M=8 GPipe -> S=2x2 M=4 interleaved: the CI clone at f4d8dc7, where three
-# recordings here, idle and under load, were byte-identical). The checks allow 1% either side
-# of the stored pair: a regression of the forecast still fails them, a re-recording does not.
+# recordings here, idle and under load, were byte-identical), and another by -0.71% (TP inside
+# the stages, S=2 M=8 gpipe tp=2 -> tp=4, the last stage: exactly one micro-batch's activation,
+# 262,144 B of 36,708,424; CI at 9ad3547, where recordings at five collector thresholds here
+# were byte-identical; a send's buffer is freed when the peer has received it, which the
+# peer's progress decides, a likely cause, not proven). The checks allow 1% either side of the
+# stored pair: a regression of the forecast still fails them, a re-recording does not.
 RERECORDED = 0.01
 
 
@@ -683,6 +687,13 @@ def test_tp_degree_both_ways(layout):
         for r, (fx, _) in enumerate(runs[a]):
             twin = runs[b][(r // a) * b][0]  # the same dp index (rank = dp index * tp + tp index)
             _check(f"{layout}: TP {b} from {a}, rank {r}", fx, twin, 0.05)
+    # the fleet names the worst rank's TP index; without FSDP the mesh is 1-D over the world and
+    # names no group of its own (torch reuses the default one): read from its blocks' TP work
+    from snapforensics import parallel
+    from snapforensics.analysis.fleet import fleet
+
+    f = fleet(parallel.run(sorted(folder.glob("rank*.pickle")), jobs=1, progress=False))
+    assert f.statement["tp"] == 4 and f.statement["tp_rank"] in range(4), f.statement
 
 
 LM_TP = {"tp": (), "tp_sp": ("--sp",)}
@@ -1047,20 +1058,16 @@ def test_pipeline_tp_forecast():
     """TP inside the pipeline's stages (examples/pipeline.py --tp: each block's MLP column- and
     row-wise parallel, as torchtitan composes TP with PP): another TP degree with the
     pipeline's changes, what TP splits scaled by tp0 / tp in the rebuilt step. tp 2 -> 4 at the
-    same layout (exact to 0.5%) and to 1F1B (from M=4, to 1%), within the stored band; without
-    --tp the forecast misses by more than 5%."""
+    same layout and to 1F1B (from GPipe and from M=4), within the stored band (exact, but for a
+    re-recording's RERECORDED); without --tp the forecast misses by more than 5%."""
     from snapforensics.analysis.forecast import pipeline as pf
 
-    same = _check_mesh_pair((2, 8, "gpipe", 1, 2), (2, 8, "gpipe", 1, 4), pf.TP_PAIRS, TP_NAME,
-                            tps=[4])
-    assert max(abs(e) for e in same) <= 0.005
+    _check_mesh_pair((2, 8, "gpipe", 1, 2), (2, 8, "gpipe", 1, 4), pf.TP_PAIRS, TP_NAME, tps=[4])
     _check_mesh_pair((2, 8, "gpipe", 1, 2), (2, 8, "1f1b", 1, 4), pf.TP_PAIRS, TP_NAME, tps=[4])
     # 1F1B drops a backward's send at the next backward: the one before the last backward is
     # freed past the last mark (read as held to the step's end, the last stage at M=8 was
     # +6.2% off: one more micro-batch's gradient per backward)
-    one = _check_mesh_pair((2, 4, "1f1b", 1, 2), (2, 8, "1f1b", 1, 4), pf.TP_PAIRS, TP_NAME,
-                           tps=[4])
-    assert max(abs(e) for e in one) <= 0.01
+    _check_mesh_pair((2, 4, "1f1b", 1, 2), (2, 8, "1f1b", 1, 4), pf.TP_PAIRS, TP_NAME, tps=[4])
     src = _mesh_run(2, 8, "gpipe", tp=2)
     assert {pf.source(d).tp for d, _ in src} == {2}
     sc, = pf.pipeline_forecast([d for d, _ in src]).scenarios

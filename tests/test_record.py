@@ -204,6 +204,9 @@ def test_script_exception_exits_1_with_a_clean_traceback(scripts, tmp_path):
     assert snap["snapforensics"]["script_exit_code"] == 1
     frames = {f["name"] for e in snap["device_traces"][0] for f in e["frames"]}
     assert "<module>" in frames and "aten::zeros" in frames
+    # the report says the run failed: its trace ends there
+    diag = run_cli(["diagnose", str(out / "rank0.pickle")], cwd=tmp_path)
+    assert diag.returncode == 0 and "script exited with code 1" in diag.stdout, diag.stdout
 
 
 def test_inside_torchrun_records_in_process(scripts, tmp_path):

@@ -21,6 +21,7 @@ from snapforensics.analysis.fsdp.units import (
     name_fsdp1_units,
 )
 from snapforensics.analysis.identity import BlockNames
+from snapforensics.analysis.mesh import Mesh, mesh
 from snapforensics.analysis.stacks import is_native, is_noise
 from snapforensics.analysis.vocab import BACKWARD_PHASES, CAT_CODE, CATEGORIES, Category, Phase
 from snapforensics.snapshot.model import ALLOC, NO_STACK, Snapshot, Trace
@@ -68,6 +69,17 @@ class DeviceAnalysis:
         """The torch.compile graph (region, forward or backward) that made each block
         (analysis/compiled.py); None when no row ran compiled code."""
         return compiled.attribute(self)
+
+    @cached_property
+    def layout(self) -> Mesh:
+        """This rank's place in the parallel layout (analysis/mesh.py): the recorder's process
+        groups, with the dimensions this device's blocks show in use."""
+        return mesh(self.snapshot.provenance, self.present)
+
+    @property
+    def present(self) -> list[str]:
+        """The names of the categories this device's blocks have."""
+        return [self.category_names[c] for c in np.unique(self.category).tolist()]
 
     @property
     def device(self) -> int:

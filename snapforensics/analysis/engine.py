@@ -48,6 +48,11 @@ def diagnose_devices(snapshot: Snapshot, categories: dict[str, re.Pattern] | Non
     framework = frameworks.detect(snapshot, analyses)
     framework_fixes.localize(findings, framework)
     warnings = list(snapshot.warnings)
+    code = snapshot.provenance.get("script_exit_code") \
+        if isinstance(snapshot.provenance, dict) else None
+    if type(code) is int and code != 0:  # the recorder keeps the script's exit code
+        warnings.append(f"the recorded script exited with code {code}: the trace ends where it "
+                        "failed, and a step it did not finish is not in it")
     for d in analyses:
         d.add_categories(categories or {})
     summaries = [_summary(snapshot, d, findings) for d in analyses]

@@ -140,10 +140,9 @@ def _statement(inputs: list[dict], diags: list[Diagnosis],
     every stage holds all M, which pipeline.all_forward_before_backward reports. Without stage
     information the rank is named and its spread verdict kept (`anomalous` when the spread
     is flagged, else `info`): the files do not say its pipeline stage (nor its TP rank, unless
-    the recorder noted it). With TP (a
-    TP degree over 1 in the recorder's process groups, analysis/mesh.py, where they name a
-    mesh's or Megatron's dims) the rank's TP index and degree are named too (`tp_rank`, `tp`):
-    the ranks of one stage share its stage index."""
+    the recorder noted it). With TP (a TP degree over 1, analysis/mesh.py: the recorder's
+    process groups name it, or the rank's blocks show TP's redistributions) the rank's TP index
+    and degree are named too (`tp_rank`, `tp`): the ranks of one stage share its stage index."""
     if len(inputs) < 2:
         return None
     w = min(range(len(inputs)), key=lambda i: (-inputs[i]["peaks"]["overall_bytes"],
@@ -161,11 +160,10 @@ def _statement(inputs: list[dict], diags: list[Diagnosis],
         "category": str(cause) if cause else None,
         "category_extra_bytes": extra[cause] if cause else 0,
         "stage": None, "stages": None, "schedule": None}
-    layout = mesh(diags[w].provenance)
-    # its place among the ranks that share its stage, where the groups show a mesh (a TP dim
-    # no group names is then the world's group, reused); groups none of whose names is a
-    # mesh's or Megatron's (DDP's, DeepSpeed's `undefined`) say nothing of TP
-    if layout.groups and (layout.degree("tp") or 1) > 1:
+    # its place among the ranks that share its stage
+    top = diags[w].primary
+    layout = mesh(diags[w].provenance, top.categories_total if top else ())
+    if layout.uses("tp"):
         out |= {"tp_rank": layout.index("tp"), "tp": layout.degree("tp")}
     pipes = [d.framework.get("pipeline") for d in diags]
     stages = [p.get("stage") if p else None for p in pipes]

@@ -6,17 +6,26 @@ The names are the ones the frameworks give their groups: a DeviceMesh dimension'
 `mesh_<dim name>` (torch's `DeviceMesh._init_process_groups`; torchtitan's dims are dp_replicate,
 dp_shard, cp, tp, pp, ep), Megatron-Core's are `TENSOR_MODEL_PARALLEL_GROUP`,
 `PIPELINE_MODEL_PARALLEL_GROUP`, ... (`parallel_state.initialize_model_parallel`). A
-one-dimensional mesh over the whole world reuses the default group (`default_pg`): a dimension no
-group names then spans the world when no other dimension is wider than 1 (a TP-only run's TP
-degree is its world size); with another dimension recorded it is unknown (None), never guessed.
-Files without the list (torch's own dumps, older recorders) know only the world size: every
-dimension's degree is taken as the world size there, and `source` says so.
+one-dimensional mesh over the whole world reuses the default group (`default_pg`), so no group
+names its dimension: which dimension spans the world is then read from the blocks. TP's
+redistributions, a pipeline's received buffers and FSDP's gathers (`SHOWN_BY`) each show their
+dimension is in use, and no two of these share their ranks (a rank holds one TP shard of one
+stage of one FSDP shard). A dimension no group names spans the world when no other dimension is
+wider than 1, by its group or by the blocks (a TP-only run's TP degree is its world size, and its
+dp_shard degree unknown); otherwise it is unknown (None), never guessed. Expert parallelism is
+not among them: its experts' ranks are the data-parallel ones (FSDP and EP over one 1-D mesh).
+Files without the list (torch's own dumps, older recorders) know only the world size: a
+dimension's degree is the world size there unless the blocks show another, and `source` says
+so.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+from snapforensics.analysis.vocab import FSDP_CATEGORIES, TP_CATEGORIES, Category
 
 # dimension -> the group descriptions that name it
 DIMS: dict[str, tuple[str, ...]] = {
@@ -29,6 +38,11 @@ DIMS: dict[str, tuple[str, ...]] = {
     "dp": ("mesh_dp", "DATA_PARALLEL_GROUP"),
 }
 _BY_DESC = {desc: dim for dim, descs in DIMS.items() for desc in descs}
+# dimension -> the categories whose blocks show a run splits over it (dimensions no two of which
+# share ranks)
+SHOWN_BY: dict[str, frozenset[str]] = {
+    dim: frozenset(str(c) for c in cats) for dim, cats in (
+        ("tp", TP_CATEGORIES), ("pp", {Category.PP_P2P}), ("dp_shard", FSDP_CATEGORIES))}
 MAX_GROUPS = 256  # what the recorder writes at most (record/_bootstrap.process_groups)
 
 
@@ -37,7 +51,7 @@ class Mesh:
     world: int | None  # the recorder's world size (None: not in the file)
     rank: int | None
     groups: dict[str, tuple[int, ...]] = field(default_factory=dict)  # dim -> its group's ranks
-    recorded: bool = False  # the file lists its process groups
+    shown: frozenset[str] = frozenset()  # the dimensions the blocks show in use (SHOWN_BY)
 
     def degree(self, dim: str) -> int | None:
         """The number of ranks along `dim` (1: the run does not use it), None when unknown."""
@@ -45,10 +59,14 @@ class Mesh:
             return len(self.groups[dim])
         if self.world is None:
             return None
-        if not self.recorded:
-            return self.world
         wider = [d for d, g in self.groups.items() if len(g) > 1 and d != dim]
+        wider += [d for d in self.shown if d not in self.groups and d != dim]
         return None if wider else self.world
+
+    def uses(self, dim: str) -> bool:
+        """The run splits over `dim` (its group has more than one rank, or the blocks show it
+        and the world is its), as far as the file says."""
+        return (dim in self.groups or dim in self.shown) and (self.degree(dim) or 1) > 1
 
     def index(self, dim: str) -> int | None:
         """This rank's position along `dim` (a pipeline stage's index for "pp")."""
@@ -72,8 +90,15 @@ def _ranks(v: Any) -> tuple[int, ...] | None:
     return tuple(v) if all(type(r) is int and r >= 0 for r in v) else None
 
 
-def mesh(provenance: Any) -> Mesh:
-    """The Mesh of a file's provenance (the recorder's block; anything else reads as unknown)."""
+def shown(categories: Iterable[str]) -> frozenset[str]:
+    """The dimensions blocks of these categories show in use (SHOWN_BY)."""
+    present = {str(c) for c in categories}
+    return frozenset(dim for dim, cats in SHOWN_BY.items() if present & cats)
+
+
+def mesh(provenance: Any, categories: Iterable[str] = ()) -> Mesh:
+    """The Mesh of a file's provenance (the recorder's block; anything else reads as unknown),
+    with what the `categories` of its blocks show (`shown`)."""
     prov = provenance if isinstance(provenance, dict) else {}
     world, rank = prov.get("world_size"), prov.get("rank")
     world = world if type(world) is int and world >= 1 else None
@@ -87,4 +112,4 @@ def mesh(provenance: Any) -> Mesh:
             ranks = _ranks(g.get("ranks")) if dim is not None else None
             if dim is not None and ranks is not None and dim not in groups:
                 groups[dim] = ranks
-    return Mesh(world, rank, groups, type(listed) is list)
+    return Mesh(world, rank, groups, shown(categories))

@@ -109,7 +109,10 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     tp = world // a.dp
-    mesh = init_device_mesh("cpu", (a.dp, tp), mesh_dim_names=("dp_shard", "tp"))
+    # a TP-only run's mesh is 1-D over the world, as its users write it (torch reuses the default
+    # group for it: no group names TP); with FSDP, torchtitan's 2-D (dp_shard, tp)
+    mesh = (init_device_mesh("cpu", (a.dp, tp), mesh_dim_names=("dp_shard", "tp")) if a.dp > 1
+            else init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",)))
     torch.manual_seed(0)
     blocks = nn.ModuleList(Block(a.dim, a.heads) for _ in range(a.layers))
     for b in blocks:
@@ -151,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.truth:
         a.truth.mkdir(parents=True, exist_ok=True)
         (a.truth / f"truth.rank{rank}.json").write_text(json.dumps({
-            "tp": mesh["tp"].size(), "dp": mesh["dp_shard"].size(), "sp": a.sp,
+            "tp": mesh["tp"].size(), "dp": a.dp, "sp": a.sp,
             "seq": a.seq, "local_seq": local_seq, "batch": a.batch, "dim": a.dim,
             "layers": a.layers, "saved_per_block": saved}))
     dist.destroy_process_group()

@@ -823,23 +823,22 @@ def _orphaned() -> bool:
     return bool(_LAUNCHER) and os.getppid() != _LAUNCHER[0]
 
 
-def _stop_with_launcher() -> int | None:
+def _stop_with_launcher() -> None:
     """Linux: SIGTERM this rank when the launching ``record`` dies (even by SIGKILL). The rank
-    runs in its own process group, so nothing else would stop it; SIGTERM still dumps.
-    Returns the launcher's pid (None where this is not done)."""
+    runs in its own process group, so nothing else would stop it; SIGTERM still dumps. Notes
+    the launcher's pid in `_LAUNCHER` where this is done."""
     if not sys.platform.startswith("linux"):
-        return None
+        return
     launcher = os.getppid()
     try:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
-        return None
+        return
     _LAUNCHER[:] = [launcher]
     if os.getppid() != launcher:  # it died before prctl took effect
         os.kill(os.getpid(), signal.SIGTERM)
-    return launcher
 
 
 def _orphaned_cleanup(out: Path, rank: int) -> None:

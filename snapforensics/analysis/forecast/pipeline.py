@@ -88,7 +88,6 @@ from snapforensics.analysis.forecast.scaling import scaled_sizes, scaling, tp_sh
 from snapforensics.analysis.fsdp import ranges as fsdp_ranges
 from snapforensics.analysis.fsdp.units import ROOT
 from snapforensics.analysis.identity import layer_of
-from snapforensics.analysis.mesh import mesh
 from snapforensics.analysis.vocab import FSDP_CATEGORIES, Category, Phase
 from snapforensics.snapshot.tensors import KINDS
 
@@ -648,7 +647,7 @@ def stage_steps(d: DeviceAnalysis) -> list[StageSource] | str:
         return ("the trace does not delimit the micro-batches' forwards and backwards (record "
                 "with `snapforensics record`, which marks them, or use ScheduleGPipe, whose "
                 "ranges do)")
-    layout = mesh(d.snapshot.provenance)
+    layout = d.layout
     stage, stages = layout.index("pp"), layout.degree("pp")
     stage = stage if type(stage) is int else None
     stages = stages if type(stages) is int else None

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from snapforensics.analysis.context import DeviceAnalysis
-from snapforensics.analysis.forecast.documents import FULL_SHARD, SHARD_GRAD_OP
+from snapforensics.analysis.forecast.documents import FULL_SHARD, NO_SHARD, SHARD_GRAD_OP
 from snapforensics.analysis.fsdp import ranges as fsdp_ranges
 from snapforensics.analysis.fsdp.units import ROOT, forward_end
 from snapforensics.analysis.vocab import BACKWARD_PHASES, Category, Phase
@@ -139,7 +139,10 @@ def units(d: DeviceAnalysis, it) -> tuple[list[Unit], object]:
 
 
 def detect_strategy(d: DeviceAnalysis, us: dict) -> str:
-    """shard_grad_op when non-root units keep forward unshards alive into backward."""
+    """shard_grad_op when non-root units keep forward unshards alive into backward; no_shard
+    at shard size 1 (replicate(): FsdpUnits.replicated)."""
+    if d.fsdp.replicated:
+        return NO_SHARD
     for it in d.tl.iterations:  # the first iteration with gathering units decides
         if any(u.fwd.size for u in us[it.index]):
             fend = forward_end(it)

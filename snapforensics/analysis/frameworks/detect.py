@@ -13,6 +13,8 @@ Recognized from what the file shows, never guessed from one name alone:
 - the FSDP generation from FSDP's own files (`fsdp/_fully_shard/` is FSDP2,
   `fully_sharded_data_parallel.py` / `_flat_param.py` / `_runtime_utils.py` FSDP1) and the
   CPU recorder's module frames (`FullyShardedDataParallel_N` FSDP1, `FSDP<Class>_N` FSDP2);
+  "FSDP2 replicate" where `replicate()` runs it (`_composable/replicate_with_fsdp.py`, its
+  `Replicate<Class>_N` modules: torchtitan's DDP, FSDP2's machinery with nothing sharded);
 - the user's repeated layer: its class from the module frames (`LlamaDecoderLayer_3`, FSDP2's
   dynamic `FSDPLlamaDecoderLayer_3`), its path from the FSDP units' names (`model.layers.3`,
   FSDP2's ranges; FSDP1 units named from the module frames, see `fsdp_units`).
@@ -49,6 +51,9 @@ _PACKAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("transformers", ("transformers/",)),
 )
 _FSDP2_FILES = ("fsdp/_fully_shard/", "_composable/fsdp/")
+# FSDP2's machinery over a replicate-only mesh (torchtitan's DDP); its dynamic classes are
+# Replicate<Class>, as fully_shard's are FSDP<Class>
+_REPLICATE_FILE = "_composable/replicate_with_fsdp.py"
 _FSDP1_FILES = ("fsdp/fully_sharded_data_parallel.py", "fsdp/_flat_param.py",
                 "fsdp/_runtime_utils.py")
 _MODULE = re.compile(r"^([A-Za-z_]\w*?)_(\d+)$")
@@ -82,7 +87,7 @@ class Layer:
 class Framework:
     owner: str  # megatron | torchtitan | lightning | fabric | hf_trainer | accelerate | torch
     packages: tuple[str, ...]  # every framework package seen, outermost first
-    fsdp: str | None  # "FSDP2" | "FSDP1" | None
+    fsdp: str | None  # "FSDP2" | "FSDP2 replicate" | "FSDP1" | None
     layer: Layer = field(default_factory=lambda: Layer(None, None))
     evidence: tuple[str, ...] = ()
     # the pipeline stage this file is (`pipeline`), None when it shows no pipeline schedule
@@ -143,6 +148,9 @@ def detect(snapshot: Snapshot, analyses: list[DeviceAnalysis]) -> Framework:
     elif any(fn.endswith(_FSDP1_FILES) for fn in files) or \
             any(m.startswith("FullyShardedDataParallel_") for m in modules):
         fsdp = "FSDP1"
+    if fsdp == "FSDP2" and (any(fn.endswith(_REPLICATE_FILE) for fn in files) or
+                            any(m.startswith("Replicate") for m in modules)):
+        fsdp = "FSDP2 replicate"  # replicate(): FSDP2's machinery, nothing sharded
     if fsdp:
         evidence.append(f"{fsdp}: FSDP's own frames")
     owner = next((p for p in seen if p != "transformers"), "torch")
@@ -181,16 +189,12 @@ def pipeline(snapshot: Snapshot, analyses: list[DeviceAnalysis]) -> dict[str, An
     if not megatron and not any("distributed/pipelining/" in f.filename.replace("\\", "/")
                                 for f in snapshot.frames):
         return None
-    layout = mesh(snapshot.provenance)
+    # the rank is the stage where no group names it only when the blocks show no other
+    # dimension (TP's redistributions, FSDP's gathers)
+    layout = mesh(snapshot.provenance, {c for d in analyses for c in d.present})
     stage, stages = layout.index("pp"), layout.degree("pp")
     ok = stage is not None and stages is not None
     if megatron:
-        if "pp" not in layout.groups:  # the rank is the stage only without TP
-            from snapforensics.analysis.vocab import CAT_CODE, Category
-
-            tp = {CAT_CODE[c] for c in (Category.TP_ALL_GATHER, Category.TP_REDUCE_SCATTER,
-                                        Category.TP_ALL_REDUCE)}
-            ok = ok and not any(np.isin(d.category, list(tp)).any() for d in analyses)
         return {"stage": stage if ok else None, "stages": stages if ok else None,
                 "schedule": _MEGATRON_PIPELINED[min(megatron)]}
     steps = [st for d in analyses if d.lt.rows for st in gpipe_ranges(d) if st]
@@ -254,6 +258,8 @@ def _layer_class(analyses: list[DeviceAnalysis], repeats: int) -> str | None:
                 c = m.group(1)
                 if c.startswith("FSDP") and len(c) > 4 and c != "FullyShardedDataParallel":
                     c = c[4:]  # FSDP2's dynamic class FSDP<Class>
+                elif c.startswith("Replicate") and len(c) > 9:
+                    c = c[9:]  # replicate()'s Replicate<Class>
                 inst.setdefault(c, set()).add(m.group(2))
                 inside.update((o, c) for o in outer if o != c)
                 outer.append(c)

@@ -21,7 +21,6 @@ import numpy as np
 
 from snapforensics.analysis.classify import PATHS
 from snapforensics.analysis.fsdp import ranges as fsdp_ranges
-from snapforensics.analysis.mesh import mesh
 from snapforensics.analysis.phases import Iteration
 from snapforensics.analysis.stacks import python_frames
 from snapforensics.analysis.vocab import BACKWARD_PHASES, CAT_CODE, Category
@@ -37,6 +36,8 @@ _BACKEND_PREFIXES = ("c10d::", "gloo:", "nccl:", "hccl:")
 # All-gather *inputs* (the shard cast to param_dtype): FSDP2, FSDP1's `_mp_shard`.
 _AG_INPUT_FUNCS = {"_get_param_all_gather_inputs", "_use_low_precision_shard"}
 _FSDP1_FLAT = "_alloc_padded_unsharded_flat_param"
+_UNSHARD, _COPY_OUT = "wait_for_unshard", "foreach_all_gather_copy_out"  # FSDP2's param group
+_NO_SHARD_REDUCE = "_reduce_grad_no_shard"  # FSDP1's post-backward under NO_SHARD
 _C10D = "<c10d>"
 _C10D_FILES = ("distributed/distributed_c10d.py", "distributed/c10d_logger.py",
                "distributed/_functional_collectives.py")
@@ -130,13 +131,36 @@ class FsdpUnits:
         return ev
 
     @cached_property
+    def replicated(self) -> bool:
+        """The FSDP units hold every parameter whole (shard size 1): `replicate()`
+        (torch/distributed/_composable/replicate_with_fsdp.py, torchtitan's DDP), or fully_shard
+        over one rank. At shard size 1 FSDP2 gathers nothing: `wait_for_unshard` copies each
+        parameter into its unsharded buffer itself, where a sharded group fills that buffer in
+        `foreach_all_gather_copy_out` (fsdp/_fully_shard/_fsdp_param_group.py). FSDP1's
+        NO_SHARD unshards nothing at all: its post-backward all-reduces each gradient whole
+        (`_reduce_grad_no_shard`, fsdp/_runtime_utils.py)."""
+        d = self._d
+        un = np.flatnonzero(d.mask(Category.UNSHARDED_PARAM))
+        if not un.size:
+            return not d.mask(Category.ALL_GATHER).any() and \
+                any(f.name == _NO_SHARD_REDUCE for f in d.snapshot.frames)
+        for sid in np.unique(d.lt.stack[un]).tolist():
+            names = _stack_names(d, int(sid))
+            if _UNSHARD in names and _COPY_OUT not in names:
+                return True
+        return False
+
+    @cached_property
     def world(self) -> WorldSize:
         """The number of ranks parameters are sharded over: the reduce-scatter input/output ratio
         of one unit (HSDP shards over one dimension of its mesh, fewer than the recorder's world
         size), else the dp_shard degree the recorder noted (analysis/mesh.py: its process group,
-        or the world size); `estimated` when the recorder did not say."""
+        or the world size); `estimated` when the recorder did not say. 1 at shard size 1
+        (`replicated`)."""
         d = self._d
-        recorded = mesh(d.snapshot.provenance).degree("dp_shard")
+        if self.replicated:  # every rank holds every parameter whole
+            return WorldSize(1, False)
+        recorded = d.layout.degree("dp_shard")
         rs = np.flatnonzero(d.mask(Category.REDUCE_SCATTER))
         sg = np.flatnonzero(d.mask(Category.SHARDED_GRAD))
         ratios = []

@@ -21,7 +21,6 @@ import numpy as np
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding, Replay
 from snapforensics.analysis.evidence import human, top_stacks
-from snapforensics.analysis.mesh import mesh
 from snapforensics.analysis.rule import Family, Rule
 from snapforensics.analysis.vocab import CAT_CODE, Category, Verdict
 from snapforensics.snapshot.tensors import KINDS
@@ -47,7 +46,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     if not held.any():
         return []
     held_bytes = int(lt.size[held].sum())
-    world = mesh(d.snapshot.provenance).degree("dp")  # ZeRO partitions over data parallelism
+    world = d.layout.degree("dp")  # ZeRO partitions over data parallelism
     names = d.names
     params = None
     if names is not None and type(world) is int and world > 0:

@@ -19,14 +19,20 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     worst = max(per_iter, key=per_iter.__getitem__)
     blocks = idx[d.iteration[idx] == worst]
     n_mod = len({d.module_of(b) for b in blocks.tolist()})
+    grows = (f"{human(per_iter[worst])} in {len(blocks)} blocks over {n_mod} unit(s) grows layer "
+             "by layer through backward.")
+    if d.fsdp.replicated:  # replicate(): all-reduced, whole (FsdpUnits.replicated)
+        title = "Gradients (all-reduced, whole) accumulate through backward"
+        cause = ("Each unit's gradient is all-reduced after its backward (replicate(): FSDP2 at "
+                 "shard size 1, nothing sharded) and kept as param.grad until the optimizer "
+                 f"step: {grows} This is what gradients cost; it is not a leak.")
+    else:
+        title = "Reduce-scatter outputs (sharded gradients) accumulate through backward"
+        cause = ("Each unit's gradient is reduce-scattered after its backward and the "
+                 "1/world_size output is kept as the sharded param.grad until the optimizer "
+                 f"step: {grows} This is what sharded gradients cost; it is not a leak.")
     return [Finding(
-        rule=RULE.id, verdict=Verdict.EXPECTED,
-        title="Reduce-scatter outputs (sharded gradients) accumulate through backward",
-        cause=(f"Each unit's gradient is reduce-scattered after its backward and the 1/world_size "
-               f"output is kept as the sharded param.grad until the optimizer step: "
-               f"{human(per_iter[worst])} in {len(blocks)} blocks over {n_mod} unit(s) grows "
-               "layer by layer through backward. This is what sharded gradients cost; it is "
-               "not a leak."),
+        rule=RULE.id, verdict=Verdict.EXPECTED, title=title, cause=cause,
         bytes=per_iter[worst], blocks=int(len(blocks)), members=blocks, device=d.device,
         evidence={"iteration": worst, "modules": by_module(d, blocks),
                   "stacks": top_stacks(d, blocks, 1)},

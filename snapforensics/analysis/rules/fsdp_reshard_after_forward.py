@@ -161,6 +161,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     kept, _, root, _ = per_iter[worst]
     blocks = np.concatenate(list(kept.values()))
     kept_bytes = int(d.lt.size[blocks].sum())
+    if d.fsdp.replicated:
+        return [_replicated(d, per_iter, worst, blocks)]
     # FSDP's backward prefetch as the trace shows it; when no unit was gathered in backward
     # (all kept) the trace cannot tell: the headline assumes prefetch (FSDP2 always prefetches,
     # FSDP1 defaults to BACKWARD_PRE) and the evidence gives the peak without it too
@@ -219,6 +221,34 @@ def check(d: DeviceAnalysis) -> list[Finding]:
             "predicted_peaks_without_backward_prefetch": no_pf,
         },
     )]
+
+
+def _replicated(d: DeviceAnalysis, per_iter: dict[int, Kept], worst: int,
+                blocks: np.ndarray) -> Finding:
+    """At shard size 1 (`FsdpUnits.replicated`: replicate(), torchtitan's DDP) the kept copies
+    are what replicate costs: it has no reshard_after_forward to set (FSDPModule.
+    set_reshard_after_forward asserts a sharding mesh: fsdp/_fully_shard/_fully_shard.py), so
+    no fix is given and no peak predicted."""
+    kept_bytes = int(d.lt.size[blocks].sum())
+    share = kept_bytes / d.peak_bytes if d.peak_bytes else 0.0
+    cause = (
+        f"Every parameter is whole on each rank (shard size 1: replicate(), FSDP2's machinery "
+        f"over a replicate-only mesh, as torchtitan's DDP applies it), yet each unit copies its "
+        f"parameters into an unsharded buffer at its pre-forward (FSDPParamGroup."
+        f"wait_for_unshard) and frees the copy only in its post-backward: {human(kept_bytes)} in "
+        f"{len(blocks)} blocks was still copied when forward ended ({seen_in(d, per_iter, worst)}"
+        f": {share:.0%} of the peak; not counted: the root and the last unit to run forward). "
+        "This is how replicate() runs, not a setting: it has no reshard_after_forward "
+        "(set_reshard_after_forward asserts a sharding mesh). DistributedDataParallel computes "
+        "on the parameters themselves (its buckets hold a gradient copy instead); fully_shard "
+        "over the same ranks shards the parameters and frees them after forward.")
+    return Finding(
+        rule=RULE.id, verdict=Verdict.EXPECTED,
+        title="Parameters copied whole from forward to backward (replicate(): FSDP2 at shard "
+              "size 1)",
+        cause=cause, bytes=kept_bytes, blocks=int(len(blocks)), device=d.device, members=blocks,
+        evidence={"iteration": worst, "replicated": True, "units_kept": len(per_iter[worst].kept),
+                  "stacks": top_stacks(d, blocks, 1)})
 
 
 RULE = Rule(

@@ -29,7 +29,6 @@ from snapforensics.analysis.classify import megatron_rel
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding, Replay
 from snapforensics.analysis.evidence import human, top_stacks
-from snapforensics.analysis.mesh import mesh
 from snapforensics.analysis.rule import Family, Rule
 from snapforensics.analysis.vocab import CAT_CODE, Category, Verdict
 
@@ -83,7 +82,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     alive = lt.alive_at(d.peak_row)
     held = shrink[alive[shrink]]
     held_bytes = int(lt.size[held].sum())
-    m = mesh(d.snapshot.provenance)
+    m = d.layout
     dp = m.degree("dp")
     evidence = {"main_param_bytes_at_peak": int(lt.size[main[alive[main]]].sum()),
                 "optimizer_state_bytes_at_peak": int(lt.size[states[alive[states]]].sum()),

@@ -25,7 +25,6 @@ from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding, Replay
 from snapforensics.analysis.evidence import human, top_stacks
 from snapforensics.analysis.forecast import pipeline
-from snapforensics.analysis.mesh import mesh
 from snapforensics.analysis.rule import Family, Rule
 from snapforensics.analysis.vocab import Verdict
 from snapforensics.errors import SnapError
@@ -86,7 +85,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     held_mask = lt.alive_at(p) & (mb >= 0)
     held = sorted(set(mb[held_mask].tolist()))
     held_bytes = int(lt.size[held_mask].sum())
-    layout = mesh(d.snapshot.provenance)
+    layout = d.layout
     stage, stages = layout.index("pp"), layout.degree("pp")
     evidence = {"microbatches": m, "held_at_peak": len(held), "held_bytes": held_bytes,
                 "stage": stage, "stages": stages,

@@ -39,7 +39,6 @@ from snapforensics.analysis.classify import MEGATRON_LAYERS, megatron_rel
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding, Replay
 from snapforensics.analysis.evidence import human, top_stacks
-from snapforensics.analysis.mesh import mesh
 from snapforensics.analysis.rule import Family, Rule
 from snapforensics.analysis.vocab import CAT_CODE, Category, Phase, Verdict
 
@@ -122,7 +121,7 @@ def _megatron(d: DeviceAnalysis) -> list[Finding]:
     lt = d.lt
     fwd = np.flatnonzero(d.phase == Phase.FORWARD)
     sp = {CAT_CODE[Category.TP_ALL_GATHER], CAT_CODE[Category.TP_REDUCE_SCATTER]}
-    layout = mesh(d.snapshot.provenance)
+    layout = d.layout
     tp = layout.degree("tp")
     if not len(fwd) or np.isin(d.category[fwd], list(sp)).any() or d.peak_row < 0 or \
             not (type(tp) is int and tp > 1):
@@ -177,7 +176,7 @@ def check(d: DeviceAnalysis) -> list[Finding]:
         return []
     full = int(np.bincount(lt.size[ar]).argmax())
     tp_mods = _tp_modules([_modules(d, b) for b in ar.tolist()])
-    layout = mesh(d.snapshot.provenance)
+    layout = d.layout
     tp = layout.degree("tp")
     alive = lt.alive_at(d.peak_row)
     replicated = (lt.size == full) & (lt.alloc_row >= 0) & np.isin(d.category, _SEQUENCE)

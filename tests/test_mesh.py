@@ -1,0 +1,53 @@
+"""analysis/mesh.py: a rank's place in the layout from the recorder's process groups, and which
+dimension spans the world where no group names it (a 1-D mesh reuses the default group), read
+from what the blocks show. The groups are the shapes the recorder writes for torch's DeviceMesh,
+Megatron's parallel_state and DeepSpeed (`undefined`); the categories the classifier's names."""
+
+from __future__ import annotations
+
+from snapforensics.analysis.mesh import mesh
+from snapforensics.analysis.vocab import Category
+
+
+def _prov(world: int, rank: int, *groups: tuple[str, list[int]]) -> dict:
+    return {"world_size": world, "rank": rank,
+            "process_groups": [{"desc": d, "ranks": r} for d, r in groups]}
+
+
+TP = [Category.TP_ALL_REDUCE, Category.ACTIVATION]
+FSDP = [Category.ALL_GATHER, Category.SHARDED_GRAD]
+
+
+def test_a_1d_tp_mesh_over_the_world_is_tp_and_not_fsdp():
+    # init_device_mesh("cuda", (4,), mesh_dim_names=("tp",)): the default group, reused
+    m = mesh(_prov(4, 1, ("default_pg", [0, 1, 2, 3])), TP)
+    assert m.degree("tp") == 4 and m.index("tp") == 1 and m.uses("tp")
+    assert m.degree("dp_shard") is None and m.degree("pp") is None
+    assert not m.uses("dp_shard")
+
+
+def test_a_1d_fsdp_mesh_is_fsdp_and_says_nothing_of_tp():
+    m = mesh(_prov(2, 0, ("default_pg", [0, 1])), FSDP)
+    assert m.degree("dp_shard") == 2 and m.uses("dp_shard")
+    assert m.degree("tp") is None and not m.uses("tp")
+
+
+def test_groups_that_name_no_dimension_say_nothing_of_tp():
+    # DeepSpeed's pipeline engine: its groups are `undefined`; its received buffers show PP
+    m = mesh(_prov(2, 1, ("default_pg", [0, 1]), ("undefined", [0, 1])), [Category.PP_P2P])
+    assert not m.uses("tp") and m.degree("pp") == 2 and m.index("pp") == 1
+
+
+def test_a_named_group_wins_over_the_blocks():
+    # torchtitan's (pp, tp) mesh: pp named; tp spans the rest
+    m = mesh(_prov(4, 3, ("default_pg", [0, 1, 2, 3]), ("mesh_pp", [1, 3]), ("mesh_tp", [2, 3])),
+             TP + [Category.PP_P2P])
+    assert (m.degree("pp"), m.index("pp"), m.degree("tp"), m.index("tp")) == (2, 1, 2, 1)
+
+
+def test_without_groups_another_shown_dimension_leaves_the_degree_unknown():
+    # torch's own dump (no group list) of Megatron TP x PP: the rank is not the stage
+    prov = {"world_size": 4, "rank": 2}
+    assert mesh(prov, TP + [Category.PP_P2P]).degree("pp") is None
+    assert mesh(prov, [Category.PP_P2P]).degree("pp") == 4  # PP alone: one stage per rank
+    assert mesh(prov).degree("tp") == 4 and mesh(prov).source("tp") == "the world size"

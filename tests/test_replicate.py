@@ -1,0 +1,95 @@
+"""replicate() over FSDP2's machinery (tests/replicate.py: torch's own
+`torch.distributed._composable.replicate_with_fsdp`, torchtitan's DDP) recorded by the project's
+recorder, with and without checkpoint_wrapper: FSDP2 at shard size 1 gathers nothing and copies
+each parameter whole into its unsharded buffer from the unit's forward to its post-backward. The
+copies the running modules held (read from them as they ran) are `fsdp.unsharded_param`, the run
+reads as replicate, and the copies kept across forward/backward are `expected` with no fix: the
+real library refuses `set_reshard_after_forward` on replicate's modules (before, the tool offered
+reshard_after_forward=True and predicted a peak after it)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import snapforensics as sf
+from snapforensics.analysis.context import analyse
+from snapforensics.analysis.vocab import Category, Verdict
+from snapforensics.snapshot import load
+
+RAF = "fsdp.reshard_after_forward_disabled"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args", [(), ("--ac",)], ids=["plain", "checkpointed"])
+def test_replicate_copies_are_named_and_expected_without_a_fix(args):
+    from recordings import recorded_script
+
+    folder = recorded_script(Path(__file__).parent / "replicate.py", args, nproc=2, truth=True)
+    for r in (0, 1):
+        truth = json.loads((folder / f"truth.rank{r}.json").read_text())
+        assert truth["reshard_settable"] is False  # the library's answer, not ours
+        snap = load(folder / f"rank{r}.pickle")
+        d = analyse(snap, snap.active_traces[0])
+        assert d.fsdp.replicated
+        un = d.mask(Category.UNSHARDED_PARAM)
+        named = set(zip(d.lt.addr[un].tolist(), d.lt.size[un].tolist()))
+        copies = [c for step in truth["copies"] for block in step for c in block]
+        assert copies and all((c["addr"], c["bytes"]) in named for c in copies)
+        diag = sf.diagnose(folder / f"rank{r}.pickle").diagnosis
+        doc = diag.to_dict()
+        assert doc["framework"]["fsdp"] == "FSDP2 replicate"
+        assert doc["framework"]["layer_class"] == "Block"
+        f = next(f for f in diag.findings if f.rule == RAF)
+        assert f.verdict == Verdict.EXPECTED and f.fix is None
+        assert f.predicted_peak_bytes is None and f.evidence["replicated"]
+        # what it counts: the copies of every block but the last to run forward (its backward
+        # runs first), all of them the running modules' copies
+        step = truth["copies"][0]
+        assert f.bytes == sum(c["bytes"] for block in step[:-1] for c in block)
+        held = {(c["addr"], c["bytes"]) for c in copies}
+        assert set(zip(d.lt.addr[f.members].tolist(), d.lt.size[f.members].tolist())) <= held
+        assert not any("reshard_after_forward" in (g.fix or "") for g in diag.findings)
+
+
+def test_sharded_fsdp2_is_not_replicated():
+    """The bundled FSDP2 fixtures (world 2: gathered) are not read as shard size 1."""
+    for path in (Path(__file__).parents[1] / "fixtures").glob("fsdp2_*rank0.pickle.gz"):
+        snap = load(path)
+        d = analyse(snap, snap.active_traces[0])
+        assert d.mask(Category.UNSHARDED_PARAM).any() and not d.fsdp.replicated, path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args", [(), ("--fsdp1-no-shard",)], ids=["replicate", "fsdp1_no_shard"])
+def test_unsharded_fsdp_forecast_on_more_ranks_is_the_recorded_peak(args):
+    """replicate() and FSDP1's NO_SHARD shard nothing: a rank's peak does not move with the
+    world size (read as no_shard at shard degree 1). Before, replicate read as shard_grad_op
+    and NO_SHARD as full_shard over 2 ranks, 4 ranks forecast 26% and 20% low (and NO_SHARD's
+    init was "the full model built before sharding"); now 2 -> 4 ranks is checked against the
+    4-rank recording."""
+    from dataclasses import replace
+
+    from recordings import recorded_script
+
+    from snapforensics.analysis.forecast.replay import Forecaster
+
+    script = Path(__file__).parent / "replicate.py"
+    two, four = (recorded_script(script, args, nproc=n) for n in (2, 4))
+    twin = max(_analysed(four / f"rank{r}.pickle").peak_bytes for r in range(4))
+    for r in (0, 1):
+        fx = Forecaster(_analysed(two / f"rank{r}.pickle"))
+        assert fx.baseline().strategy == "no_shard" and fx.w0 == 1
+        p = fx.predict(replace(fx.baseline(), world_size=4))
+        assert p.refused is None, p.refused
+        assert abs(p.predicted_peak_bytes - twin) <= 0.01 * twin, (p.predicted_peak_bytes, twin)
+        # no FSDP fix offered where nothing is sharded
+        assert not any(f.rule.startswith("fsdp.") and f.fix
+                       for f in sf.diagnose(two / f"rank{r}.pickle").diagnosis.findings)
+
+
+def _analysed(path: Path):
+    snap = load(path)
+    return analyse(snap, snap.active_traces[0])
