@@ -51,3 +51,9 @@ def test_without_groups_another_shown_dimension_leaves_the_degree_unknown():
     assert mesh(prov, TP + [Category.PP_P2P]).degree("pp") is None
     assert mesh(prov, [Category.PP_P2P]).degree("pp") == 4  # PP alone: one stage per rank
     assert mesh(prov).degree("tp") == 4 and mesh(prov).source("tp") == "the world size"
+
+
+def test_data_parallel_dimensions_share_the_ranks_of_a_1d_mesh():
+    # FSDP's gathers show dp_shard; DeepSpeed's or Megatron's rules ask for "dp": the same ranks
+    m = mesh(_prov(4, 2, ("default_pg", [0, 1, 2, 3])), FSDP)
+    assert m.degree("dp") == 4 and m.degree("dp_replicate") == 4 and m.degree("tp") is None

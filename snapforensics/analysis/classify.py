@@ -29,7 +29,7 @@ _ALL_GATHER_FUNCS = {"foreach_all_gather", "all_gather_copy_in", "all_gather_cop
 _UNSHARDED_FUNCS = {"foreach_all_gather_copy_out", "init_all_gather_outputs",
                     "alloc_all_gather_outputs", "alloc_storage", "init_unsharded_param",
                     "_alloc_padded_unsharded_flat_param", "_use_unsharded_flat_param",
-                    "init_flat_param_attributes"}
+                    "init_flat_param_attributes", "to_sharded_post_forward"}
 _REDUCE_FUNCS = {"foreach_reduce", "foreach_reduce_scatter_copy_in", "_reduce_grad",
                  "_reduce_grad_no_shard"}
 # c10d's operators (the CPU recorder's `<op>` frames) are FSDP's only under FSDP's code or ranges:

@@ -78,8 +78,11 @@ class DeviceAnalysis:
 
     @property
     def present(self) -> list[str]:
-        """The names of the categories this device's blocks have."""
-        return [self.category_names[c] for c in np.unique(self.category).tolist()]
+        """The names of the categories of the blocks this device made in a training step
+        (forward, backward, recompute): what a stray collective around the step makes (a
+        DTensor norm's all-reduce in `clip_grad_norm_` reads as TP's) is left out."""
+        step = np.isin(self.phase, [Phase.FORWARD, *BACKWARD_PHASES])
+        return [self.category_names[c] for c in np.unique(self.category[step]).tolist()]
 
     @property
     def device(self) -> int:

@@ -160,6 +160,9 @@ class DeviceSummary:
     # the torch.compile regions that made blocks (analysis/compiled.py): per region its source,
     # forward and backward bytes at the peak; None when nothing ran compiled
     compiled: dict[str, Any] | None = None
+    # the parallel dimensions its blocks show in use (analysis/mesh.py `shown`: tp, pp,
+    # dp_shard), which the process groups may not name
+    parallel_dims: list[str] = field(default_factory=list)
     # the timeline plot's series (analysis/timeline.py), for renderers; not part of the JSON,
     # in the document (`Diagnosis.to_doc`) for the devices a report draws
     plot: Series | None = field(default=None, repr=False, compare=False, metadata=INTERNAL)

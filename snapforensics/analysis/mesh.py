@@ -60,7 +60,7 @@ class Mesh:
         if self.world is None:
             return None
         wider = [d for d, g in self.groups.items() if len(g) > 1 and d != dim]
-        wider += [d for d in self.shown if d not in self.groups and d != dim]
+        wider += [d for d in self.shown if d not in self.groups and _kin(d) != _kin(dim)]
         return None if wider else self.world
 
     def uses(self, dim: str) -> bool:
@@ -88,6 +88,12 @@ def _ranks(v: Any) -> tuple[int, ...] | None:
     if type(v) is not list or not v or len(v) > 1 << 16:
         return None
     return tuple(v) if all(type(r) is int and r >= 0 for r in v) else None
+
+
+def _kin(dim: str) -> str:
+    """Data parallelism's dimensions (dp, dp_shard, dp_replicate) share the ranks of a 1-D mesh:
+    one showing does not make another narrower."""
+    return "dp" if dim.startswith("dp") else dim
 
 
 def shown(categories: Iterable[str]) -> frozenset[str]:

@@ -122,8 +122,12 @@ def repeated_module(d: DeviceAnalysis, stacks: np.ndarray, repeats: int) -> str 
     if not cands:
         return None
     name = max(cands, key=lambda c: depth[c])
-    # FSDP2 swaps the class of a sharded module for a dynamic `FSDP<Class>`
-    return name[4:] if name.startswith("FSDP") and len(name) > 4 else name
+    # FSDP2 swaps the class of a sharded module for a dynamic `FSDP<Class>`, replicate() for
+    # `Replicate<Class>`
+    for prefix in ("FSDP", "Replicate"):
+        if name.startswith(prefix) and len(name) > len(prefix):
+            return name[len(prefix):]
+    return name
 
 
 def hugging_face(d: DeviceAnalysis) -> bool:

@@ -84,7 +84,9 @@ def _validation_lines(f: Forecast) -> list[str]:
 
 def _baseline_line(f: Forecast) -> str:
     b = f.baseline
-    w = b["world_size"] or "unknown"
+    # no_shard (replicate(), NO_SHARD): its shard degree is 1, whatever the ranks
+    w = "any (nothing sharded)" if b["strategy"] == "no_shard" else \
+        b["world_size"] or "unknown"
     tp = f", TP {b['tp']}" if b.get("tp") else ""
     return (f"recorded: world size {w}{tp}, {b['strategy']}, checkpointing {b['checkpointing']}; "
             f"peak {human(b['peak_bytes'])} in {b['phase']} (row {b['row']}), replayed "

@@ -68,7 +68,7 @@ def forecast(snapshot: Snapshot, world_sizes=(), strategies=(), checkpointing=()
         notes.append("recorded world size unknown: world-size scenarios are refused")
     elif d.fsdp.world.estimated:
         notes.append(f"recorded world size {fx.w0} inferred from reduce-scatter sizes "
-                     "(no recorder provenance)")
+                     "(neither the recorder's process groups nor a 1-D mesh's world say it)")
     scen = _scenarios(fx, world_sizes, strategies, checkpointing, micro_batch_scales, tps)
     preds = [fx.predict(sc) for sc in scen]
     fixable = sorted({f.rule for f in fx.anomalies if f.rule in fx.fixes})

@@ -2005,7 +2005,8 @@ def pipeline_forecast(analyses: list[DeviceAnalysis], stages=(), microbatches=()
                         "layouts (their stage counts differ)")
     notes = []
     if first.stages is None:
-        notes.append("the files do not say their stage (no recorder provenance): each is "
+        notes.append("the files do not say their stage (no pipeline group in the recorder's "
+                     "provenance, and the blocks show another dimension beside it): each is "
                      "taken for every stage")
     by = {s.stage: s for s in srcs}
     ranks = first.stages // first.virtual if first.stages else None

@@ -34,6 +34,8 @@ from snapforensics.analysis.forecast.plans import (
 from snapforensics.analysis.forecast.scaling import (
     CONST,
     SCALING,
+    SHARD,
+    UNIT,
     scaled_sizes,
     scaling,
     tp_shares,
@@ -91,6 +93,8 @@ class Forecaster:
                                 Category.REDUCE_SCATTER, Category.SHARDED_GRAD).any())
         self.cls = scaling(d, self.w0)
         self.tp = tp_shares(d, self.cls)  # (recorded TP degree or None, share per block)
+        if d.fsdp.replicated:  # nothing sharded (replicate(), NO_SHARD): none follows the world
+            self.cls = np.where(np.isin(self.cls, [SHARD, UNIT]), CONST, self.cls)
         # the loss ran under torch's loss_parallel (a vocabulary-sharded cross-entropy)
         self.loss_parallel = any(f.filename.endswith(LOSS_PARALLEL) for f in d.snapshot.frames)
         # FSDP units of every iteration (forward order), found once
@@ -179,8 +183,9 @@ class Forecaster:
                 raise Refused("no FSDP in this recording: nothing in it scales with the world "
                               "size or the sharding strategy")
             if not self.w0:
-                raise Refused("the recorded world size is unknown (no recorder provenance and "
-                              "no reduce-scatter pair to infer it from)")
+                raise Refused("the recorded world size is unknown (the recorder's process "
+                              "groups do not give the dp_shard degree and no reduce-scatter "
+                              "pair infers it)")
         if sc.tp != base.tp:
             if base.tp is None:
                 raise Refused("no tensor split by tensor parallelism is named in this recording "

@@ -96,8 +96,6 @@ def scaling(d: DeviceAnalysis, w0: int | None) -> np.ndarray:
         cls[isin(Category.REDUCE_SCATTER) & ~shard_like] = UNIT
         cls[weight_grad] = UNIT
     cls[size <= SCALAR_BYTES] = CONST
-    if d.fsdp.replicated:  # nothing sharded (replicate(), NO_SHARD): no block follows the world
-        cls[(cls == SHARD) | (cls == UNIT)] = CONST
     return cls
 
 

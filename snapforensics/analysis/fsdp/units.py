@@ -38,6 +38,8 @@ _AG_INPUT_FUNCS = {"_get_param_all_gather_inputs", "_use_low_precision_shard"}
 _FSDP1_FLAT = "_alloc_padded_unsharded_flat_param"
 _UNSHARD, _COPY_OUT = "wait_for_unshard", "foreach_all_gather_copy_out"  # FSDP2's param group
 _NO_SHARD_REDUCE = "_reduce_grad_no_shard"  # FSDP1's post-backward under NO_SHARD
+_REPLICATE_FILE = "_composable/replicate_with_fsdp.py"
+_POST_FORWARD = "to_sharded_post_forward"  # FSDP2's reshard to N ranks (reshard_after_forward=N)
 _C10D = "<c10d>"
 _C10D_FILES = ("distributed/distributed_c10d.py", "distributed/c10d_logger.py",
                "distributed/_functional_collectives.py")
@@ -131,24 +133,44 @@ class FsdpUnits:
         return ev
 
     @cached_property
-    def replicated(self) -> bool:
-        """The FSDP units hold every parameter whole (shard size 1): `replicate()`
-        (torch/distributed/_composable/replicate_with_fsdp.py, torchtitan's DDP), or fully_shard
-        over one rank. At shard size 1 FSDP2 gathers nothing: `wait_for_unshard` copies each
-        parameter into its unsharded buffer itself, where a sharded group fills that buffer in
-        `foreach_all_gather_copy_out` (fsdp/_fully_shard/_fsdp_param_group.py). FSDP1's
-        NO_SHARD unshards nothing at all: its post-backward all-reduces each gradient whole
-        (`_reduce_grad_no_shard`, fsdp/_runtime_utils.py)."""
+    def post_forward_shards(self) -> np.ndarray:
+        """bool per block: a parameter's post-forward shard (`FSDPParam.to_sharded_post_forward`,
+        fsdp/_fully_shard/_fsdp_param.py): what FSDP2 keeps from forward to backward under
+        `reshard_after_forward=N` (an int: resharded to N ranks, not the W it shards over), a
+        1/N slice cloned out of the all-gather output at the unit's post-forward."""
         d = self._d
+        out = np.zeros(len(d.lt), bool)
+        un = np.flatnonzero(d.mask(Category.UNSHARDED_PARAM))
+        for sid in np.unique(d.lt.stack[un]).tolist():
+            if _POST_FORWARD in _stack_names(d, int(sid)):
+                out[un[d.lt.stack[un] == sid]] = True
+        return out
+
+    @cached_property
+    def replicated(self) -> bool:
+        """The FSDP units hold every parameter whole on ranks that run data parallel (shard
+        size 1 over a world above 1): `replicate()` (torch/distributed/_composable/
+        replicate_with_fsdp.py, torchtitan's DDP), FSDP1's NO_SHARD. At shard size 1 FSDP2
+        gathers nothing: `wait_for_unshard` copies each parameter into its unsharded buffer
+        itself, where a sharded group fills that buffer in `foreach_all_gather_copy_out`
+        (fsdp/_fully_shard/_fsdp_param_group.py); every unit must show it (a MoE's experts at
+        shard size 1 beside sharded layers gather the rest), and the world must be wider than
+        one rank or replicate's own frames be there (fully_shard on one GPU is not data
+        parallel). FSDP1's NO_SHARD unshards nothing at all: its post-backward all-reduces each
+        gradient whole (`_reduce_grad_no_shard`, fsdp/_runtime_utils.py)."""
+        d = self._d
+        if d.mask(Category.ALL_GATHER).any():
+            return False
         un = np.flatnonzero(d.mask(Category.UNSHARDED_PARAM))
         if not un.size:
-            return not d.mask(Category.ALL_GATHER).any() and \
-                any(f.name == _NO_SHARD_REDUCE for f in d.snapshot.frames)
+            return any(f.name == _NO_SHARD_REDUCE for f in d.snapshot.frames)
         for sid in np.unique(d.lt.stack[un]).tolist():
             names = _stack_names(d, int(sid))
-            if _UNSHARD in names and _COPY_OUT not in names:
-                return True
-        return False
+            if _UNSHARD not in names or _COPY_OUT in names:
+                return False
+        world = d.layout.world or 1
+        return world > 1 or any(f.filename.replace("\\", "/").endswith(_REPLICATE_FILE)
+                                for f in d.snapshot.frames)
 
     @cached_property
     def world(self) -> WorldSize:

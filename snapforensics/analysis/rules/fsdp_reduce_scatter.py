@@ -21,11 +21,11 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     n_mod = len({d.module_of(b) for b in blocks.tolist()})
     grows = (f"{human(per_iter[worst])} in {len(blocks)} blocks over {n_mod} unit(s) grows layer "
              "by layer through backward.")
-    if d.fsdp.replicated:  # replicate(): all-reduced, whole (FsdpUnits.replicated)
+    if d.fsdp.replicated:  # replicate(), NO_SHARD: all-reduced, whole (FsdpUnits.replicated)
         title = "Gradients (all-reduced, whole) accumulate through backward"
-        cause = ("Each unit's gradient is all-reduced after its backward (replicate(): FSDP2 at "
-                 "shard size 1, nothing sharded) and kept as param.grad until the optimizer "
-                 f"step: {grows} This is what gradients cost; it is not a leak.")
+        cause = ("Each unit's gradient is all-reduced after its backward (FSDP at shard size "
+                 "1: replicate() or NO_SHARD, nothing sharded) and kept as param.grad until the "
+                 f"optimizer step: {grows} This is what gradients cost; it is not a leak.")
     else:
         title = "Reduce-scatter outputs (sharded gradients) accumulate through backward"
         cause = ("Each unit's gradient is reduce-scattered after its backward and the "

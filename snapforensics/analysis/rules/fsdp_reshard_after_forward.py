@@ -163,6 +163,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     kept_bytes = int(d.lt.size[blocks].sum())
     if d.fsdp.replicated:
         return [_replicated(d, per_iter, worst, blocks)]
+    if d.fsdp.post_forward_shards[blocks].all():
+        return [_resharded_to_fewer(d, per_iter, worst, blocks)]
     # FSDP's backward prefetch as the trace shows it; when no unit was gathered in backward
     # (all kept) the trace cannot tell: the headline assumes prefetch (FSDP2 always prefetches,
     # FSDP1 defaults to BACKWARD_PRE) and the evidence gives the peak without it too
@@ -233,13 +235,15 @@ def _replicated(d: DeviceAnalysis, per_iter: dict[int, Kept], worst: int,
     share = kept_bytes / d.peak_bytes if d.peak_bytes else 0.0
     cause = (
         f"Every parameter is whole on each rank (shard size 1: replicate(), FSDP2's machinery "
-        f"over a replicate-only mesh, as torchtitan's DDP applies it), yet each unit copies its "
+        f"over a replicate-only mesh, as torchtitan's DDP applies it, or fully_shard over a mesh "
+        f"whose shard dimension has one rank), yet each unit copies its "
         f"parameters into an unsharded buffer at its pre-forward (FSDPParamGroup."
         f"wait_for_unshard) and frees the copy only in its post-backward: {human(kept_bytes)} in "
         f"{len(blocks)} blocks was still copied when forward ended ({seen_in(d, per_iter, worst)}"
         f": {share:.0%} of the peak; not counted: the root and the last unit to run forward). "
         "This is how replicate() runs, not a setting: it has no reshard_after_forward "
-        "(set_reshard_after_forward asserts a sharding mesh). DistributedDataParallel computes "
+        "(set_reshard_after_forward asserts a sharding mesh; under fully_shard at shard size 1 "
+        "it would free the copies after forward). DistributedDataParallel computes "
         "on the parameters themselves (its buckets hold a gradient copy instead); fully_shard "
         "over the same ranks shards the parameters and frees them after forward.")
     return Finding(
@@ -248,6 +252,42 @@ def _replicated(d: DeviceAnalysis, per_iter: dict[int, Kept], worst: int,
               "size 1)",
         cause=cause, bytes=kept_bytes, blocks=int(len(blocks)), device=d.device, members=blocks,
         evidence={"iteration": worst, "replicated": True, "units_kept": len(per_iter[worst].kept),
+                  "stacks": top_stacks(d, blocks, 1)})
+
+
+def _resharded_to_fewer(d: DeviceAnalysis, per_iter: dict[int, Kept], worst: int,
+                        blocks: np.ndarray) -> Finding:
+    """reshard_after_forward=N (an int): each unit keeps a 1/N post-forward shard from its
+    post-forward to its backward (`FsdpUnits.post_forward_shards`), where True keeps nothing
+    and False the whole unit. Its backward gathers the unit either way (over N ranks instead of
+    W), so the fix's peak is the trace with every post-forward shard dropped; the gathers stay
+    where they ran."""
+    kept_bytes = int(d.lt.size[blocks].sum())
+    shards = np.flatnonzero(d.fsdp.post_forward_shards)
+    free_row = d.lt.free_row.copy()
+    free_row[shards] = d.lt.alloc_row[shards]
+    after = peaks(d, d.lt.replay(free_row=free_row))
+    before = d.peak_bytes
+    share = kept_bytes / before if before else 0.0
+    cause = (
+        f"{len(per_iter[worst].kept)} FSDP unit(s) kept a slice of their parameters from forward "
+        f"to backward: {human(kept_bytes)} in {len(blocks)} blocks cloned at each unit's "
+        f"post-forward (FSDPParam.to_sharded_post_forward) was alive when forward ended "
+        f"({seen_in(d, per_iter, worst)}: {share:.0%} of the peak). That is "
+        "reshard_after_forward=N, an int: parameters resharded to N ranks after forward, not "
+        "the W they are sharded over, so backward gathers over N ranks (within a node) at the "
+        "cost of holding 1/N of each unit instead of 1/W across the forward/backward boundary. "
+        f"With reshard_after_forward=True the peak is predicted at "
+        f"{human(after['overall_bytes'])} instead of {human(before)} (backward gathers each "
+        "unit either way; their all-gathers then span all W ranks).")
+    return Finding(
+        rule=RULE.id, verdict=Verdict.EXPECTED,
+        title="Parameters kept partly sharded from forward to backward (reshard_after_forward=N)",
+        cause=cause, bytes=kept_bytes, blocks=int(len(blocks)), device=d.device, fix=FIX,
+        members=blocks, predicted_peak_bytes=after["overall_bytes"],
+        saving_bytes=max(before - after["overall_bytes"], 0),
+        evidence={"iteration": worst, "post_forward_shards": True,
+                  "units_kept": len(per_iter[worst].kept), "predicted_peaks": after,
                   "stacks": top_stacks(d, blocks, 1)})
 
 
