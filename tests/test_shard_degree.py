@@ -81,6 +81,13 @@ def test_unsharded_fsdp_forecast_on_more_ranks_is_the_recorded_peak(args):
 
     script = Path(__file__).parent / "shard_degree.py"
     two, four = (recorded_script(script, args, nproc=n) for n in (2, 4))
+    if "no_shard" in args:  # on CUDA its post-backward divides in place and allocates nothing:
+        # read from FSDP1's forward with no unsharded flat parameter alone
+        from snapforensics.analysis.fsdp import units
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(units, "_NO_SHARD_REDUCE", "(not on any stack)")
+            assert _analysed(two / "rank0.pickle").fsdp.replicated
     twin = max(_analysed(four / f"rank{r}.pickle").peak_bytes for r in range(4))
     for r in (0, 1):
         fx = Forecaster(_analysed(two / f"rank{r}.pickle"))

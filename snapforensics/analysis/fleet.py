@@ -186,7 +186,7 @@ def _statement(inputs: list[dict], diags: list[Diagnosis],
     else:
         out |= {"verdict": Verdict.ANOMALOUS if spread.get("flagged") else Verdict.INFO,
                 "why": "the files do not say its pipeline stage" + (
-                    "" if "tp_rank" in out else " or tensor-parallel rank")}
+                    "" if out.get("tp_rank") is not None else " or tensor-parallel rank")}
     return out
 
 

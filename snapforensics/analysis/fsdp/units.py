@@ -23,7 +23,7 @@ from snapforensics.analysis.classify import PATHS
 from snapforensics.analysis.fsdp import ranges as fsdp_ranges
 from snapforensics.analysis.phases import Iteration
 from snapforensics.analysis.stacks import python_frames
-from snapforensics.analysis.vocab import BACKWARD_PHASES, CAT_CODE, Category
+from snapforensics.analysis.vocab import BACKWARD_PHASES, CAT_CODE, Category, Phase
 
 if TYPE_CHECKING:
     from snapforensics.analysis.context import DeviceAnalysis
@@ -156,14 +156,17 @@ class FsdpUnits:
         (fsdp/_fully_shard/_fsdp_param_group.py); every unit must show it (a MoE's experts at
         shard size 1 beside sharded layers gather the rest), and the world must be wider than
         one rank or replicate's own frames be there (fully_shard on one GPU is not data
-        parallel). FSDP1's NO_SHARD unshards nothing at all: its post-backward all-reduces each
-        gradient whole (`_reduce_grad_no_shard`, fsdp/_runtime_utils.py)."""
+        parallel). FSDP1's NO_SHARD unshards nothing at all: a trace whose forward ran under
+        FSDP1's `forward` with no unsharded flat parameter, or one that shows its post-backward
+        all-reducing a gradient whole (`_reduce_grad_no_shard`, fsdp/_runtime_utils.py: on CUDA
+        that divides in place and allocates nothing)."""
         d = self._d
         if d.mask(Category.ALL_GATHER).any():
             return False
         un = np.flatnonzero(d.mask(Category.UNSHARDED_PARAM))
         if not un.size:
-            return any(f.name == _NO_SHARD_REDUCE for f in d.snapshot.frames)
+            return any(f.name == _NO_SHARD_REDUCE or _is_fsdp1_forward(f)
+                       for f in d.snapshot.frames) and (d.phase == Phase.FORWARD).any()
         for sid in np.unique(d.lt.stack[un]).tolist():
             names = _stack_names(d, int(sid))
             if _UNSHARD not in names or _COPY_OUT in names:
@@ -400,6 +403,13 @@ def forward_end(it: Iteration) -> int:
 # down to the next module frame inward) hold it is an FSDP1 wrapper, whatever its class is
 # called (a subclass of FullyShardedDataParallel is named after itself: `OnCPU_0`).
 _FSDP1_FORWARD = ("forward", "distributed/fsdp/fully_sharded_data_parallel.py")
+
+
+def _is_fsdp1_forward(f) -> bool:
+    return f.name == _FSDP1_FORWARD[0] and \
+        f.filename.replace("\\", "/").endswith(_FSDP1_FORWARD[1])
+
+
 # wrappers between an FSDP1 unit and the module it holds (checkpoint_wrapper, offload_wrapper)
 _WRAPPERS = re.compile(r"^(CheckpointWrapper|OffloadWrapper)_\d+$")
 
@@ -416,8 +426,7 @@ def _module_chain(frames: list) -> list[tuple[str, bool]]:
         if f.filename == "<nn.Module>":
             out.append((f.name, fsdp_forward))
             fsdp_forward = False
-        elif f.name == _FSDP1_FORWARD[0] and \
-                f.filename.replace("\\", "/").endswith(_FSDP1_FORWARD[1]):
+        elif _is_fsdp1_forward(f):
             fsdp_forward = True
     return out[::-1]
 
