@@ -13,6 +13,7 @@ The default-shape recordings are the ones other test modules make (session cache
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from snapforensics.analysis.forecast.replay import Forecaster
 from snapforensics.analysis.rules import fsdp_reshard
 from snapforensics.analysis.vocab import Verdict
 from snapforensics.snapshot import load
+from snapforensics.snapshot.model import A
 
 RESHARD = fsdp_reshard.RULE.id
 
@@ -474,13 +476,39 @@ PIPE_LAYOUT = ("--layers", "8", "--dim", "256")
 # A pair's errors as stored in a table were measured on one recording of each layout; a fresh
 # recording of the same layout on another machine moved one of them by 0.33% (FSDP under the
 # looped runtime, S=2 M=8 GPipe -> S=2x2 M=4 interleaved: the CI clone at f4d8dc7, where three
-# recordings here, idle and under load, were byte-identical), and another by -0.71% (TP inside
-# the stages, S=2 M=8 gpipe tp=2 -> tp=4, the last stage: exactly one micro-batch's activation,
-# 262,144 B of 36,708,424; CI at 9ad3547, where recordings at five collector thresholds here
-# were byte-identical; a send's buffer is freed when the peer has received it, which the
-# peer's progress decides, a likely cause, not proven). The checks allow 1% either side of the
-# stored pair: a regression of the forecast still fails them, a re-recording does not.
+# recordings here, idle and under load, were byte-identical). The checks allow 1% either side of
+# the stored pair: a regression of the forecast still fails them, a re-recording does not.
 RERECORDED = 0.01
+
+
+def _timing_slack(*runs: Iterable) -> float:
+    """How far a communication thread's timing can move the compared peaks, as a fraction of
+    the smallest: the largest block each run's recorder saw freed on a thread the profiler does
+    not trace (`free_on_untraced_thread`, record/cpu.py), summed over the runs. Such a block is
+    freed when gloo's thread drops its last reference, or by the program's thread when that
+    thread lets go last: which one, the scheduler decides, and the run holds the block longer
+    when gloo's does. TP inside the stages, CI moved a pair by exactly one such block twice
+    (S=2 M=8 gpipe tp=2 -> tp=4, the last stage: -0.71%, one 262,144 B activation, at 9ad3547;
+    S=2 M=4 1f1b tp=2 -> S=2 M=8 1f1b tp=4, the first stage: +2.98%, one 524,288 B activation
+    of the source, at b9dc7f8), where recordings here, idle, under load and at five collector
+    thresholds, were byte-identical; here the tp=4 run's stage boundary ranks freed one gradient
+    receive buffer on gloo's thread in one recording and none in another, with equal peaks. A
+    run without such frees gets no slack."""
+    from snapforensics.record.cpu import INFERRED_FREE_FRAME
+
+    total, peaks = 0, []
+    for run in runs:
+        biggest = 0
+        for d in run:
+            peaks.append(d.peak_bytes)
+            frees = np.flatnonzero(d.trace.action == A["free_completed"])
+            for sid in np.unique(d.trace.stack[frees]).tolist():
+                frames = d.snapshot.stack_frames(int(sid)) if sid >= 0 else []
+                if frames and tuple(frames[0]) == INFERRED_FREE_FRAME:
+                    rows = frees[d.trace.stack[frees] == sid]
+                    biggest = max(biggest, int(d.trace.size[rows].max()))
+        total += biggest
+    return total / min(peaks) if peaks else 0.0
 
 
 def _pipeline_run(stages: int, schedule: str, m: int, layout: tuple[str, ...] = PIPE_LAYOUT):
@@ -533,8 +561,8 @@ def test_pipeline_layout_forecast(source):
             assert p["held_microbatches"] == max(truth["held_per_step"]), (target, p)
             errors.append((p["predicted_peak_bytes"] - d.peak_bytes) / d.peak_bytes)
         print(f"pipeline {name} -> {target}: " + " ".join(f"{e:+.2%}" for e in errors))
-        assert lo - RERECORDED <= min(errors) and max(errors) <= hi + RERECORDED, \
-            (target, errors, lo, hi)
+        slack = RERECORDED + _timing_slack(analyses, [d for d, _ in twin])
+        assert lo - slack <= min(errors) and max(errors) <= hi + slack, (target, errors, lo, hi)
         assert max(abs(e) for e in errors) <= 0.05, (target, errors)
         assert sc["error_band"]["validated"] and not sc["error_band"]["exact"]
         peaks = [d.peak_bytes for d, _ in twin]
@@ -995,11 +1023,12 @@ def _mesh_run(stages: int, m: int, schedule: str, dp: int = 1, tp: int = 1,
 
 
 def _mesh_errors(source: tuple, target: tuple, layout: tuple[str, ...] = PIPE_LAYOUT,
-                 **change) -> tuple[list[float], dict, dict[int, tuple[int, int]]]:
+                 **change) -> tuple[list[float], dict, dict[int, tuple[int, int]], float]:
     """Every rank of the source layout ((stages, micro-batches, schedule[, dp[, tp]])) forecast
     to the target (`change`: the world size and TP degree, the target's when not given): each
     stage's error against the worst recorded peak of its dp and tp ranks, the scenario, and per
-    stage the twin's (peak, micro-batches held); the held count must be the running stage's."""
+    stage the twin's (peak, micro-batches held), and the comparison's `_timing_slack`; the held
+    count must be the running stage's."""
     from snapforensics.analysis.forecast import pipeline as pf
 
     source, target = (*source, 1, 1)[:5], (*target, 1, 1)[:5]
@@ -1012,7 +1041,8 @@ def _mesh_errors(source: tuple, target: tuple, layout: tuple[str, ...] = PIPE_LA
                                ["interleaved:2" if looped else target[2]], **change)
     sc, = doc.scenarios
     twin: dict[int, tuple[int, int]] = {}
-    for d, t in _mesh_run(*target, layout=layout):
+    recorded = _mesh_run(*target, layout=layout)
+    for d, t in recorded:
         old = twin.get(t["stage"], (0, 0))
         twin[t["stage"]] = (max(old[0], d.peak_bytes), max(t["held_per_step"]))
     errors = []
@@ -1020,7 +1050,7 @@ def _mesh_errors(source: tuple, target: tuple, layout: tuple[str, ...] = PIPE_LA
         peak, held = twin[p["stage"]]
         assert p["held_microbatches"] == held, (target, p)
         errors.append((p["predicted_peak_bytes"] - peak) / peak)
-    return errors, sc, twin
+    return errors, sc, twin, _timing_slack([d for d, _ in src], [d for d, _ in recorded])
 
 
 def _check_mesh_pair(source: tuple, target: tuple, pairs, name: str, validated: bool = True,
@@ -1030,15 +1060,16 @@ def _check_mesh_pair(source: tuple, target: tuple, pairs, name: str, validated: 
     the worst recorded peak of its dp and tp ranks, within the pair's stored band (`name`
     formats a layout as the table does) and `validated` or not; the micro-batches held are the
     running stages', the stage named worst the worst recorded."""
-    errors, sc, twin = _mesh_errors(source, target, **change)
+    errors, sc, twin, slack = _mesh_errors(source, target, **change)
 
     def label(x: tuple) -> str:
         return name.format(f"{x[0]}x2" if x[2] == "interleaved" else x[0], *x[1:])
 
     pair = next(x for x in pairs if x[:2] == (label(source), label(target)))
-    print(f"pipeline {pair[0]} -> {pair[1]}: " + " ".join(f"{e:+.2%}" for e in errors))
-    assert pair[2] - RERECORDED <= min(errors) <= max(errors) <= pair[3] + RERECORDED, \
-        (pair, errors)
+    print(f"pipeline {pair[0]} -> {pair[1]}: " + " ".join(f"{e:+.2%}" for e in errors) +
+          f" (timing slack {slack:.2%})")
+    slack += RERECORDED
+    assert pair[2] - slack <= min(errors) <= max(errors) <= pair[3] + slack, (pair, errors)
     assert sc["error_band"]["pairs"] == len(pairs)
     assert sc["error_band"]["validated"] == validated, sc["error_band"]
     # the stage named worst is the worst recorded, or one closer to it than the pair's own
@@ -1059,7 +1090,8 @@ def test_pipeline_tp_forecast():
     row-wise parallel, as torchtitan composes TP with PP): another TP degree with the
     pipeline's changes, what TP splits scaled by tp0 / tp in the rebuilt step. tp 2 -> 4 at the
     same layout and to 1F1B (from GPipe and from M=4), within the stored band (exact, but for a
-    re-recording's RERECORDED); without --tp the forecast misses by more than 5%."""
+    re-recording's RERECORDED and gloo's thread's `_timing_slack`); without --tp the forecast
+    misses by more than 5%."""
     from snapforensics.analysis.forecast import pipeline as pf
 
     _check_mesh_pair((2, 8, "gpipe", 1, 2), (2, 8, "gpipe", 1, 4), pf.TP_PAIRS, TP_NAME, tps=[4])
@@ -1283,10 +1315,11 @@ def test_pipeline_from_interleaved_forecast():
     pairs = pf.FSDP_FROM_INTERLEAVED_PAIRS
     lo, hi = min(p[2] for p in pairs), max(p[3] for p in pairs)
     for target in ((2, 8, "1f1b", 2), (4, 4, "1f1b", 2)):
-        errors, sc, _ = _mesh_errors((2, 4, "interleaved", 2), target)
+        errors, sc, _, slack = _mesh_errors((2, 4, "interleaved", 2), target)
         print(f"FSDP from interleaved -> {target}: " + " ".join(f"{e:+.2%}" for e in errors))
         assert sc["error_band"]["validated"], sc["error_band"]
-        assert lo - RERECORDED <= min(errors) <= max(errors) <= hi + RERECORDED, (target, errors)
+        slack += RERECORDED
+        assert lo - slack <= min(errors) <= max(errors) <= hi + slack, (target, errors)
 
 
 ZERO_BUBBLE = """\
@@ -1426,8 +1459,8 @@ def _check_interleaved_pair(source: tuple[int, int, str], target: tuple[int, int
     pair = next(x for x in pf.INTERLEAVED_PAIRS if x[:2] == (
         "S={} M={} {}".format(*source), "S={}x2 M={} interleaved".format(*target)))
     print(f"interleaved {pair[0]} -> {pair[1]}: " + " ".join(f"{e:+.2%}" for e in errors))
-    assert pair[2] - RERECORDED <= min(errors) <= max(errors) <= pair[3] + RERECORDED, \
-        (pair, errors)
+    slack = RERECORDED + _timing_slack([d for d, _ in src], [d for d, _ in twin])
+    assert pair[2] - slack <= min(errors) <= max(errors) <= pair[3] + slack, (pair, errors)
     assert sc["error_band"]["validated"], sc["error_band"]
     peaks = [d.peak_bytes for d, _ in twin]
     assert peaks[sc["worst_stage"]] >= 0.99 * max(peaks), (target, sc["worst_stage"], peaks)
@@ -1533,8 +1566,10 @@ def test_pipeline_forecast_held_out_layout():
 
     runs = {lay: _pipeline_run(lay[0], lay[2], lay[1], PIPE_HELD_OUT) for lay in HELD_OUT_LAYOUTS}
     lo, hi = min(p[2] for p in pf.PAIRS), max(p[3] for p in pf.PAIRS)
-    errors = []
+    errors, slack = [], RERECORDED
     for src, twin in ((a, b) for a in runs for b in runs if a != b):
+        slack = max(slack, RERECORDED + _timing_slack(*([d for d, _ in runs[x]] for x in
+                                                         (src, twin))))
         doc = pf.pipeline_forecast([d for d, _ in runs[src]], [twin[0]], [twin[1]], [twin[2]])
         sc, = doc.scenarios
         assert sc["error_band"]["validated"], (src, twin, sc["error_band"])
@@ -1544,8 +1579,7 @@ def test_pipeline_forecast_held_out_layout():
             errors.append((p["predicted_peak_bytes"] - d.peak_bytes) / d.peak_bytes)
         assert peaks[sc["worst_stage"]] >= 0.99 * max(peaks), (src, twin, sc["worst_stage"])
     print(f"pipeline held-out: {min(errors):+.2%}..{max(errors):+.2%} over {len(errors)} stages")
-    assert lo - RERECORDED <= min(errors) <= max(errors) <= hi + RERECORDED, (min(errors),
-                                                                        max(errors))
+    assert lo - slack <= min(errors) <= max(errors) <= hi + slack, (min(errors), max(errors))
     assert max(abs(e) for e in errors) <= 0.05
 
 
@@ -1574,12 +1608,14 @@ def test_pipeline_mesh_held_out():
         pairs = getattr(pf, table)
         lo, hi = min(p[2] for p in pairs), max(p[3] for p in pairs)
         errors: list[float] = []
+        slack = RERECORDED
         for source in sources:
             for target in targets:
-                got, sc, _ = _mesh_errors(source, target, PIPE_HELD_OUT)
+                got, sc, _, timing = _mesh_errors(source, target, PIPE_HELD_OUT)
                 assert sc["error_band"]["validated"], (source, target, sc["error_band"])
                 errors += got
+                slack = max(slack, RERECORDED + timing)
         print(f"held out, {table}: {len(sources) * len(targets)} pairs, {len(errors)} stages, "
               f"{min(errors):+.2%}..{max(errors):+.2%}")
-        assert lo - RERECORDED <= min(errors) <= max(errors) <= hi + RERECORDED, \
+        assert lo - slack <= min(errors) <= max(errors) <= hi + slack, \
             (table, min(errors), max(errors))

@@ -5,8 +5,12 @@ Megatron's parallel_state and DeepSpeed (`undefined`); the categories the classi
 
 from __future__ import annotations
 
-from snapforensics.analysis.mesh import mesh
+from snapforensics.analysis.mesh import mesh, shown
 from snapforensics.analysis.vocab import Category
+
+
+def _mesh(prov: dict, categories: list = ()):
+    return mesh(prov, shown(categories))
 
 
 def _prov(world: int, rank: int, *groups: tuple[str, list[int]]) -> dict:
@@ -20,27 +24,27 @@ FSDP = [Category.ALL_GATHER, Category.SHARDED_GRAD]
 
 def test_a_1d_tp_mesh_over_the_world_is_tp_and_not_fsdp():
     # init_device_mesh("cuda", (4,), mesh_dim_names=("tp",)): the default group, reused
-    m = mesh(_prov(4, 1, ("default_pg", [0, 1, 2, 3])), TP)
+    m = _mesh(_prov(4, 1, ("default_pg", [0, 1, 2, 3])), TP)
     assert m.degree("tp") == 4 and m.index("tp") == 1 and m.uses("tp")
     assert m.degree("dp_shard") is None and m.degree("pp") is None
     assert not m.uses("dp_shard")
 
 
 def test_a_1d_fsdp_mesh_is_fsdp_and_says_nothing_of_tp():
-    m = mesh(_prov(2, 0, ("default_pg", [0, 1])), FSDP)
+    m = _mesh(_prov(2, 0, ("default_pg", [0, 1])), FSDP)
     assert m.degree("dp_shard") == 2 and m.uses("dp_shard")
     assert m.degree("tp") is None and not m.uses("tp")
 
 
 def test_groups_that_name_no_dimension_say_nothing_of_tp():
     # DeepSpeed's pipeline engine: its groups are `undefined`; its received buffers show PP
-    m = mesh(_prov(2, 1, ("default_pg", [0, 1]), ("undefined", [0, 1])), [Category.PP_P2P])
+    m = _mesh(_prov(2, 1, ("default_pg", [0, 1]), ("undefined", [0, 1])), [Category.PP_P2P])
     assert not m.uses("tp") and m.degree("pp") == 2 and m.index("pp") == 1
 
 
 def test_a_named_group_wins_over_the_blocks():
     # torchtitan's (pp, tp) mesh: pp named; tp spans the rest
-    m = mesh(_prov(4, 3, ("default_pg", [0, 1, 2, 3]), ("mesh_pp", [1, 3]), ("mesh_tp", [2, 3])),
+    m = _mesh(_prov(4, 3, ("default_pg", [0, 1, 2, 3]), ("mesh_pp", [1, 3]), ("mesh_tp", [2, 3])),
              TP + [Category.PP_P2P])
     assert (m.degree("pp"), m.index("pp"), m.degree("tp"), m.index("tp")) == (2, 1, 2, 1)
 
@@ -48,12 +52,12 @@ def test_a_named_group_wins_over_the_blocks():
 def test_without_groups_another_shown_dimension_leaves_the_degree_unknown():
     # torch's own dump (no group list) of Megatron TP x PP: the rank is not the stage
     prov = {"world_size": 4, "rank": 2}
-    assert mesh(prov, TP + [Category.PP_P2P]).degree("pp") is None
-    assert mesh(prov, [Category.PP_P2P]).degree("pp") == 4  # PP alone: one stage per rank
-    assert mesh(prov).degree("tp") == 4 and mesh(prov).source("tp") == "the world size"
+    assert _mesh(prov, TP + [Category.PP_P2P]).degree("pp") is None
+    assert _mesh(prov, [Category.PP_P2P]).degree("pp") == 4  # PP alone: one stage per rank
+    assert _mesh(prov).degree("tp") == 4 and _mesh(prov).source("tp") == "the world size"
 
 
 def test_data_parallel_dimensions_share_the_ranks_of_a_1d_mesh():
     # FSDP's gathers show dp_shard; DeepSpeed's or Megatron's rules ask for "dp": the same ranks
-    m = mesh(_prov(4, 2, ("default_pg", [0, 1, 2, 3])), FSDP)
+    m = _mesh(_prov(4, 2, ("default_pg", [0, 1, 2, 3])), FSDP)
     assert m.degree("dp") == 4 and m.degree("dp_replicate") == 4 and m.degree("tp") is None

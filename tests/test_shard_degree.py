@@ -57,12 +57,35 @@ def test_replicate_copies_are_named_and_expected_without_a_fix(args):
         assert not any("reshard_after_forward" in (g.fix or "") for g in diag.findings)
 
 
-def test_sharded_fsdp2_is_not_replicated():
-    """The bundled FSDP2 fixtures (world 2: gathered) are not read as shard size 1."""
-    for path in (Path(__file__).parents[1] / "fixtures").glob("fsdp2_*rank0.pickle.gz"):
+@pytest.mark.slow
+def test_replicate_is_read_from_the_blocks_not_its_frames():
+    """A CUDA recording started after set-up has neither replicate()'s frames nor its
+    `Replicate<Class>` module names: the run is still "FSDP2 replicate" (from the blocks,
+    `FsdpUnits.replicated`), and the same recording's sharded twin (fully_shard, the bundled
+    FSDP2 fixtures) is "FSDP2", not replicated."""
+    from recordings import recorded_script
+
+    from snapforensics.analysis.engine import diagnose
+    from snapforensics.snapshot.model import Frame
+
+    folder = recorded_script(Path(__file__).parent / "shard_degree.py", (), nproc=2, truth=True)
+    snap = load(folder / "rank0.pickle")
+    hidden = 0
+    for i, f in enumerate(snap.frames):
+        if "replicate" in f.filename or (f.filename == "<nn.Module>" and
+                                         f.name.startswith("Replicate")):
+            snap.frames[i] = Frame(f.filename, 0, f.name[len("Replicate"):]) \
+                if f.filename == "<nn.Module>" else Frame("train.py", f.line, "setup")
+            hidden += 1
+    assert hidden and not any("eplicate" in f.filename + f.name for f in snap.frames)
+    assert diagnose(snap).framework["fsdp"] == "FSDP2 replicate"
+    fixtures = sorted((Path(__file__).parents[1] / "fixtures").glob("fsdp2_*rank0.pickle.gz"))
+    assert fixtures
+    for path in fixtures:
         snap = load(path)
         d = analyse(snap, snap.active_traces[0])
         assert d.mask(Category.UNSHARDED_PARAM).any() and not d.fsdp.replicated, path
+        assert diagnose(snap).framework["fsdp"] == "FSDP2", path
 
 
 @pytest.mark.slow
@@ -125,6 +148,7 @@ def test_reshard_after_forward_to_fewer_ranks_is_expected_and_predicts_the_true_
         shards = {(s["addr"], s["bytes"]) for step in truth["held"]
                   for block in step for s in block}
         d = _analysed(int2 / f"rank{r}.pickle")
+        assert not d.fsdp.replicated  # sharded over 4, gathered
         pf = d.fsdp.post_forward_shards
         assert shards and shards == set(zip(d.lt.addr[pf].tolist(), d.lt.size[pf].tolist()))
         assert (d.category[pf] == d.category_names.index(Category.UNSHARDED_PARAM)).all()

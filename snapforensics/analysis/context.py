@@ -21,7 +21,7 @@ from snapforensics.analysis.fsdp.units import (
     name_fsdp1_units,
 )
 from snapforensics.analysis.identity import BlockNames
-from snapforensics.analysis.mesh import Mesh, mesh
+from snapforensics.analysis.mesh import Mesh, mesh, shown
 from snapforensics.analysis.stacks import is_native, is_noise
 from snapforensics.analysis.vocab import BACKWARD_PHASES, CAT_CODE, CATEGORIES, Category, Phase
 from snapforensics.snapshot.model import ALLOC, NO_STACK, Snapshot, Trace
@@ -74,7 +74,7 @@ class DeviceAnalysis:
     def layout(self) -> Mesh:
         """This rank's place in the parallel layout (analysis/mesh.py): the recorder's process
         groups, with the dimensions this device's blocks show in use."""
-        return mesh(self.snapshot.provenance, self.present)
+        return mesh(self.snapshot.provenance, shown(self.present))
 
     @property
     def present(self) -> list[str]:
@@ -126,6 +126,7 @@ class DeviceAnalysis:
         the rules ran, so rules always see the built-in categories."""
         if not user or not len(self.lt):
             return
+        _ = self.layout  # the dimensions in use, read from the built-in categories first
         names = list(self.category_names)
         codes = []
         for name in user:

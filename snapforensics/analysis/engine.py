@@ -54,7 +54,6 @@ def diagnose_devices(snapshot: Snapshot, categories: dict[str, re.Pattern] | Non
         warnings.append(f"the recorded script exited with code {code}: the trace ends where it "
                         "failed, and a step it did not finish is not in it")
     for d in analyses:
-        _ = d.layout  # read from the built-in categories, before the user's relabel blocks
         d.add_categories(categories or {})
     summaries = [_summary(snapshot, d, findings) for d in analyses]
     for d in analyses:

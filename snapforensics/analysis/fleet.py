@@ -16,7 +16,7 @@ rank-dependent code path). Figures are each rank's primary device, as in `compar
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from snapforensics import __version__
@@ -162,7 +162,7 @@ def _statement(inputs: list[dict], diags: list[Diagnosis],
         "stage": None, "stages": None, "schedule": None}
     # its place among the ranks that share its stage
     top = diags[w].primary
-    layout = replace(mesh(diags[w].provenance), shown=frozenset(top.parallel_dims if top else ()))
+    layout = mesh(diags[w].provenance, top.parallel_dims if top else ())
     if layout.uses("tp"):
         out |= {"tp_rank": layout.index("tp"), "tp": layout.degree("tp")}
     pipes = [d.framework.get("pipeline") for d in diags]

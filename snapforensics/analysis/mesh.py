@@ -102,9 +102,9 @@ def shown(categories: Iterable[str]) -> frozenset[str]:
     return frozenset(dim for dim, cats in SHOWN_BY.items() if present & cats)
 
 
-def mesh(provenance: Any, categories: Iterable[str] = ()) -> Mesh:
+def mesh(provenance: Any, dims: Iterable[str] = ()) -> Mesh:
     """The Mesh of a file's provenance (the recorder's block; anything else reads as unknown),
-    with what the `categories` of its blocks show (`shown`)."""
+    with the dimensions its blocks show in use (`shown` of their categories)."""
     prov = provenance if isinstance(provenance, dict) else {}
     world, rank = prov.get("world_size"), prov.get("rank")
     world = world if type(world) is int and world >= 1 else None
@@ -118,4 +118,4 @@ def mesh(provenance: Any, categories: Iterable[str] = ()) -> Mesh:
             ranks = _ranks(g.get("ranks")) if dim is not None else None
             if dim is not None and ranks is not None and dim not in groups:
                 groups[dim] = ranks
-    return Mesh(world, rank, groups, shown(categories))
+    return Mesh(world, rank, groups, frozenset(dims))

@@ -13,8 +13,9 @@ Recognized from what the file shows, never guessed from one name alone:
 - the FSDP generation from FSDP's own files (`fsdp/_fully_shard/` is FSDP2,
   `fully_sharded_data_parallel.py` / `_flat_param.py` / `_runtime_utils.py` FSDP1) and the
   CPU recorder's module frames (`FullyShardedDataParallel_N` FSDP1, `FSDP<Class>_N` FSDP2);
-  "FSDP2 replicate" where `replicate()` runs it (`_composable/replicate_with_fsdp.py`, its
-  `Replicate<Class>_N` modules: torchtitan's DDP, FSDP2's machinery with nothing sharded);
+  "FSDP2 replicate" where its units shard nothing (`replicate()`, torchtitan's DDP: FSDP2's
+  machinery at shard size 1, read from the blocks by `FsdpUnits.replicated`, so a CUDA
+  recording started after set-up, without replicate's frames or module names, reads the same);
 - the user's repeated layer: its class from the module frames (`LlamaDecoderLayer_3`, FSDP2's
   dynamic `FSDPLlamaDecoderLayer_3`), its path from the FSDP units' names (`model.layers.3`,
   FSDP2's ranges; FSDP1 units named from the module frames, see `fsdp_units`).
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from snapforensics.analysis.mesh import mesh
+from snapforensics.analysis.mesh import mesh, shown
 
 if TYPE_CHECKING:
     from snapforensics.analysis.context import DeviceAnalysis
@@ -51,9 +52,6 @@ _PACKAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("transformers", ("transformers/",)),
 )
 _FSDP2_FILES = ("fsdp/_fully_shard/", "_composable/fsdp/")
-# FSDP2's machinery over a replicate-only mesh (torchtitan's DDP); its dynamic classes are
-# Replicate<Class>, as fully_shard's are FSDP<Class>
-_REPLICATE_FILE = "_composable/replicate_with_fsdp.py"
 _FSDP1_FILES = ("fsdp/fully_sharded_data_parallel.py", "fsdp/_flat_param.py",
                 "fsdp/_runtime_utils.py")
 _MODULE = re.compile(r"^([A-Za-z_]\w*?)_(\d+)$")
@@ -148,8 +146,7 @@ def detect(snapshot: Snapshot, analyses: list[DeviceAnalysis]) -> Framework:
     elif any(fn.endswith(_FSDP1_FILES) for fn in files) or \
             any(m.startswith("FullyShardedDataParallel_") for m in modules):
         fsdp = "FSDP1"
-    if fsdp == "FSDP2" and (any(fn.endswith(_REPLICATE_FILE) for fn in files) or
-                            any(m.startswith("Replicate") for m in modules)):
+    if fsdp == "FSDP2" and any(a.fsdp.replicated for a in analyses):
         fsdp = "FSDP2 replicate"  # replicate(): FSDP2's machinery, nothing sharded
     if fsdp:
         evidence.append(f"{fsdp}: FSDP's own frames")
@@ -191,7 +188,7 @@ def pipeline(snapshot: Snapshot, analyses: list[DeviceAnalysis]) -> dict[str, An
         return None
     # the rank is the stage where no group names it only when the blocks show no other
     # dimension (TP's redistributions, FSDP's gathers)
-    layout = mesh(snapshot.provenance, {c for d in analyses for c in d.present})
+    layout = mesh(snapshot.provenance, shown(c for d in analyses for c in d.present))
     stage, stages = layout.index("pp"), layout.degree("pp")
     ok = stage is not None and stages is not None
     if megatron:

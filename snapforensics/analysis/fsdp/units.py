@@ -68,6 +68,14 @@ class FsdpUnits:
 
     def __init__(self, d: DeviceAnalysis) -> None:
         self._d = d
+        self._names: dict[int, frozenset[str]] = {}
+
+    def names(self, stack_id: int) -> frozenset[str]:
+        """`_stack_names` of one stack, read once for every fact below."""
+        names = self._names.get(stack_id)
+        if names is None:
+            names = self._names[stack_id] = _stack_names(self._d, stack_id)
+        return names
 
     @cached_property
     def flags(self) -> StackFlags:
@@ -76,12 +84,8 @@ class FsdpUnits:
         primary, ag_input, fsdp1_flat = np.zeros(n, bool), np.zeros(n, bool), np.zeros(n, bool)
         ag = d.category == CAT_CODE[Category.ALL_GATHER]
         un = d.category == CAT_CODE[Category.UNSHARDED_PARAM]
-        names_of: dict[int, frozenset[str]] = {}
         for b in np.flatnonzero(ag | un).tolist():
-            sid = int(d.lt.stack[b])
-            names = names_of.get(sid)
-            if names is None:
-                names = names_of[sid] = _stack_names(d, sid)
+            names = self.names(int(d.lt.stack[b]))
             if un[b]:
                 if _FSDP1_FLAT in names:
                     fsdp1_flat[b] = primary[b] = True
@@ -142,7 +146,7 @@ class FsdpUnits:
         out = np.zeros(len(d.lt), bool)
         un = np.flatnonzero(d.mask(Category.UNSHARDED_PARAM))
         for sid in np.unique(d.lt.stack[un]).tolist():
-            if _POST_FORWARD in _stack_names(d, int(sid)):
+            if _POST_FORWARD in self.names(int(sid)):
                 out[un[d.lt.stack[un] == sid]] = True
         return out
 
@@ -168,7 +172,7 @@ class FsdpUnits:
             return any(f.name == _NO_SHARD_REDUCE or _is_fsdp1_forward(f)
                        for f in d.snapshot.frames) and (d.phase == Phase.FORWARD).any()
         for sid in np.unique(d.lt.stack[un]).tolist():
-            names = _stack_names(d, int(sid))
+            names = self.names(int(sid))
             if _UNSHARD not in names or _COPY_OUT in names:
                 return False
         world = d.layout.world or 1
