@@ -73,3 +73,28 @@ def test_without_stages_the_statement_names_the_rank_only():
     assert st["peak_bytes"] == max(r["peaks"]["overall_bytes"] for r in f.ranks)
     assert st["verdict"] == ("anomalous" if f.spread["flagged"] else "info")
     assert "do not say its pipeline stage" in report.statement(f)
+
+
+@pytest.mark.slow
+def test_stages_made_with_unnamed_groups_are_not_taken_for_the_world():
+    """2 stages x DDP over 2 ranks, groups made by `dist.new_group` without names
+    (tests/pipeline_ddp.py): no group names the pipeline's dimension, and the unnamed groups
+    split the world, so it is not the pipeline's (before: every rank was its own stage, "stage
+    1 of 4" on a rank of stage 0, and 1F1B's "min(M, 4 - s)"). A stage said is the running
+    stage's (truth from `PipelineStage`), or none is said."""
+    from pathlib import Path
+
+    from recordings import recorded_script
+
+    folder = recorded_script(Path(__file__).parent / "pipeline_ddp.py", nproc=4, truth=True)
+    truth = {r: json.loads((folder / f"truth.rank{r}.json").read_text()) for r in range(4)}
+    assert {t["stages"] for t in truth.values()} == {2} and truth[1]["stage"] == 0
+    docs = parallel.run([folder / f"rank{r}.pickle" for r in range(4)], jobs=1, progress=False)
+    for r, doc in enumerate(docs):
+        p = doc["framework"]["pipeline"]
+        assert p["schedule"] == "1f1b"
+        assert (p["stage"], p["stages"]) in ((None, None),
+                                             (truth[r]["stage"], truth[r]["stages"])), (r, p)
+    f = fleet(docs)
+    st = f.statement
+    assert st["stages"] in (None, 2) and "of 4" not in report.statement(f), st

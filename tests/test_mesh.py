@@ -61,3 +61,18 @@ def test_data_parallel_dimensions_share_the_ranks_of_a_1d_mesh():
     # FSDP's gathers show dp_shard; DeepSpeed's or Megatron's rules ask for "dp": the same ranks
     m = _mesh(_prov(4, 2, ("default_pg", [0, 1, 2, 3])), FSDP)
     assert m.degree("dp") == 4 and m.degree("dp_replicate") == 4 and m.degree("tp") is None
+
+
+def test_unnamed_groups_that_split_the_world_leave_unnamed_dimensions_unknown():
+    # 2 stages x 2 DDP ranks over `dist.new_group` (no description: "undefined"), rank 1
+    m = _mesh(_prov(4, 1, ("default_pg", [0, 1, 2, 3]), ("undefined", [1, 3]),
+                    ("undefined", [0, 1])), [Category.PP_P2P])
+    assert m.degree("pp") is None and m.index("pp") is None and not m.uses("pp")
+    # named groups still say their degree
+    m = _mesh(_prov(4, 1, ("default_pg", [0, 1, 2, 3]), ("mesh_pp", [1, 3]),
+                    ("undefined", [0, 1])), [Category.PP_P2P])
+    assert (m.degree("pp"), m.index("pp")) == (2, 0)  # rank 1 is stage 0
+    # DeepSpeed's groups of one rank or of all of them split nothing
+    m = _mesh(_prov(2, 1, ("default_pg", [0, 1]), ("undefined", [0, 1]), ("undefined", [1])),
+              [Category.PP_P2P])
+    assert (m.degree("pp"), m.index("pp")) == (2, 1)

@@ -12,7 +12,10 @@ redistributions, a pipeline's received buffers and FSDP's gathers (`SHOWN_BY`) e
 dimension is in use, and no two of these share their ranks (a rank holds one TP shard of one
 stage of one FSDP shard). A dimension no group names spans the world when no other dimension is
 wider than 1, by its group or by the blocks (a TP-only run's TP degree is its world size, and its
-dp_shard degree unknown); otherwise it is unknown (None), never guessed. Expert parallelism is
+dp_shard degree unknown), and no group without a name (`dist.new_group` with no description:
+"undefined") splits the world into parts of more than one rank (a pipeline's stages made that way,
+each wrapped in DDP over its own group: 2 stages x 2 read as 4 stages); otherwise it is unknown
+(None), never guessed. Expert parallelism is
 not among them: its experts' ranks are the data-parallel ones (FSDP and EP over one 1-D mesh).
 Files without the list (torch's own dumps, older recorders) know only the world size: a
 dimension's degree is the world size there unless the blocks show another, and `source` says
@@ -43,6 +46,8 @@ _BY_DESC = {desc: dim for dim, descs in DIMS.items() for desc in descs}
 SHOWN_BY: dict[str, frozenset[str]] = {
     dim: frozenset(str(c) for c in cats) for dim, cats in (
         ("tp", TP_CATEGORIES), ("pp", {Category.PP_P2P}), ("dp_shard", FSDP_CATEGORIES))}
+# the description torch gives a group made without one (ProcessGroup's default `group_desc`)
+UNNAMED = ("undefined", "")
 MAX_GROUPS = 256  # what the recorder writes at most (record/_bootstrap.process_groups)
 
 
@@ -52,12 +57,13 @@ class Mesh:
     rank: int | None
     groups: dict[str, tuple[int, ...]] = field(default_factory=dict)  # dim -> its group's ranks
     shown: frozenset[str] = frozenset()  # the dimensions the blocks show in use (SHOWN_BY)
+    split: bool = False  # a group that names nothing holds more than one rank, not all of them
 
     def degree(self, dim: str) -> int | None:
         """The number of ranks along `dim` (1: the run does not use it), None when unknown."""
         if dim in self.groups:
             return len(self.groups[dim])
-        if self.world is None:
+        if self.world is None or self.split:
             return None
         wider = [d for d, g in self.groups.items() if len(g) > 1 and d != dim]
         wider += [d for d in self.shown if d not in self.groups and _kin(d) != _kin(dim)]
@@ -111,11 +117,14 @@ def mesh(provenance: Any, dims: Iterable[str] = ()) -> Mesh:
     rank = rank if type(rank) is int and rank >= 0 else None
     listed = prov.get("process_groups")
     groups: dict[str, tuple[int, ...]] = {}
+    split = False
     if type(listed) is list:
         for g in listed[:MAX_GROUPS]:
             desc = g.get("desc") if type(g) is dict else None
             dim = _BY_DESC.get(desc) if type(desc) is str else None
-            ranks = _ranks(g.get("ranks")) if dim is not None else None
+            ranks = _ranks(g.get("ranks")) if type(g) is dict else None
             if dim is not None and ranks is not None and dim not in groups:
                 groups[dim] = ranks
-    return Mesh(world, rank, groups, frozenset(dims))
+            elif desc in UNNAMED and ranks is not None and world is not None:
+                split = split or 1 < len(ranks) < world
+    return Mesh(world, rank, groups, frozenset(dims), split)

@@ -2006,8 +2006,9 @@ def pipeline_forecast(analyses: list[DeviceAnalysis], stages=(), microbatches=()
     notes = []
     if first.stages is None:
         notes.append("the files do not say their stage (no pipeline group in the recorder's "
-                     "provenance, and the blocks show another dimension beside it): each is "
-                     "taken for every stage")
+                     "provenance, and the world is not the pipeline's alone: the blocks show "
+                     "another dimension beside it, or groups made without a name split it): "
+                     "each is taken for every stage")
     by = {s.stage: s for s in srcs}
     ranks = first.stages // first.virtual if first.stages else None
     recorded = {"stages": ranks, "virtual_stages": first.virtual,
