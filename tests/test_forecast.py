@@ -27,9 +27,8 @@ from snapforensics.analysis.forecast.core import forecast, forecast_frame
 from snapforensics.analysis.forecast.documents import Scenario
 from snapforensics.analysis.forecast.replay import Forecaster
 from snapforensics.analysis.rules import fsdp_reshard
-from snapforensics.analysis.vocab import Verdict
+from snapforensics.analysis.vocab import Category, Verdict
 from snapforensics.snapshot import load
-from snapforensics.snapshot.model import A
 
 RESHARD = fsdp_reshard.RULE.id
 
@@ -483,17 +482,19 @@ RERECORDED = 0.01
 
 def _timing_slack(*runs: Iterable) -> float:
     """How far a communication thread's timing can move the compared peaks, as a fraction of
-    the smallest: the largest block each run's recorder saw freed on a thread the profiler does
-    not trace (`free_on_untraced_thread`, record/cpu.py), summed over the runs. Such a block is
-    freed when gloo's thread drops its last reference, or by the program's thread when that
-    thread lets go last: which one, the scheduler decides, and the run holds the block longer
-    when gloo's does. TP inside the stages, CI moved a pair by exactly one such block twice
-    (S=2 M=8 gpipe tp=2 -> tp=4, the last stage: -0.71%, one 262,144 B activation, at 9ad3547;
-    S=2 M=4 1f1b tp=2 -> S=2 M=8 1f1b tp=4, the first stage: +2.98%, one 524,288 B activation
-    of the source, at b9dc7f8), where recordings here, idle, under load and at five collector
-    thresholds, were byte-identical; here the tp=4 run's stage boundary ranks freed one gradient
-    receive buffer on gloo's thread in one recording and none in another, with equal peaks. A
-    run without such frees gets no slack."""
+    the smallest: the largest pipeline receive buffer (`pp.p2p_buffer`) each run's recorder saw
+    freed on a thread the profiler does not trace (`free_on_untraced_thread`, record/cpu.py),
+    summed over the runs. Such a buffer is freed when gloo's thread drops its last reference,
+    or by the program's thread when that thread lets go last: which one, the scheduler decides,
+    and the run holds the buffer longer when gloo's does. (A collective's buffers freed on
+    gloo's worker thread are not counted: the recorder places their frees at the collective's
+    end, whenever the thread gets to them.) TP inside the stages, CI moved a pair by exactly one
+    such buffer twice (S=2 M=8 gpipe tp=2 -> tp=4, the last stage: -0.71%, 262,144 B, at
+    9ad3547; S=2 M=4 1f1b tp=2 -> S=2 M=8 1f1b tp=4, the first stage: +2.98%, 524,288 B of the
+    source, at b9dc7f8), where recordings here, idle, under load and at five collector
+    thresholds, were byte-identical; here the tp=4 run's stage-boundary ranks freed a gradient
+    receive buffer on gloo's thread in one recording and in none of another, with equal peaks.
+    A run without such frees gets no slack."""
     from snapforensics.record.cpu import INFERRED_FREE_FRAME
 
     total, peaks = 0, []
@@ -501,12 +502,12 @@ def _timing_slack(*runs: Iterable) -> float:
         biggest = 0
         for d in run:
             peaks.append(d.peak_bytes)
-            frees = np.flatnonzero(d.trace.action == A["free_completed"])
-            for sid in np.unique(d.trace.stack[frees]).tolist():
-                frames = d.snapshot.stack_frames(int(sid)) if sid >= 0 else []
+            freed = np.flatnonzero(d.mask(Category.PP_P2P) & (d.lt.free_row < d.lt.rows))
+            for b in freed.tolist():
+                sid = int(d.trace.stack[d.lt.free_row[b]])
+                frames = d.snapshot.stack_frames(sid) if sid >= 0 else []
                 if frames and tuple(frames[0]) == INFERRED_FREE_FRAME:
-                    rows = frees[d.trace.stack[frees] == sid]
-                    biggest = max(biggest, int(d.trace.size[rows].max()))
+                    biggest = max(biggest, int(d.lt.size[b]))
         total += biggest
     return total / min(peaks) if peaks else 0.0
 
@@ -1600,8 +1601,8 @@ def test_pipeline_mesh_held_out():
     """The held-out model (12 layers of dim 128, PIPE_HELD_OUT) recorded across the mesh and
     forecast as each family's pairs were: its 6 GPipe / 1F1B layouts to interleaved 2 x 2 at M=8
     and M=4 and back, FSDP dp 2 -> 4, TP 2 -> 4, FSDP from an interleaved recording. Every
-    stage inside its family's stored band (`RERECORDED` either side) and validated; the figures
-    per family are printed."""
+    stage inside its family's stored band (`RERECORDED` and `_timing_slack` either side) and
+    validated; the figures per family are printed."""
     from snapforensics.analysis.forecast import pipeline as pf
 
     for table, sources, targets in HELD_OUT_MESH:

@@ -72,6 +72,10 @@ def test_unnamed_groups_that_split_the_world_leave_unnamed_dimensions_unknown():
     m = _mesh(_prov(4, 1, ("default_pg", [0, 1, 2, 3]), ("mesh_pp", [1, 3]),
                     ("undefined", [0, 1])), [Category.PP_P2P])
     assert (m.degree("pp"), m.index("pp")) == (2, 0)  # rank 1 is stage 0
+    # data parallelism keeps the world: DeepSpeed-MoE's expert groups (ep 2 of 4) lie inside it
+    m = _mesh(_prov(4, 1, ("default_pg", [0, 1, 2, 3]), ("undefined", [0, 1]),
+                    ("undefined", [1, 3])))
+    assert m.degree("dp") == 4 and m.degree("dp_shard") == 4 and m.degree("tp") is None
     # DeepSpeed's groups of one rank or of all of them split nothing
     m = _mesh(_prov(2, 1, ("default_pg", [0, 1]), ("undefined", [0, 1]), ("undefined", [1])),
               [Category.PP_P2P])

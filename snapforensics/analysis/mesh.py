@@ -12,10 +12,13 @@ redistributions, a pipeline's received buffers and FSDP's gathers (`SHOWN_BY`) e
 dimension is in use, and no two of these share their ranks (a rank holds one TP shard of one
 stage of one FSDP shard). A dimension no group names spans the world when no other dimension is
 wider than 1, by its group or by the blocks (a TP-only run's TP degree is its world size, and its
-dp_shard degree unknown), and no group without a name (`dist.new_group` with no description:
-"undefined") splits the world into parts of more than one rank (a pipeline's stages made that way,
-each wrapped in DDP over its own group: 2 stages x 2 read as 4 stages); otherwise it is unknown
-(None), never guessed. Expert parallelism is
+dp_shard degree unknown), and, for a model-parallel dimension (tp, pp, cp, ep), no group without
+a name (`dist.new_group` with no description: "undefined") splits the world into parts of more
+than one rank (a pipeline's stages made that way, each wrapped in DDP over its own group: 2
+stages x 2 read as 4 stages); otherwise it is unknown (None), never guessed. Data parallelism
+keeps the world there: it is what remains once the model is split, and the unnamed groups a
+data-parallel run makes lie inside it (DeepSpeed's expert-data-parallel groups, ZeRO++'s hpZ
+and MiCS shard groups, a node's SyncBatchNorm subgroup). Expert parallelism is
 not among them: its experts' ranks are the data-parallel ones (FSDP and EP over one 1-D mesh).
 Files without the list (torch's own dumps, older recorders) know only the world size: a
 dimension's degree is the world size there unless the blocks show another, and `source` says
@@ -57,13 +60,14 @@ class Mesh:
     rank: int | None
     groups: dict[str, tuple[int, ...]] = field(default_factory=dict)  # dim -> its group's ranks
     shown: frozenset[str] = frozenset()  # the dimensions the blocks show in use (SHOWN_BY)
-    split: bool = False  # a group that names nothing holds more than one rank, not all of them
+    # a group that names nothing holds more than one rank, not all of them
+    split: bool = False
 
     def degree(self, dim: str) -> int | None:
         """The number of ranks along `dim` (1: the run does not use it), None when unknown."""
         if dim in self.groups:
             return len(self.groups[dim])
-        if self.world is None or self.split:
+        if self.world is None or (self.split and _kin(dim) != "dp"):
             return None
         wider = [d for d, g in self.groups.items() if len(g) > 1 and d != dim]
         wider += [d for d in self.shown if d not in self.groups and _kin(d) != _kin(dim)]
