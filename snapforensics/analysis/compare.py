@@ -23,6 +23,7 @@ from typing import Any
 
 from snapforensics import __version__
 from snapforensics.analysis.diagnosis import Diagnosis, Finding
+from snapforensics.analysis.evidence import human
 from snapforensics.analysis.vocab import Verdict
 from snapforensics.errors import SnapError
 
@@ -235,7 +236,16 @@ def _warnings(diags: Sequence[Diagnosis], inputs: list[dict], mode: str) -> list
             out.append(f"{i['label']}: no allocation history, its peak is what was alive at "
                        "dump time")
         elif any(dev.history.get("truncated") for dev in d.devices):
-            out.append(f"{i['label']}: history truncated, its peak may be understated")
+            # what was alive before the first entry is counted in the peak from the start
+            # (lifetimes.py); only a history that starts mid-run (frees of blocks it never saw
+            # made: a wrapped ring buffer) can have missed a higher moment
+            base = max((v for dev in d.devices
+                        if type(v := dev.history.get("baseline_bytes")) is int), default=0)
+            cut = any(dev.history.get("orphan_frees") for dev in d.devices)
+            out.append(f"{i['label']}: {human(base)} was alive before its history starts "
+                       "(counted in its peak, without the stacks that made it)" +
+                       ("; the history starts mid-run, so an earlier, higher moment may be "
+                        "missing" if cut else ""))
     if mode == RANKS:
         ranks = [i["rank"] for i in inputs]
         if any(r is None for r in ranks):
