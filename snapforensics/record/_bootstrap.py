@@ -130,11 +130,23 @@ def _provenance(*, backend: str, torch_version: str, rank: int, world: int, loca
 MAX_GROUPS = 256  # analysis/mesh.py reads as many
 
 
+# The process groups seen at each step's end, held until the process ends. Destroying a gloo
+# group joins its worker threads while holding the GIL; a worker still finishing a collective
+# restores the thread-local state captured when the work was queued, which holds the
+# recorder's saved-tensors hooks (record/identity.py: Python objects, so the worker takes the
+# GIL to copy them): a deadlock. Seen in a fresh clone's tests: DDP's Reducer, freed with the
+# script's globals after its last step, dropped the last reference to the default group while
+# a worker was finishing the step's last all-reduce (main thread in ~ProcessGroupGloo ->
+# std::thread::join, worker in SavedTensorDefaultHooks::set_tls_state -> take_gil). Held here,
+# the groups are destroyed after the dump, at exit, when their workers have long been idle.
+_HELD_GROUPS: list[Any] = []
+
+
 def process_groups() -> list[dict] | None:
     """The process groups this rank is in: each one's description (`mesh_tp`, Megatron's
     `TENSOR_MODEL_PARALLEL_GROUP`, ...: analysis/mesh.py) and global ranks; None when
     torch.distributed is not initialized (before init_process_group, or after the script
-    destroyed it)."""
+    destroyed it). Each group is also held until the process ends (`_HELD_GROUPS`)."""
     try:
         import torch.distributed as dist
         from torch.distributed import distributed_c10d as c10d
@@ -143,6 +155,8 @@ def process_groups() -> list[dict] | None:
             return None
         out = []
         for pg in list(c10d._world.pg_map)[:MAX_GROUPS]:
+            if not any(pg is held for held in _HELD_GROUPS):
+                _HELD_GROUPS.append(pg)
             desc = getattr(pg, "group_desc", None) or c10d._world.pg_names.get(pg, "")
             out.append({"desc": str(desc)[:200],
                         "ranks": [int(r) for r in dist.get_process_group_ranks(pg)]})
