@@ -139,7 +139,7 @@ MAX_GROUPS = 256  # analysis/mesh.py reads as many
 # a worker was finishing the step's last all-reduce (main thread in ~ProcessGroupGloo ->
 # std::thread::join, worker in SavedTensorDefaultHooks::set_tls_state -> take_gil). Held here,
 # the groups are destroyed after the dump, at exit, when their workers have long been idle.
-_HELD_GROUPS: list[Any] = []
+_HELD_GROUPS: dict[int, Any] = {}  # id -> group (held, so an id is never reused meanwhile)
 
 
 def process_groups() -> list[dict] | None:
@@ -155,8 +155,7 @@ def process_groups() -> list[dict] | None:
             return None
         out = []
         for pg in list(c10d._world.pg_map)[:MAX_GROUPS]:
-            if not any(pg is held for held in _HELD_GROUPS):
-                _HELD_GROUPS.append(pg)
+            _HELD_GROUPS.setdefault(id(pg), pg)
             desc = getattr(pg, "group_desc", None) or c10d._world.pg_names.get(pg, "")
             out.append({"desc": str(desc)[:200],
                         "ranks": [int(r) for r in dist.get_process_group_ranks(pg)]})
