@@ -113,11 +113,19 @@ _MOE_COMBINE_WORDS = {"combine", "unpermute", "unpermutation", "decode"}
 _ALL_TO_ALL_FUNCS = {"all_to_all_single", "all_to_all", "all_to_all_single_autograd"}
 
 
+def moe_layer_frame(frames: list[Frame]) -> Frame | None:
+    """The frame that puts a stack (innermost first) under an MoE layer: the recorder's
+    innermost `<nn.Module>` frame of an MoE-named module (one per instance), else the innermost
+    frame in an MoE implementation's file; None when there is none."""
+    return next((f for f in frames if f.filename == "<nn.Module>" and
+                 _MOE_MODULE.search(f.name)), None) or \
+        next((f for f in frames if _MOE_FILE.search(f.filename)), None)
+
+
 def _moe_category(frames: list[Frame]) -> tuple[Category, bool] | None:
     """(moe.dispatch_buffer / moe.combine_buffer, whether only an exchange says so) for a stack
     under an MoE layer, else None."""
-    if not any(_MOE_MODULE.search(f.name) if f.filename == "<nn.Module>" else
-               _MOE_FILE.search(f.filename) for f in frames):
+    if moe_layer_frame(frames) is None:
         return None
     a2a = False
     py = [f for f in frames if not f.filename.startswith("<")]  # innermost first

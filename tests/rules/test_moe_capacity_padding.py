@@ -192,3 +192,54 @@ def test_deepspeed_moe_buffers_are_named_and_the_replay_predicts_the_cf1_twin(cf
         t = twin_truth["calls"][0]
         assert t["experts"] * t["capacity"] == t["tokens"] * t["k"]
         assert _finding(twin) is None
+
+
+# An MoE written inline (tests/inline_moe.py: the dispatch in the layer's own `forward`, torch's
+# functional `all_to_all_single_autograd`): only the exchanges have a name in their stacks. The
+# layout the change was built on (top-2 over 8 experts, the zero-filled buffer first, FSDP2 on
+# the dense blocks) and one it was not (top-1 over 4 experts at cf 2.0, the routed rows gathered
+# first and the buffer filled in place, no MoE word in any class name, other dims, no FSDP);
+# and one whose combine adds the kept rows straight into the tokens (top-2 over 4 experts at
+# cf 1.25): its twin's kept rows are fewer than the routed ones and no block of the combine
+# holds the routed rows, so only the dispatch's gathered tokens keep the twin from reading as
+# padded; each against its cf 1.0 twin
+INLINE = (("1.5", ("--fsdp", "--layers", "3")),
+          ("2.0", ("--order", "gather-first", "--names", "plain", "--k", "1", "--experts", "4",
+                   "--dim", "96", "--tokens", "768", "--layers", "3")),
+          ("1.25", ("--order", "gather-first", "--combine", "index-add", "--experts", "4",
+                    "--dim", "64")))
+
+
+def _inline_run(cf: str, extra: tuple[str, ...]):
+    from pathlib import Path
+
+    from recordings import recorded_script
+
+    folder = recorded_script(Path(__file__).parents[1] / "inline_moe.py",
+                             ("--capacity-factor", cf, *extra), truth=True)
+    return [(folder / f"rank{r}.pickle",
+             json.loads((folder / f"truth.rank{r}.json").read_text())) for r in (0, 1)]
+
+
+@slow
+@pytest.mark.parametrize("cf,extra", INLINE, ids=("zeros_first_top2", "held_out_gather_top1",
+                                                   "held_out_index_add"))
+def test_inline_dispatch_is_read_from_the_layers_own_blocks(cf, extra):
+    for (path, truth), (twin_path, twin_truth) in zip(_inline_run(cf, extra),
+                                                      _inline_run("1.0", extra)):
+        c, t = truth["calls"][0], twin_truth["calls"][0]
+        # the run pads (capacity over the routed rows), its twin holds exactly the routed rows
+        assert c["buffer_bytes"] > c["routed_bytes"]
+        assert t["buffer_bytes"] == t["routed_bytes"]
+        assert sum(t["kept"]) < sum(t["routed"])  # the twin drops tokens: its kept rows are
+        # fewer than its routed rows, which must not read as padding
+        rep, twin = sf.diagnose(path), sf.diagnose(twin_path)
+        measured = twin.peaks["overall_bytes"]
+        f = _finding(rep)
+        assert f is not None and f.verdict == "anomalous"
+        assert measured < rep.peaks["overall_bytes"]
+        assert abs(f.predicted_peak_bytes - measured) <= 0.05 * measured, \
+            (f.predicted_peak_bytes, measured)
+        shown = c["experts"] * c["capacity"] / (c["tokens"] * c["k"])
+        assert f.evidence["capacity_factor_seen"] == pytest.approx(shown, abs=1e-3)
+        assert _finding(twin) is None

@@ -13,9 +13,15 @@ buffers are the call's largest dispatch blocks, made twice or more at one size (
 send buffer and the received one: a static shape both ways; a dropless call receives one ragged
 buffer), and the routed rows are the permuted tokens, the call's first token-row block (at least
 a quarter of the padded size, so cf up to 4: the int64 index tensors made before it, 8 bytes a
-routed row, are 8 / (dim * itemsize) of a token buffer). Their ratio r = routed / padded is 1/cf
-up to the capacity's rounding; r < 1 is padding (at cf = 1.0 with E dividing tokens * k the
-buffers are the permuted tokens' size: nothing beyond the routed rows). A dispatcher that pads
+routed row, are 8 / (dim * itemsize) of a token buffer) that no zero-fill op made (a zero-filled
+block is a buffer to be filled: the op frames of a CPU recording or of `stacks="all"` say so).
+A dispatch written inline in the MoE layer's `forward` names only its exchanges (no dispatcher
+function): the call is read with the layer's own forward blocks made right before its first
+exchange and right after its last (the same module instance), the zero-filled send buffer
+among them; without op frames that buffer reads as the routed rows and the call is not claimed.
+Their ratio r = routed / padded is 1/cf up to the capacity's rounding; r < 1 is padding (at
+cf = 1.0 with E dividing tokens * k the buffers are the permuted tokens' size: nothing beyond
+the routed rows). A dispatcher that pads
 while it permutes (Megatron's fused `permute(..., drop_and_pad=True)`) shows no unpadded tensor:
 r is not seen and the rule is silent. DeepSpeed's MOELayer (0.19's `_sparse_encode`) gathers each
 slot's token straight from the layer's input, so its dispatch holds no routed-rows tensor: the
@@ -38,12 +44,16 @@ at the peak.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
+from snapforensics.analysis.classify import moe_layer_frame
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding, Replay
 from snapforensics.analysis.evidence import human, lowers_peak, top_stacks
 from snapforensics.analysis.rule import Family, Rule
+from snapforensics.analysis.stacks import is_native
 from snapforensics.analysis.vocab import BACKWARD_PHASES, CAT_CODE, Category, Phase, Verdict
 
 FIX = """\
@@ -59,6 +69,19 @@ capacity_factor = 1.0  # was {cf:.2f}; an over-full expert then drops the tokens
 # DeepSpeed: deepspeed.moe.layer.MoE(..., capacity_factor=1.0, eval_capacity_factor=1.0)
 #   (drop_tokens=False pads every expert to the fullest one's count instead)
 """
+
+
+# a zero-fill op among a stack's frames: the CPU recorder's `aten::zeros` / `new_zeros` /
+# `zeros_like` pseudo frames, torch's C++ frames (`stacks="all"`) `at::_ops::zeros::call`...
+_ZEROS_OP = re.compile(r"^(?:aten::|at::_ops::)(?:new_)?zeros(?:_like)?(?:$|::)")
+
+
+def _zero_filled(d: DeviceAnalysis, b: int) -> bool:
+    s = int(d.lt.stack[b])
+    return s >= 0 and any(_ZEROS_OP.match(f.name) for f in d.snapshot.stack_frames(s))
+
+
+_MOE_CODES = (CAT_CODE[Category.MOE_DISPATCH], CAT_CODE[Category.MOE_COMBINE])
 
 
 def _calls(d: DeviceAnalysis) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -78,13 +101,59 @@ def _calls(d: DeviceAnalysis) -> list[tuple[np.ndarray, np.ndarray]]:
     return [c for c in calls if len(c[0]) and len(c[1])]
 
 
+def _with_layer_blocks(d: DeviceAnalysis, fwd: np.ndarray, disp: np.ndarray,
+                       comb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A call whose exchanges alone are named (a dispatch written inline in the MoE layer's
+    forward: no dispatcher function, so no word in the stack) with the layer's own forward
+    blocks around them: those made under the same MoE layer frame (the recorder's module
+    frame names the instance) right before its first dispatch block and right after its last
+    combine block, up to the first block of another layer or another call."""
+    lt, snap = d.lt, d.snapshot
+
+    def python(b: int) -> list:
+        s = int(lt.stack[b])
+        return [f for f in snap.stack_frames(s) if not is_native(f)] if s >= 0 else []
+
+    frames = python(int(disp[0]))
+    layer = moe_layer_frame(frames)
+    if layer is None:
+        return disp, comb
+    if layer.filename != "<nn.Module>":  # an MoE file's frame: the module instance inside it
+        layer = next((f for f in frames if f.filename == "<nn.Module>"), layer)
+    key, mine = (layer.filename, layer.name), {}
+
+    def ours(b: int) -> bool:
+        s = int(lt.stack[b])
+        if s not in mine:
+            mine[s] = any((f.filename, f.name) == key for f in python(b))
+        return mine[s] and not np.isin(d.category[b], _MOE_CODES)
+
+    rows = lt.alloc_row[fwd]
+    i = int(np.searchsorted(rows, lt.alloc_row[disp].min())) - 1
+    before = []
+    while i >= 0 and ours(int(fwd[i])):
+        before.append(int(fwd[i]))
+        i -= 1
+    j = int(np.searchsorted(rows, lt.alloc_row[comb].max(), side="right"))
+    after = []
+    while j < len(fwd) and ours(int(fwd[j])):
+        after.append(int(fwd[j]))
+        j += 1
+    return (np.concatenate([np.array(before[::-1], np.int64), disp]),
+            np.concatenate([comb, np.array(after, np.int64)]))
+
+
 def _padding(d: DeviceAnalysis) -> tuple[list[tuple[int, int, int]], list[int], list[float]]:
     """The replay's (alloc, free, -bytes) intervals, the padded blocks, each padded call's r."""
     lt = d.lt
     extra, padded, ratios = [], [], []
     ratio_of: list[float] = []
     exchanged: dict[int, float] = {}  # each padded exchange's size: its call's r
+    fwd = np.flatnonzero((d.phase == Phase.FORWARD) & (lt.alloc_row >= 0))
+    fwd = fwd[np.argsort(lt.alloc_row[fwd], kind="stable")]
     for disp, comb in _calls(d):
+        if int((lt.size[disp] == lt.size[disp].max()).sum()) < 2:
+            disp, comb = _with_layer_blocks(d, fwd, disp, comb)
         sizes = lt.size[disp]
         big = int(sizes.max())
         # the exchange: two blocks or more at the largest size (a send buffer and the received
@@ -109,7 +178,13 @@ def _padding(d: DeviceAnalysis) -> tuple[list[tuple[int, int, int]], list[int], 
         back = int(np.argmax(cs == big)) if (cs == big).any() else -1
         rest = [int(x) for i, x in enumerate(cs.tolist())
                 if i != back and not big < x <= big * 1.01]
-        routed = max([int(sizes[np.argmax(sizes >= big / 4)]), *rest])
+        # (a zero-filled block is a buffer to be filled, not the tokens: an inline dispatch
+        # makes its send buffer first; without the op frames that say so it reads as the
+        # routed rows, r = 1, and the call is left unsaid)
+        wide = np.flatnonzero(sizes >= big / 4)
+        first = next((int(sizes[i]) for i in wide.tolist()
+                      if not _zero_filled(d, int(disp[i]))), big)
+        routed = max([first, *rest])
         r = routed / big
         if r >= 1:
             continue
