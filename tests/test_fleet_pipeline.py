@@ -11,6 +11,7 @@ import pytest
 
 from snapforensics import parallel
 from snapforensics.analysis.fleet import fleet
+from snapforensics.analysis.mesh import mesh
 from snapforensics.report import fleet as report
 
 MODULE = "snapforensics.examples.pipeline"
@@ -80,8 +81,9 @@ def test_stages_made_with_unnamed_groups_are_not_taken_for_the_world():
     """2 stages x DDP over 2 ranks, groups made by `dist.new_group` without names
     (tests/pipeline_ddp.py): no group names the pipeline's dimension, and the unnamed groups
     split the world, so it is not the pipeline's (before: every rank was its own stage, "stage
-    1 of 4" on a rank of stage 0, and 1F1B's "min(M, 4 - s)"). A stage said is the running
-    stage's (truth from `PipelineStage`), or none is said."""
+    1 of 4" on a rank of stage 0, and 1F1B's "min(M, 4 - s)"). The recorder writes the stages
+    each rank's PipelineStage objects ran (`pipeline_stages`): the stage said is the running
+    stage's (truth from `PipelineStage`)."""
     from pathlib import Path
 
     from recordings import recorded_script
@@ -93,11 +95,17 @@ def test_stages_made_with_unnamed_groups_are_not_taken_for_the_world():
     for r, doc in enumerate(docs):
         p = doc["framework"]["pipeline"]
         assert p["schedule"] == "1f1b"
-        assert (p["stage"], p["stages"]) in ((None, None),
-                                             (truth[r]["stage"], truth[r]["stages"])), (r, p)
+        assert (p["stage"], p["stages"]) == (truth[r]["stage"], truth[r]["stages"]), (r, p)
+        assert doc["provenance"]["pipeline_stages"] == {"indices": [truth[r]["stage"]],
+                                                        "num_stages": 2}
     f = fleet(docs)
     st = f.statement
-    assert st["stages"] in (None, 2) and "of 4" not in report.statement(f), st
+    assert st["stages"] == 2 and "of 4" not in report.statement(f), st
+    # without the recorder's stages the unnamed groups leave the stage unknown, not guessed
+    for doc in docs:
+        prov = {k: v for k, v in doc["provenance"].items() if k != "pipeline_stages"}
+        m = mesh(prov, ("pp", "dp_shard"))
+        assert (m.index("pp"), m.degree("pp")) == (None, None)
     # what the recorder found alive before its first entry (bytes an import or the process
     # group made) is counted in the peak: said as such, not as a peak that may be understated
     hist = [dev["history"] for doc in docs for dev in doc["devices"]]

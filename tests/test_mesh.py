@@ -80,3 +80,32 @@ def test_unnamed_groups_that_split_the_world_leave_unnamed_dimensions_unknown():
     m = _mesh(_prov(2, 1, ("default_pg", [0, 1]), ("undefined", [0, 1]), ("undefined", [1])),
               [Category.PP_P2P])
     assert (m.degree("pp"), m.index("pp")) == (2, 1)
+
+
+def test_the_recorders_pipeline_stages_say_the_stage_where_no_group_names_it():
+    # 2 stages x 2 DDP ranks over unnamed groups, rank 1 running stage 0 of 2
+    groups = (("default_pg", [0, 1, 2, 3]), ("undefined", [1, 3]), ("undefined", [0, 1]))
+    prov = {**_prov(4, 1, *groups), "pipeline_stages": {"indices": [0], "num_stages": 2}}
+    m = _mesh(prov, [Category.PP_P2P])
+    assert (m.degree("pp"), m.index("pp"), m.uses("pp")) == (2, 0, True)
+    assert m.source("pp") == "the rank's pipeline stages"
+    assert m.degree("tp") is None  # still split some way the file does not say
+    # an interleaved rank (stages 1 and 3 of 4): one of 2 ranks, at stage 1's place
+    prov = {**_prov(2, 1, ("default_pg", [0, 1])),
+            "pipeline_stages": {"indices": [1, 3], "num_stages": 4}}
+    m = _mesh(prov, [Category.PP_P2P])
+    assert (m.degree("pp"), m.index("pp")) == (2, 1)
+    # a named group wins; a world split two ways by pp leaves tp unknown, not the world
+    prov = {**_prov(4, 1, ("default_pg", [0, 1, 2, 3]), ("mesh_pp", [1, 3])),
+            "pipeline_stages": {"indices": [1], "num_stages": 9}}
+    assert (_mesh(prov).degree("pp"), _mesh(prov).index("pp")) == (2, 0)
+    prov = {**_prov(4, 1, ("default_pg", [0, 1, 2, 3])),
+            "pipeline_stages": {"indices": [0], "num_stages": 2}}
+    assert _mesh(prov, TP).degree("tp") is None
+    # what a stranger's file may hold instead: not read
+    for bad in ({"indices": [0, 0], "num_stages": 2}, {"indices": [2], "num_stages": 2},
+                {"indices": [0, 1, 2], "num_stages": 4}, {"indices": [3], "num_stages": 4.0},
+                {"indices": [True], "num_stages": 2}, {"indices": [], "num_stages": 2},
+                {"indices": [0], "num_stages": 1 << 40}, [0, 2], "0/2"):
+        m = _mesh({**_prov(4, 1, *groups), "pipeline_stages": bad}, [Category.PP_P2P])
+        assert m.degree("pp") is None, bad

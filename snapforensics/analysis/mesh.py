@@ -20,6 +20,8 @@ keeps the world there: it is what remains once the model is split, and the unnam
 data-parallel run makes lie inside it (DeepSpeed's expert-data-parallel groups, ZeRO++'s hpZ
 and MiCS shard groups, a node's SyncBatchNorm subgroup). Expert parallelism is
 not among them: its experts' ranks are the data-parallel ones (FSDP and EP over one 1-D mesh).
+Where no group names pp, the recorder's `pipeline_stages` (the stages the rank's PipelineStage
+objects ran, and their `num_stages`) say the pipeline's degree and the rank's stage.
 Files without the list (torch's own dumps, older recorders) know only the world size: a
 dimension's degree is the world size there unless the blocks show another, and `source` says
 so.
@@ -62,27 +64,36 @@ class Mesh:
     shown: frozenset[str] = frozenset()  # the dimensions the blocks show in use (SHOWN_BY)
     # a group that names nothing holds more than one rank, not all of them
     split: bool = False
+    # (this rank's stage index along pp, pp's degree) from the recorder's `pipeline_stages`
+    # (the PipelineStage objects the rank ran), where no group names pp
+    pp: tuple[int, int] | None = None
 
     def degree(self, dim: str) -> int | None:
         """The number of ranks along `dim` (1: the run does not use it), None when unknown."""
         if dim in self.groups:
             return len(self.groups[dim])
+        if dim == "pp" and self.pp is not None:
+            return self.pp[1]
         if self.world is None or (self.split and _kin(dim) != "dp"):
             return None
         wider = [d for d, g in self.groups.items() if len(g) > 1 and d != dim]
+        wider += ["pp"] if self.pp is not None and self.pp[1] > 1 and dim != "pp" else []
         wider += [d for d in self.shown if d not in self.groups and _kin(d) != _kin(dim)]
         return None if wider else self.world
 
     def uses(self, dim: str) -> bool:
         """The run splits over `dim` (its group has more than one rank, or the blocks show it
         and the world is its), as far as the file says."""
-        return (dim in self.groups or dim in self.shown) and (self.degree(dim) or 1) > 1
+        known = dim in self.groups or (dim == "pp" and self.pp is not None)
+        return (known or dim in self.shown) and (self.degree(dim) or 1) > 1
 
     def index(self, dim: str) -> int | None:
         """This rank's position along `dim` (a pipeline stage's index for "pp")."""
         ranks = self.groups.get(dim)
         if ranks is not None:
             return ranks.index(self.rank) if self.rank in ranks else None
+        if dim == "pp" and self.pp is not None:
+            return self.pp[0]
         n = self.degree(dim)
         ok = type(self.rank) is int and n is not None and 0 <= self.rank < n
         return self.rank if ok and n == self.world else None
@@ -91,6 +102,8 @@ class Mesh:
         """Where `degree(dim)` comes from, for a finding's text."""
         if dim in self.groups:
             return "its process group"
+        if dim == "pp" and self.pp is not None:
+            return "the rank's pipeline stages"
         return "the world size" if self.degree(dim) is not None else "unknown"
 
 
@@ -131,4 +144,20 @@ def mesh(provenance: Any, dims: Iterable[str] = ()) -> Mesh:
                 groups[dim] = ranks
             elif desc in UNNAMED and ranks is not None and world is not None:
                 split = split or 1 < len(ranks) < world
-    return Mesh(world, rank, groups, frozenset(dims), split)
+    return Mesh(world, rank, groups, frozenset(dims), split,
+                None if "pp" in groups else _stages(prov.get("pipeline_stages")))
+
+
+def _stages(v: Any) -> tuple[int, int] | None:
+    """(stage index, pp degree) from the recorder's `pipeline_stages` ({"indices": the stages
+    the rank ran, "num_stages": N}): a rank running V stages (an interleaved or V-shaped
+    schedule) is one of N / V ranks, at the place of its lowest stage (torch places stage i
+    of a looped schedule on rank i mod N / V, a V-shape's stage 2S - 1 - r beside r)."""
+    if type(v) is not dict:
+        return None
+    idx, n = _ranks(v.get("indices")), v.get("num_stages")
+    if idx is None or type(n) is not int or not 0 < n <= 1 << 16 or n % len(idx) or \
+            len(set(idx)) != len(idx) or max(idx) >= n:
+        return None
+    ranks = n // len(idx)
+    return (min(idx), ranks) if min(idx) < ranks else None

@@ -168,6 +168,20 @@ def process_groups() -> list[dict] | None:
 # (torch's own `Forward i` / `Backward i` come from ScheduleGPipe alone): analysis reads
 # `snapforensics.pp forward|backward <stage index> <micro-batch>` (forecast/pipeline.py).
 PP_RANGE = "snapforensics.pp {kind} {stage} {chunk}"
+# The stages this rank ran and the pipeline's stage count, as its PipelineStage objects say
+# (`stage_index`, `num_stages`): written to the snapshot as `pipeline_stages`, so a pipeline
+# whose groups carry no name (`dist.new_group`, DDP over each stage) still says its place.
+_STAGES: dict[int, int] = {}  # stage index -> num_stages
+MAX_STAGES = 1024
+
+
+def pipeline_stages() -> dict | None:
+    """{"indices": the stages this rank ran, "num_stages": the pipeline's count}; None when it
+    ran none, or its stages disagree on the count."""
+    counts = set(_STAGES.values())
+    if not _STAGES or len(counts) != 1:
+        return None
+    return {"indices": sorted(_STAGES), "num_stages": counts.pop()}
 
 
 def mark_pipeline_chunks() -> bool:
@@ -184,8 +198,11 @@ def mark_pipeline_chunks() -> bool:
 
     def wrap(method: Any, kind: str) -> Any:
         def marked(self, chunk_id, *args: Any, **kwargs: Any) -> Any:
-            name = PP_RANGE.format(kind=kind, stage=getattr(self, "stage_index", -1),
-                                   chunk=chunk_id)
+            stage, count = getattr(self, "stage_index", -1), getattr(self, "num_stages", None)
+            if type(stage) is int and type(count) is int and 0 <= stage < count and \
+                    (stage in _STAGES or len(_STAGES) < MAX_STAGES):
+                _STAGES[stage] = count
+            name = PP_RANGE.format(kind=kind, stage=stage, chunk=chunk_id)
             with record_function(name):
                 return method(self, chunk_id, *args, **kwargs)
         marked.__wrapped__ = method  # type: ignore[attr-defined]
@@ -683,6 +700,8 @@ def run_recorded(opts: dict, target: str, args: list[str]) -> dict:
             groups = process_groups() or window.groups
             if groups is not None:
                 snap["snapforensics"]["process_groups"] = groups
+            if (stages := pipeline_stages()) is not None:
+                snap["snapforensics"]["pipeline_stages"] = stages
             p = snapshot_path(out, rank)
             write_pickle(p, snap)
             status["snapshot"] = str(p)
