@@ -14,8 +14,9 @@ does not run, so the layers keep their names: `layers.5.attn.qkv.weight`).
         --model gpt --schedule 1f1b --microbatches 8
 
 One stage per rank (`--schedule gpipe | 1f1b`), or two (`interleaved`: ScheduleInterleaved1F1B,
-rank r running stages r and r + S). With `--dp N` each stage is fully_shard-ed over N ranks
-(every block, then the stage), on a (pp, dp_shard) mesh, as torchtitan composes FSDP with PP.
+`looped_bfs`: ScheduleLoopedBFS; rank r running stages r and r + S). With `--dp N` each stage is
+fully_shard-ed over N ranks (every block, then the stage), on a (pp, dp_shard) mesh, as
+torchtitan composes FSDP with PP.
 `--truth DIR` writes DIR/truth.rank{R}.json from the running stages, as the bundled example
 does: the rank's pipeline index and the most micro-batches in flight on a stage of it per step.
 """
@@ -34,12 +35,14 @@ from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
 )
 
 from snapforensics.examples.common import write_truth
 from snapforensics.examples.pipeline import _count_in_flight
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+             "looped_bfs": ScheduleLoopedBFS}
 
 
 class Attention(nn.Module):
@@ -147,7 +150,7 @@ def main() -> None:
 
         mesh = init_device_mesh("cpu", (ranks, a.dp), mesh_dim_names=("pp", "dp_shard"))
         rank, group = mesh["pp"].get_local_rank(), mesh["pp"].get_group()
-    v = 2 if a.schedule == "interleaved" else 1
+    v = 2 if a.schedule in ("interleaved", "looped_bfs") else 1
     stages = ranks * v
     per = shape["layers"] // stages
     chunks = []

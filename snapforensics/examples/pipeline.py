@@ -1,5 +1,6 @@
 """A pipeline-parallel run (``torch.distributed.pipelining``) with ground truth, for the pipeline
-rules: one stage per rank, a stack of MLP blocks split evenly, GPipe or 1F1B over M micro-batches;
+rules: one stage per rank, a stack of MLP blocks split evenly, GPipe or 1F1B over M micro-batches
+(or two stages per rank, ScheduleInterleaved1F1B or ScheduleLoopedBFS);
 with ``--dp N`` each stage is fully_shard-ed over N ranks (FSDP2 + PP on a (pp, dp_shard) mesh);
 with ``--tp N`` each block's MLP is ColwiseParallel / RowwiseParallel over N ranks (TP inside the
 stages, on a (pp, dp_shard, tp) mesh, as torchtitan composes them). A stage keeps the model's
@@ -27,12 +28,15 @@ from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
 )
 
 from snapforensics.examples.common import parser, write_truth
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
-             "interleaved": ScheduleInterleaved1F1B}  # two stages per rank (a looped layout)
+             # two stages per rank (a looped layout)
+             "interleaved": ScheduleInterleaved1F1B, "looped_bfs": ScheduleLoopedBFS}
+LOOPED = ("interleaved", "looped_bfs")
 
 
 class Chunk(nn.Module):
@@ -101,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
         index, group = mesh["pp"].get_local_rank(), mesh["pp"].get_group()
     torch.manual_seed(0)
     blocks = [Block(a.dim) for _ in range(a.layers)]
-    v = 2 if a.schedule == "interleaved" else 1  # stages per rank: index, index + stages, ...
+    v = 2 if a.schedule in LOOPED else 1  # stages per rank: index, index + stages, ...
     per = a.layers // (stages * v)
     chunks = [Chunk({j: blocks[j] for j in range(i * per, (i + 1) * per)})
               for i in range(index, stages * v, stages)]

@@ -78,3 +78,42 @@ def test_fsdp_sharded_stages_predict_the_1f1b_twin():
         measured = twin.peaks["overall_bytes"]
         assert abs(f.predicted_peak_bytes - measured) <= 0.05 * measured, \
             (f.predicted_peak_bytes, measured)
+
+
+# ScheduleLoopedBFS, each rank running two stages (r and r + 2) and every forward of both before
+# any backward, against its ScheduleInterleaved1F1B twin: the bundled example (the layout the
+# rule was built on) and a GPT it was not (tests/lm_pipeline.py: embeddings on the first stage,
+# the head and loss on the last)
+LOOPED = (("module", ("--microbatches", "8", "--layers", "8", "--dim", "256")),
+          ("gpt", ("--model", "gpt", "--microbatches", "8")))
+
+
+@slow
+@pytest.mark.parametrize("kind,args", LOOPED, ids=("example", "held_out_gpt"))
+def test_looped_bfs_is_anomalous_and_the_replay_predicts_the_interleaved_twin(kind, args):
+    from pathlib import Path
+
+    from recordings import recorded_script
+
+    def run(schedule: str):
+        if kind == "module":
+            return _run(schedule, args)
+        folder = recorded_script(Path(__file__).parents[1] / "lm_pipeline.py",
+                                 (*args, "--schedule", schedule), truth=True)
+        return [(sf.diagnose(folder / f"rank{r}.pickle"),
+                 json.loads((folder / f"truth.rank{r}.json").read_text())) for r in (0, 1)]
+
+    for (rep, truth), (twin, twin_truth) in zip(run("looped_bfs"), run("interleaved")):
+        f = _finding(rep)
+        assert f is not None and f.verdict == "anomalous", f
+        # what each stage held, from the running stages' own counts: all M on each of the two
+        assert f.evidence["stages_per_rank"] == 2
+        assert f.evidence["held_at_peak"] == 2 * max(truth["held_per_step"]) == \
+            2 * truth["microbatches"]
+        assert f.evidence["one_f_one_b_holds"] == max(twin_truth["held_per_step"])
+        assert "ScheduleInterleaved1F1B" in f.fix
+        compile(f.fix, RULE.id, "exec")
+        measured = twin.peaks["overall_bytes"]
+        assert abs(f.predicted_peak_bytes - measured) <= 0.05 * measured, \
+            (truth["stage"], f.predicted_peak_bytes, measured)
+        assert _finding(twin) is None  # Interleaved1F1B: nothing to say

@@ -1012,6 +1012,8 @@ def rebuild(src: StageSource, sc: PipeScenario, stage: int, layer_ratio: float,
     runs_of: dict[tuple[str, int], list[tuple[str, int]]] = {}
     for x in seq:
         runs_of.setdefault(tmpl[x], []).append(x)
+    first_b = next((x for x in seq if x[0] == "B"), None)
+    len_of = {x: src.ops[tmpl[x]][1] - src.ops[tmpl[x]][0] for x in seq}
 
     def runs_of_first(key: tuple[str, int]) -> tuple[str, int] | None:
         return runs_of[key][0] if key in runs_of else None
@@ -1111,10 +1113,16 @@ def rebuild(src: StageSource, sc: PipeScenario, stage: int, layer_ratio: float,
                                      and not src.head[b])
         sz = size[b] * (outputs_ratio if src.layer_outputs[b] else layer_ratio if per_layer
                         else 1.0) * (1.0 if to_optimizer else scale_mb)
-        # (a parameter's gradient is made once, by the first backward its template stands for)
+        # (a parameter's gradient is made once, by the stage's first backward in the new
+        # order, at its offset in the recorded one that made it, the first that ran there:
+        # B 0 in order, B M-1 under ScheduleLoopedBFS, whose backwards run in reverse)
         insts = runs_of.get((kind, k), ())
-        for inst in insts[:1] if to_optimizer else insts:
+        if to_optimizer:
+            insts = [first_b] if first_b is not None and insts else []
+        for inst in insts:
             ar = int(a[b]) + offsets[inst]
+            if to_optimizer:
+                ar = timeline[inst] + min(int(a[b]) - src.ops[(kind, k)][0], len_of[inst] - 1)
             if lone_layer and src.sends[b]:
                 for fr in outputs_freed(inst):
                     add(b, ar, fr, sz * (layer_ratio - 1) / max(round(layer_ratio) - 1, 1))
@@ -1320,7 +1328,7 @@ def predict(srcs: list[StageSource], sc: PipeScenario) -> list[StagePrediction]:
         elif p.refused is None:
             parts = [rebuild(src, sc, st, ratio)]
             parts += _gradient_receives(sc, st, src, pick(0))
-            p.predicted_peak_bytes = _joined(parts).peak()[0]
+            p.predicted_peak_bytes = joined(parts).peak()[0]
         out.append(p)
     return out
 
@@ -1342,16 +1350,21 @@ def _gradient_receives(sc: PipeScenario, g: int, src: StageSource,
                     first.sizes(sc.world_size, sc.tp)[recv] * first.p2p_share)]
 
 
-def _joined(parts: list[Rebuilt]) -> Rebuilt:
+def joined(parts: list[Rebuilt]) -> Rebuilt:
     rows = max(r.rows for r in parts)
     return Rebuilt(rows, *(np.concatenate([getattr(r, k) for r in parts])
                            for k in ("block", "alloc", "free", "size")))
 
 
 def _interleaved_peak(sc: PipeScenario, rank: int, pick, layers: int) -> int:
-    """The rank's peak under an interleaved schedule: each of its stages (global stage
-    j * S + rank) rebuilt from the recorded stage in that stage's position at its share of the
-    layers, the operations of all laid out in the rank's order, and summed."""
+    """The rank's peak under an interleaved schedule (`interleaved`)."""
+    return joined(interleaved(sc, rank, pick, layers)).peak()[0]
+
+
+def interleaved(sc: PipeScenario, rank: int, pick, layers: int) -> list[Rebuilt]:
+    """The rank's step under an interleaved schedule: each of its stages (global stage
+    j * S + rank) rebuilt from the recorded stage in that stage's position (`pick`) at its
+    share of the layers, the operations of all laid out in the rank's order."""
     seq = order(sc.schedule, rank, sc.stages, sc.microbatches, sc.virtual)
     by_chunk = {j: pick(j * sc.stages + rank) for j in range(sc.virtual)}
     srcs = {x: by_chunk[x[1] // sc.microbatches] for x in seq}
@@ -1363,7 +1376,7 @@ def _interleaved_peak(sc: PipeScenario, rank: int, pick, layers: int) -> int:
                      j * sc.stages + rank in (0, last)) for j, src in by_chunk.items()]
     for j, src in by_chunk.items():
         parts += _gradient_receives(sc, j * sc.stages + rank, src, pick(0))
-    return _joined(parts).peak()[0]
+    return parts
 
 
 # The error band: each stage's forecast against the run recorded in that layout, from
