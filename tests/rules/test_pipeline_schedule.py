@@ -103,7 +103,23 @@ def test_looped_bfs_is_anomalous_and_the_replay_predicts_the_interleaved_twin(ki
         return [(sf.diagnose(folder / f"rank{r}.pickle"),
                  json.loads((folder / f"truth.rank{r}.json").read_text())) for r in (0, 1)]
 
-    for (rep, truth), (twin, twin_truth) in zip(run("looped_bfs"), run("interleaved")):
+    looped, twins = run("looped_bfs"), run("interleaved")
+    # the forecast from both ranks' files: the fix's layout is a scenario with its own pairs
+    # (FROM_LOOPED_BFS_PAIRS), never "exact" (the recording ran another order)
+    from snapforensics.analysis.context import analyse
+    from snapforensics.analysis.forecast import pipeline as pf
+    from snapforensics.snapshot import load
+
+    snaps = [load(rep.diagnosis.source) for rep, _ in looped]
+    doc = pf.pipeline_forecast([analyse(s, s.active_traces[0]) for s in snaps], [2], [8],
+                               ["interleaved"])
+    assert doc.recorded["schedule"] == "looped_bfs"
+    sc, = doc.scenarios
+    assert sc["error_band"]["validated"] and not sc["error_band"]["exact"]
+    for p, (twin, _) in zip(sc["per_stage"], twins):
+        measured = twin.peaks["overall_bytes"]
+        assert abs(p["predicted_peak_bytes"] - measured) <= 0.05 * measured, (p, measured)
+    for (rep, truth), (twin, twin_truth) in zip(looped, twins):
         f = _finding(rep)
         assert f is not None and f.verdict == "anomalous", f
         # what each stage held, from the running stages' own counts: all M on each of the two

@@ -149,6 +149,8 @@ class StageSource:
     others: np.ndarray | None = None
     p2p_share: float = 1.0
     regular: bool = True  # its rank ran ScheduleInterleaved1F1B's order (what the pairs ran)
+    # its rank ran every forward, on every stage, before any backward (ScheduleLoopedBFS)
+    looped_bfs: bool = False
     # (world, tp) -> `sizes`, shared by the sources of one recording (they scale alike)
     _sizes: dict = field(default_factory=dict, repr=False)
     _paths: dict = field(default_factory=dict, repr=False)  # stack -> `path`
@@ -676,6 +678,7 @@ def stage_steps(d: DeviceAnalysis) -> list[StageSource] | str:
                sorted((r0, kind, k, g) for g in gs for (kind, k), (r0, _) in step[g].items())]
         regular = stage is not None and stages is not None and \
             ran == order(INTERLEAVED, stage, stages, m, v)
+        bfs = ran[m * v - 1][0] == "F" and ran[m * v][0] == "B"
         # each stage's receive buffers (one per micro-batch for activations unless it is the
         # pipeline's first, one for gradients unless its last): its share of the rank's
         want = [(g > 0) + (total is None or g < total - 1) for g in gs]
@@ -689,6 +692,7 @@ def stage_steps(d: DeviceAnalysis) -> list[StageSource] | str:
                                    start, end, stop, chunks[j][1], virtual=v,
                                    rank_layers=layers, others=others,
                                    p2p_share=want[j] / max(sum(want), 1), regular=regular,
+                                   looped_bfs=bfs,
                                    _sizes=sized))
     return out
 
@@ -1701,6 +1705,13 @@ FROM_INTERLEAVED_PAIRS: tuple[tuple[str, str, float, float], ...] = (
     ("S=4x2 M=4 interleaved", "S=4x2 M=8 interleaved", -0.0135, -0.0106),
 )
 # the same with FSDP2 sharding each stage (--dp 2), the looped runtime's UNSHARD gathers replayed
+# ScheduleLoopedBFS recorded, ScheduleInterleaved1F1B at the same layout (its fix) against the
+# twin recorded so (tests/rules/test_pipeline_schedule.py::test_looped_bfs_is_anomalous_and_
+# the_replay_predicts_the_interleaved_twin: 2 ranks x 2 stages, 8 micro-batches, every rank)
+FROM_LOOPED_BFS_PAIRS: tuple[tuple[str, str, float, float], ...] = (
+    ("S=2x2 M=8 looped_bfs (example)", "S=2x2 M=8 interleaved", -0.0104, 0.0000),
+    ("S=2x2 M=8 looped_bfs (gpt)", "S=2x2 M=8 interleaved", 0.0000, 0.0000),
+)
 FSDP_FROM_INTERLEAVED_PAIRS: tuple[tuple[str, str, float, float], ...] = (
     ("S=2x2 M=8 interleaved", "S=2 M=8 gpipe", 0.0080, 0.0081),
     ("S=2x2 M=8 interleaved", "S=2 M=8 1f1b", 0.0414, 0.0568),
@@ -1880,7 +1891,8 @@ def band(sc: PipeScenario, src: StageSource, srcs: list[StageSource] | None = No
     world = sc.world_size is not None and sc.world_size != src.world_size
     tp = sc.tp is not None and sc.tp != src.tp
     if (sc.stages * sc.virtual, sc.microbatches, sc.schedule, sc.virtual, world, tp) == \
-            (src.stages, src.microbatches, src.schedule, src.virtual, False, False):
+            (src.stages, src.microbatches, src.schedule, src.virtual, False, False) and \
+            src.regular:  # (a rank of a looped schedule in another order runs a new one)
         return {"low": 0.0, "high": 0.0, "pairs": 0, "validated": True, "not_validated": [],
                 "exact": True}
     fsdp = bool(src.d.mask(*FSDP_CATEGORIES).any())
@@ -1900,7 +1912,12 @@ def band(sc: PipeScenario, src: StageSource, srcs: list[StageSource] | None = No
         if world or tp:
             why.append("another FSDP world size or TP degree from an interleaved recording (no "
                        "recorded pair)")
-        if not src.regular:
+        fix = src.looped_bfs and sc.schedule == INTERLEAVED and not (world or tp) and \
+            (sc.stages * sc.virtual, sc.microbatches, sc.virtual) == \
+            (src.stages, src.microbatches, src.virtual)
+        if fix:  # ScheduleLoopedBFS's own fix (pipeline.all_forward_before_backward)
+            pairs = FROM_LOOPED_BFS_PAIRS
+        elif not src.regular:
             why.append("the rank's stages ran in an order other than ScheduleInterleaved1F1B's "
                        "(another looped schedule, or a rank whose place is unknown): the pairs "
                        "ran that one")
@@ -2025,7 +2042,8 @@ def pipeline_forecast(analyses: list[DeviceAnalysis], stages=(), microbatches=()
     by = {s.stage: s for s in srcs}
     ranks = first.stages // first.virtual if first.stages else None
     recorded = {"stages": ranks, "virtual_stages": first.virtual,
-                "microbatches": first.microbatches, "schedule": first.schedule,
+                "microbatches": first.microbatches,
+                "schedule": "looped_bfs" if first.looped_bfs else first.schedule,
                 "layers": first.layers,
                 "world_size": first.world_size, "tp": first.tp,
                 "stage_files": sorted(k for k in by if k is not None),

@@ -107,7 +107,8 @@ def _with_layer_blocks(d: DeviceAnalysis, fwd: np.ndarray, disp: np.ndarray,
     forward: no dispatcher function, so no word in the stack) with the layer's own forward
     blocks around them: those made under the same MoE layer frame (the recorder's module
     frame names the instance) right before its first dispatch block and right after its last
-    combine block, up to the first block of another layer or another call."""
+    combine block, up to the first block of another layer or another call (none larger than
+    the exchange)."""
     lt, snap = d.lt, d.snapshot
 
     def python(b: int) -> list:
@@ -139,7 +140,12 @@ def _with_layer_blocks(d: DeviceAnalysis, fwd: np.ndarray, disp: np.ndarray,
     while j < len(fwd) and ours(int(fwd[j])):
         after.append(int(fwd[j]))
         j += 1
-    return (np.concatenate([np.array(before[::-1], np.int64), disp]),
+    # none larger than the exchange: the padded buffer is what it exchanges (an einsum
+    # dispatch's [tokens, experts, capacity] masks are larger, and no routed rows show there)
+    cap = int(lt.size[disp].max())
+    before = [b for b in before[::-1] if lt.size[b] <= cap]
+    after = [b for b in after if lt.size[b] <= cap]
+    return (np.concatenate([np.array(before, np.int64), disp]),
             np.concatenate([comb, np.array(after, np.int64)]))
 
 

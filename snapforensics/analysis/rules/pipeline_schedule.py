@@ -112,14 +112,8 @@ def _looped_steps(d: DeviceAnalysis) -> list[list[pipeline.StageSource]]:
     for src in steps if not isinstance(steps, str) else []:
         if src.virtual > 1:
             by.setdefault(src.start, []).append(src)
-    out = []
-    for srcs in by.values():
-        ops = [(kind, r0) for s in srcs for (kind, _), (r0, _) in s.ops.items()]
-        first_b = min(r0 for kind, r0 in ops if kind == "B")
-        if len(srcs) == srcs[0].virtual and srcs[0].microbatches >= 2 and \
-                all(r0 < first_b for kind, r0 in ops if kind == "F"):
-            out.append(sorted(srcs, key=lambda s: s.stage if s.stage is not None else -1))
-    return out
+    return [sorted(srcs, key=lambda s: s.stage if s.stage is not None else -1)
+            for srcs in by.values() if srcs[0].looped_bfs and srcs[0].microbatches >= 2]
 
 
 def _looped_replay(d: DeviceAnalysis, steps: list[list[pipeline.StageSource]], rank: int,
