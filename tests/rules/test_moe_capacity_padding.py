@@ -142,16 +142,35 @@ DS_LAYOUTS = (("1.5", ()), ("2.0", ("--k", "1", "--experts", "4", "--dim", "96",
                                     "768", "--layers", "3")))
 
 
-def _ds_run(cf: str, extra: tuple[str, ...]):
-    pytest.importorskip("deepspeed", reason="deepspeed is not installed (make setup installs it)")
+def _script_run(script: str, cf: str, extra: tuple[str, ...]):
+    """A test script of tests/ recorded at capacity factor `cf`: each rank's (file, truth)."""
     from pathlib import Path
 
     from recordings import recorded_script
 
-    folder = recorded_script(Path(__file__).parents[1] / "ds_moe.py",
+    folder = recorded_script(Path(__file__).parents[1] / script,
                              ("--capacity-factor", cf, *extra), truth=True)
     return [(folder / f"rank{r}.pickle",
              json.loads((folder / f"truth.rank{r}.json").read_text())) for r in (0, 1)]
+
+
+def _ds_run(cf: str, extra: tuple[str, ...]):
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed (make setup installs it)")
+    return _script_run("ds_moe.py", cf, extra)
+
+
+def _predicts_the_twin(path, twin_path, band: float):
+    """The run's finding: anomalous, its predicted peak within `band` of the cf 1.0 twin's
+    recorded one, and nothing said of the twin."""
+    rep, twin = sf.diagnose(path), sf.diagnose(twin_path)
+    measured = twin.peaks["overall_bytes"]
+    f = _finding(rep)
+    assert f is not None and f.verdict == "anomalous"
+    assert measured < rep.peaks["overall_bytes"]
+    assert abs(f.predicted_peak_bytes - measured) <= band * measured, \
+        (f.predicted_peak_bytes, measured)
+    assert _finding(twin) is None
+    return f
 
 
 @slow
@@ -171,16 +190,10 @@ def test_deepspeed_moe_buffers_are_named_and_the_replay_predicts_the_cf1_twin(cf
         # MOELayer.forward, told apart by the experts' work between them
         assert int((at & d.mask(Category.MOE_DISPATCH)).sum()) == 2 * 2 * len(calls)
         assert int((at & d.mask(Category.MOE_COMBINE)).sum()) == 2 * len(calls)
-        rep, twin = sf.diagnose(path), sf.diagnose(twin_path)
-        measured = twin.peaks["overall_bytes"]
-        f = _finding(rep)
-        assert f is not None and f.verdict == "anomalous"
-        assert measured < rep.peaks["overall_bytes"]
         # measured +0.04% (top-2) and +0.14% (top-1); the top-1 layout read +4.76% with the
         # experts' backward left to the gradient sizes alone (its hidden size is a dense
         # block's too), hence 2 %
-        assert abs(f.predicted_peak_bytes - measured) <= 0.02 * measured, \
-            (f.predicted_peak_bytes, measured)
+        f = _predicts_the_twin(path, twin_path, 0.02)
         # the capacity factor the buffers show: exchanged rows over routed rows, or over the
         # input `_sparse_encode` gathers from (the tokens and one zero row) when that is more
         # (top-1)
@@ -188,10 +201,10 @@ def test_deepspeed_moe_buffers_are_named_and_the_replay_predicts_the_cf1_twin(cf
         shown = c["experts"] * c["capacity"] / max(c["tokens"] * c["k"], c["tokens"] + 1)
         assert f.evidence["capacity_factor_seen"] == pytest.approx(shown, abs=1e-3)
         assert "deepspeed.moe.layer.MoE" in f.fix
-        # the twin's capacity holds exactly the routed rows: nothing padded, nothing to say
+        # the twin's capacity holds exactly the routed rows: nothing padded (and nothing said,
+        # `_predicts_the_twin`)
         t = twin_truth["calls"][0]
         assert t["experts"] * t["capacity"] == t["tokens"] * t["k"]
-        assert _finding(twin) is None
 
 
 # An MoE written inline (tests/inline_moe.py: the dispatch in the layer's own `forward`, torch's
@@ -210,36 +223,18 @@ INLINE = (("1.5", ("--fsdp", "--layers", "3")),
                     "--dim", "64")))
 
 
-def _inline_run(cf: str, extra: tuple[str, ...]):
-    from pathlib import Path
-
-    from recordings import recorded_script
-
-    folder = recorded_script(Path(__file__).parents[1] / "inline_moe.py",
-                             ("--capacity-factor", cf, *extra), truth=True)
-    return [(folder / f"rank{r}.pickle",
-             json.loads((folder / f"truth.rank{r}.json").read_text())) for r in (0, 1)]
-
-
 @slow
 @pytest.mark.parametrize("cf,extra", INLINE, ids=("zeros_first_top2", "held_out_gather_top1",
                                                    "held_out_index_add"))
 def test_inline_dispatch_is_read_from_the_layers_own_blocks(cf, extra):
-    for (path, truth), (twin_path, twin_truth) in zip(_inline_run(cf, extra),
-                                                      _inline_run("1.0", extra)):
+    for (path, truth), (twin_path, twin_truth) in zip(_script_run("inline_moe.py", cf, extra),
+                                                      _script_run("inline_moe.py", "1.0", extra)):
         c, t = truth["calls"][0], twin_truth["calls"][0]
         # the run pads (capacity over the routed rows), its twin holds exactly the routed rows
         assert c["buffer_bytes"] > c["routed_bytes"]
         assert t["buffer_bytes"] == t["routed_bytes"]
         assert sum(t["kept"]) < sum(t["routed"])  # the twin drops tokens: its kept rows are
         # fewer than its routed rows, which must not read as padding
-        rep, twin = sf.diagnose(path), sf.diagnose(twin_path)
-        measured = twin.peaks["overall_bytes"]
-        f = _finding(rep)
-        assert f is not None and f.verdict == "anomalous"
-        assert measured < rep.peaks["overall_bytes"]
-        assert abs(f.predicted_peak_bytes - measured) <= 0.05 * measured, \
-            (f.predicted_peak_bytes, measured)
+        f = _predicts_the_twin(path, twin_path, 0.05)
         shown = c["experts"] * c["capacity"] / (c["tokens"] * c["k"])
         assert f.evidence["capacity_factor_seen"] == pytest.approx(shown, abs=1e-3)
-        assert _finding(twin) is None
