@@ -4,6 +4,8 @@ over 2 stages, 8 micro-batches a step, for the tests of a pipeline no torch sche
 
     snapforensics record --nproc-per-node 2 --device cpu tests/ds_pipe.py
 
+On 4 ranks the 2 stages are each data parallel over 2 (DeepSpeed's grid: its groups unnamed).
+
 `--truth DIR` writes DIR/truth.rank{R}.json from the running engine, never from a snapshot: its
 stage, and the storages of the buffers it receives into (`pipe_recv_buf`, `grad_layer`) and of
 every received activation it keeps for a backward (`pipe_buffers['inputs']`), each seen as the
@@ -46,7 +48,8 @@ def main() -> None:
     model = PipelineModule(layers=[LayerSpec(Block, a.dim) for _ in range(8)], num_stages=2,
                            loss_fn=lambda out, y: ((out - y) ** 2).mean(),
                            partition_method="uniform")
-    cfg = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+    dp = torch.distributed.get_world_size() // 2  # the ranks beyond the 2 stages: data parallel
+    cfg = {"train_batch_size": 32 * dp, "train_micro_batch_size_per_gpu": 4,
            "gradient_accumulation_steps": 8, "steps_per_print": 10 ** 6,
            "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}}
     engine, _, _, _ = deepspeed.initialize(model=model, config=cfg,

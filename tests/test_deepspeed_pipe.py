@@ -47,3 +47,29 @@ def test_deepspeed_pipeline_buffers_are_p2p_and_the_run_reads_as_deepspeed():
                            progress=False))
     assert f.statement["rank"] == 0 and "tp" not in f.statement, f.statement
     assert "TP rank" not in report.statement(f)
+
+
+@pytest.mark.slow
+def test_deepspeed_pipeline_stages_under_data_parallelism_are_the_engines():
+    """2 stages x 2 data-parallel ranks: DeepSpeed names none of its groups, and they split the
+    world, so only the recorder's note of each engine's `stage_id` / `num_stages`
+    (`pipeline_stages`) says a rank's stage; it is the running engine's."""
+    from recordings import recorded_script
+
+    from snapforensics import parallel
+    from snapforensics.analysis.fleet import fleet
+    from snapforensics.report import fleet as report
+
+    folder = recorded_script(Path(__file__).parent / "ds_pipe.py", nproc=4, truth=True)
+    docs = parallel.run([folder / f"rank{r}.pickle" for r in range(4)], jobs=1, progress=False)
+    for r, doc in enumerate(docs):
+        truth = json.loads((folder / f"truth.rank{r}.json").read_text())
+        assert truth["stages"] == 2
+        assert doc["provenance"]["pipeline_stages"] == {"indices": [truth["stage"]],
+                                                        "num_stages": 2}
+        snap = load(folder / f"rank{r}.pickle")
+        layout = analyse(snap, snap.active_traces[0]).layout
+        assert (layout.index("pp"), layout.degree("pp")) == (truth["stage"], 2), r
+        assert layout.degree("tp") is None  # the groups still split the world unsaid
+    f = fleet(docs)
+    assert f.statement["stages"] == 2 and "of 4" not in report.statement(f), f.statement

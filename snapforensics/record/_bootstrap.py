@@ -175,6 +175,12 @@ _STAGES: dict[int, int] = {}  # stage index -> num_stages
 MAX_STAGES = 1024
 
 
+def _note_stage(stage: Any, count: Any) -> None:
+    if type(stage) is int and type(count) is int and 0 <= stage < count and \
+            (stage in _STAGES or len(_STAGES) < MAX_STAGES):
+        _STAGES[stage] = count
+
+
 def pipeline_stages() -> dict | None:
     """{"indices": the stages this rank ran, "num_stages": the pipeline's count}; None when it
     ran none, or its stages disagree on the count."""
@@ -198,10 +204,8 @@ def mark_pipeline_chunks() -> bool:
 
     def wrap(method: Any, kind: str) -> Any:
         def marked(self, chunk_id, *args: Any, **kwargs: Any) -> Any:
-            stage, count = getattr(self, "stage_index", -1), getattr(self, "num_stages", None)
-            if type(stage) is int and type(count) is int and 0 <= stage < count and \
-                    (stage in _STAGES or len(_STAGES) < MAX_STAGES):
-                _STAGES[stage] = count
+            stage = getattr(self, "stage_index", -1)
+            _note_stage(stage, getattr(self, "num_stages", None))
             name = PP_RANGE.format(kind=kind, stage=stage, chunk=chunk_id)
             with record_function(name):
                 return method(self, chunk_id, *args, **kwargs)
@@ -217,12 +221,41 @@ def mark_pipeline_chunks() -> bool:
     return True
 
 
-class _MarkOnImport:
-    """A `sys.meta_path` finder that marks pipeline stages' micro-batches right after the script
-    imports torch.distributed.pipelining (from its first step on), without importing it here
-    (4 s cold); it steps aside after that one import."""
+def note_deepspeed_stages() -> bool:
+    """Wrap DeepSpeed's `PipelineEngine.train_batch` / `eval_batch` (when the script imported
+    deepspeed's pipeline engine) to note the engine's stage and stage count (`stage_id`,
+    `num_stages`) for `pipeline_stages`: DeepSpeed names none of its groups. True once they are
+    wrapped."""
+    engine = getattr(sys.modules.get("deepspeed.runtime.pipe.engine"), "PipelineEngine", None)
+    if engine is None:
+        return False
+    if getattr(engine, "_snapforensics_noted", False):
+        return True
 
-    NAME = "torch.distributed.pipelining.stage"
+    def wrap(method: Any) -> Any:
+        def noted(self, *args: Any, **kwargs: Any) -> Any:
+            _note_stage(getattr(self, "stage_id", None), getattr(self, "num_stages", None))
+            return method(self, *args, **kwargs)
+        noted.__wrapped__ = method  # type: ignore[attr-defined]
+        return noted
+
+    try:
+        engine.train_batch = wrap(engine.train_batch)
+        engine.eval_batch = wrap(engine.eval_batch)
+        engine._snapforensics_noted = True
+    except (AttributeError, TypeError):  # another DeepSpeed's layout: nothing noted or broken
+        return False
+    return True
+
+
+class _MarkOnImport:
+    """A `sys.meta_path` finder that runs `mark` right after the script imports the module
+    `name` (torch.distributed.pipelining's stages: their micro-batches marked from the first
+    step on; DeepSpeed's pipeline engine: its stage noted), without importing it here (4 s
+    cold); it steps aside after that one import."""
+
+    def __init__(self, name: str, mark: Any) -> None:
+        self.NAME, self.mark = name, mark
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
         if name != self.NAME:
@@ -236,13 +269,13 @@ class _MarkOnImport:
 
         def exec_module(module: Any) -> None:
             run(module)
-            mark_pipeline_chunks()
+            self.mark()
 
         loader.exec_module = exec_module  # type: ignore[union-attr]  # this module's own loader
         return spec
 
     def install(self) -> None:
-        if not mark_pipeline_chunks():  # already imported (by a sitecustomize): marked now
+        if not self.mark():  # already imported (by a sitecustomize): marked now
             sys.meta_path.insert(0, self)
 
     def remove(self) -> None:
@@ -667,10 +700,12 @@ def run_recorded(opts: dict, target: str, args: list[str]) -> dict:
         status["exit_code"] = 128 + pending
         status["interrupted_before_start"] = True
         return finish()
-    marks = _MarkOnImport()
+    marks = (_MarkOnImport("torch.distributed.pipelining.stage", mark_pipeline_chunks),
+             _MarkOnImport("deepspeed.runtime.pipe.engine", note_deepspeed_stages))
     try:
         window.install()
-        marks.install()
+        for m in marks:
+            m.install()
     except Exception as e:
         sys.argv[:] = saved_argv
         if saved_path0 is not None:
@@ -776,7 +811,8 @@ def run_recorded(opts: dict, target: str, args: list[str]) -> dict:
             else:
                 dump(code if code is not None else 1)
         watcher.remove()
-        marks.remove()
+        for m in marks:
+            m.remove()
         term.restore()
         ctrl_c.restore()
     return finish()

@@ -1016,8 +1016,16 @@ def rebuild(src: StageSource, sc: PipeScenario, stage: int, layer_ratio: float,
     runs_of: dict[tuple[str, int], list[tuple[str, int]]] = {}
     for x in seq:
         runs_of.setdefault(tmpl[x], []).append(x)
-    first_b = next((x for x in seq if x[0] == "B"), None)
     len_of = {x: src.ops[tmpl[x]][1] - src.ops[tmpl[x]][0] for x in seq}
+    # each recorded backward -> the new one that runs at its place among the stage's backwards
+    # (the i-th to run, the last for the last: `_template` over run positions)
+    ran_b = [op for op in sorted(src.ops, key=lambda op: src.ops[op][0]) if op[0] == "B"]
+    new_b = [x for x in seq if x[0] == "B"]
+    backward_at: dict[tuple[str, int], tuple[str, int]] = {}
+    for q in range(len(new_b) - 1, -1, -1):  # the first new one standing for each
+        pos = _template(q, len(new_b), len(ran_b))
+        if pos < len(ran_b):
+            backward_at[ran_b[pos]] = new_b[q]
 
     def runs_of_first(key: tuple[str, int]) -> tuple[str, int] | None:
         return runs_of[key][0] if key in runs_of else None
@@ -1117,12 +1125,14 @@ def rebuild(src: StageSource, sc: PipeScenario, stage: int, layer_ratio: float,
                                      and not src.head[b])
         sz = size[b] * (outputs_ratio if src.layer_outputs[b] else layer_ratio if per_layer
                         else 1.0) * (1.0 if to_optimizer else scale_mb)
-        # (a parameter's gradient is made once, by the stage's first backward in the new
-        # order, at its offset in the recorded one that made it, the first that ran there:
-        # B 0 in order, B M-1 under ScheduleLoopedBFS, whose backwards run in reverse)
+        # (a parameter's gradient is made once, by the backward that runs in the new order
+        # where the one that made it ran among the stage's backwards, at its offset there:
+        # the first ran B 0 in order, B M-1 under ScheduleLoopedBFS, whose backwards run in
+        # reverse; the last, where FSDP reduce-scatters)
         insts = runs_of.get((kind, k), ())
         if to_optimizer:
-            insts = [first_b] if first_b is not None and insts else []
+            inst = backward_at.get((kind, k))
+            insts = [inst] if inst is not None and insts else []
         for inst in insts:
             ar = int(a[b]) + offsets[inst]
             if to_optimizer:
