@@ -73,3 +73,9 @@ def test_deepspeed_pipeline_stages_under_data_parallelism_are_the_engines():
         assert layout.degree("tp") is None  # the groups still split the world unsaid
     f = fleet(docs)
     assert f.statement["stages"] == 2 and "of 4" not in report.statement(f), f.statement
+    # the worst rank's stage is its engine's; DeepSpeed's TrainSchedule is 1F1B, so the first
+    # stage peaking by its activations is the schedule's design
+    worst = json.loads((folder / f"truth.rank{f.statement['rank']}.json").read_text())
+    assert f.statement["stage"] == worst["stage"] and f.statement["schedule"] == "1f1b"
+    if worst["stage"] == 0 and f.statement["category"] == "activation":
+        assert f.statement["verdict"] == "expected"

@@ -1922,7 +1922,7 @@ def band(sc: PipeScenario, src: StageSource, srcs: list[StageSource] | None = No
         if world or tp:
             why.append("another FSDP world size or TP degree from an interleaved recording (no "
                        "recorded pair)")
-        fix = src.looped_bfs and sc.schedule == INTERLEAVED and not (world or tp) and \
+        fix = src.looped_bfs and sc.schedule == INTERLEAVED and not (world or tp or fsdp) and \
             (sc.stages * sc.virtual, sc.microbatches, sc.virtual) == \
             (src.stages, src.microbatches, src.virtual)
         if fix:  # ScheduleLoopedBFS's own fix (pipeline.all_forward_before_backward)

@@ -171,8 +171,12 @@ def pipeline(snapshot: Snapshot, analyses: list[DeviceAnalysis]) -> dict[str, An
     (`forward_backward_pipelining_without_interleaving`) or interleaved 1F1B (`..._with_
     interleaving`); without its pipeline group, its stage is the rank only where the file shows no
     tensor-parallel collective (Megatron orders ranks tp fastest, pp slowest: with TP the rank is
-    not the stage). Under 1F1B stage s holds at most min(M, S - s) micro-batches' activations:
-    the first stage holds the most."""
+    not the stage). DeepSpeed's PipelineEngine (`deepspeed/runtime/pipe/engine.py`): its
+    TrainSchedule is synchronous 1F1B (`schedule.py`: a stage keeps as many buffers as the
+    micro-batches in flight, the index difference between it and the last stage); its groups are
+    unnamed, so its stage is the recorder's note of the engine's (`pipeline_stages`) or the rank
+    where the pipeline is the world. Under 1F1B stage s holds at most min(M, S - s)
+    micro-batches' activations: the first stage holds the most."""
     from snapforensics.analysis.forecast.pipeline import (
         all_forward_first,
         gpipe_ranges,
@@ -183,17 +187,20 @@ def pipeline(snapshot: Snapshot, analyses: list[DeviceAnalysis]) -> dict[str, An
     names = {f.name for f in snapshot.frames
              if f.filename.replace("\\", "/").endswith(_MEGATRON_SCHEDULES)}
     megatron = names & set(_MEGATRON_PIPELINED)
-    if not megatron and not any("distributed/pipelining/" in f.filename.replace("\\", "/")
-                                for f in snapshot.frames):
+    deepspeed = any(f.filename.replace("\\", "/").endswith(_DEEPSPEED_PIPE)
+                    for f in snapshot.frames)
+    if not megatron and not deepspeed and not any(
+            "distributed/pipelining/" in f.filename.replace("\\", "/")
+            for f in snapshot.frames):
         return None
     # the rank is the stage where no group names it only when the blocks show no other
     # dimension (TP's redistributions, FSDP's gathers)
     layout = mesh(snapshot.provenance, shown(c for d in analyses for c in d.present))
     stage, stages = layout.index("pp"), layout.degree("pp")
     ok = stage is not None and stages is not None
-    if megatron:
+    if megatron or deepspeed:
         return {"stage": stage if ok else None, "stages": stages if ok else None,
-                "schedule": _MEGATRON_PIPELINED[min(megatron)]}
+                "schedule": _MEGATRON_PIPELINED[min(megatron)] if megatron else "1f1b"}
     steps = [st for d in analyses if d.lt.rows for st in gpipe_ranges(d) if st]
     if zero_bubble(snapshot):
         schedule = "zero_bubble"  # weight gradients apart from the backward (I/W split)
@@ -208,6 +215,7 @@ def pipeline(snapshot: Snapshot, analyses: list[DeviceAnalysis]) -> dict[str, An
 
 
 _MEGATRON_SCHEDULES = "megatron/core/pipeline_parallel/schedules.py"
+_DEEPSPEED_PIPE = "deepspeed/runtime/pipe/engine.py"
 _MEGATRON_PIPELINED = {"forward_backward_pipelining_without_interleaving": "1f1b",
                        "forward_backward_pipelining_with_interleaving": "interleaved_1f1b"}
 
