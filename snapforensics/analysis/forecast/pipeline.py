@@ -1021,6 +1021,7 @@ def rebuild(src: StageSource, sc: PipeScenario, stage: int, layer_ratio: float,
     # (the i-th to run, the last for the last: `_template` over run positions)
     ran_b = [op for op in sorted(src.ops, key=lambda op: src.ops[op][0]) if op[0] == "B"]
     new_b = [x for x in seq if x[0] == "B"]
+    last_b = ran_b[-1] if ran_b else None  # where FSDP's REDUCE_GRAD ran: B M-1 in order
     backward_at: dict[tuple[str, int], tuple[str, int]] = {}
     for q in range(len(new_b) - 1, -1, -1):  # the first new one standing for each
         pos = _template(q, len(new_b), len(ran_b))
@@ -1092,7 +1093,7 @@ def rebuild(src: StageSource, sc: PipeScenario, stage: int, layer_ratio: float,
         # a parameter's gradient: made in a backward, kept into the optimizer (or, unsharded,
         # to the REDUCE_GRAD that reduce-scatters it after the last backward)
         # (the looped runtime's REDUCE_GRAD runs inside a stage's last backward)
-        to_optimizer = kind == "B" and (freed is None or freed == ("B", last)) and (
+        to_optimizer = kind == "B" and (freed is None or freed == last_b) and (
             f[b] >= src.stop or freed_phase[b] == Phase.OPTIMIZER or bool(grads[b]))
         if to_optimizer and drop_state and state[b] and not src.layer_params[b]:
             continue  # a head's or an embedding's gradient: not on a middle stage
@@ -1722,6 +1723,10 @@ FROM_LOOPED_BFS_PAIRS: tuple[tuple[str, str, float, float], ...] = (
     ("S=2x2 M=8 looped_bfs (example)", "S=2x2 M=8 interleaved", -0.0104, 0.0000),
     ("S=2x2 M=8 looped_bfs (gpt)", "S=2x2 M=8 interleaved", 0.0000, 0.0000),
 )
+# the same with FSDP2 sharding each stage over 2 ranks (4 ranks; each stage's worst rank)
+FSDP_FROM_LOOPED_BFS_PAIRS: tuple[tuple[str, str, float, float], ...] = (
+    ("S=2x2 M=8 looped_bfs dp=2", "S=2x2 M=8 interleaved dp=2", -0.0130, 0.0177),
+)
 FSDP_FROM_INTERLEAVED_PAIRS: tuple[tuple[str, str, float, float], ...] = (
     ("S=2x2 M=8 interleaved", "S=2 M=8 gpipe", 0.0080, 0.0081),
     ("S=2x2 M=8 interleaved", "S=2 M=8 1f1b", 0.0414, 0.0568),
@@ -1922,11 +1927,11 @@ def band(sc: PipeScenario, src: StageSource, srcs: list[StageSource] | None = No
         if world or tp:
             why.append("another FSDP world size or TP degree from an interleaved recording (no "
                        "recorded pair)")
-        fix = src.looped_bfs and sc.schedule == INTERLEAVED and not (world or tp or fsdp) and \
+        fix = src.looped_bfs and sc.schedule == INTERLEAVED and not (world or tp) and \
             (sc.stages * sc.virtual, sc.microbatches, sc.virtual) == \
             (src.stages, src.microbatches, src.virtual)
         if fix:  # ScheduleLoopedBFS's own fix (pipeline.all_forward_before_backward)
-            pairs = FROM_LOOPED_BFS_PAIRS
+            pairs = FSDP_FROM_LOOPED_BFS_PAIRS if fsdp else FROM_LOOPED_BFS_PAIRS
         elif not src.regular:
             why.append("the rank's stages ran in an order other than ScheduleInterleaved1F1B's "
                        "(another looped schedule, or a rank whose place is unknown): the pairs "
