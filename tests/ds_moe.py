@@ -7,9 +7,11 @@ dispatches.
 
     snapforensics record --nproc-per-node 2 --device cpu tests/ds_moe.py -- --capacity-factor 1.5
 
-`--truth DIR` writes DIR/truth.rank{R}.json from the running layers (each MoE call's capacity, as
-its gate returned it, and the bytes of its [experts, capacity, dim] buffer), never from a
-snapshot.
+`--ep N` makes the experts parallel over N ranks (DeepSpeed's expert and expert-data-parallel
+groups, unnamed), the world by default. `--truth DIR` writes DIR/truth.rank{R}.json from the
+running layers (each MoE call's capacity, as its gate returned it, and the bytes of its
+[experts, capacity, dim] buffer) and DeepSpeed's groups (this rank's expert-parallel and
+expert-data-parallel ranks), never from a snapshot.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--ep", type=int, default=0, help="expert-parallel ranks (0: the world)")
     p.add_argument("--truth", type=Path)
     a = p.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -53,7 +56,7 @@ def main() -> None:
     torch.manual_seed(0)
     blocks, moes = nn.ModuleList(), []
     for _ in range(a.layers):
-        moe = MoE(a.dim, Dense(a.dim), num_experts=a.experts, ep_size=world, k=a.k,
+        moe = MoE(a.dim, Dense(a.dim), num_experts=a.experts, ep_size=a.ep or world, k=a.k,
                   capacity_factor=a.capacity_factor, eval_capacity_factor=a.capacity_factor,
                   min_capacity=0, drop_tokens=True)
         moe.set_deepspeed_parallelism()
@@ -83,7 +86,15 @@ def main() -> None:
         (x.square().mean() + 0.01 * aux).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    write_truth(a.truth, rank, {"capacity_factor": a.capacity_factor, "calls": calls})
+    from deepspeed.utils import groups
+
+    ep = a.ep or world  # this rank's expert-parallel and expert-data-parallel groups, as built
+    name = f"ep_size_{ep}"
+    write_truth(a.truth, rank, {
+        "capacity_factor": a.capacity_factor, "calls": calls, "world": world,
+        "ep_ranks": dist.get_process_group_ranks(groups._get_expert_parallel_group(name)),
+        "ep_dp_ranks": dist.get_process_group_ranks(
+            groups._get_expert_data_parallel_group(name))})
     dist.destroy_process_group()
 
 

@@ -5,6 +5,8 @@ Megatron's parallel_state and DeepSpeed (`undefined`); the categories the classi
 
 from __future__ import annotations
 
+import pytest
+
 from snapforensics.analysis.mesh import mesh, shown
 from snapforensics.analysis.vocab import Category
 
@@ -109,3 +111,28 @@ def test_the_recorders_pipeline_stages_say_the_stage_where_no_group_names_it():
                 {"indices": [0], "num_stages": 1 << 40}, [0, 2], "0/2"):
         m = _mesh({**_prov(4, 1, *groups), "pipeline_stages": bad}, [Category.PP_P2P])
         assert m.degree("pp") is None, bad
+
+
+@pytest.mark.slow
+def test_deepspeed_moe_expert_groups_recorded_leave_data_parallelism_the_world():
+    """The groups DeepSpeed-MoE really builds (tests/ds_moe.py --ep 2 on 4 ranks: expert
+    parallel over 2, expert-data parallel over the other 2, both unnamed), as the recorder
+    noted them: data parallelism keeps the world, no model-parallel degree is taken for it."""
+    import json
+    from pathlib import Path
+
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed (make setup installs it)")
+    from recordings import recorded_script
+
+    from snapforensics.snapshot import load
+
+    folder = recorded_script(Path(__file__).parent / "ds_moe.py", ("--ep", "2"), nproc=4,
+                             truth=True)
+    for r in range(4):
+        truth = json.loads((folder / f"truth.rank{r}.json").read_text())
+        prov = load(folder / f"rank{r}.pickle").provenance
+        listed = {tuple(g["ranks"]) for g in prov["process_groups"] if g["desc"] == "undefined"}
+        assert {tuple(truth["ep_ranks"]), tuple(truth["ep_dp_ranks"])} <= listed
+        assert len(truth["ep_ranks"]) == 2 < truth["world"] == 4
+        m = _mesh(prov, [Category.MOE_DISPATCH, Category.ACTIVATION])
+        assert m.degree("dp") == 4 and m.degree("tp") is None and m.degree("ep") is None
