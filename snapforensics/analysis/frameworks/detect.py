@@ -184,14 +184,15 @@ def pipeline(snapshot: Snapshot, analyses: list[DeviceAnalysis]) -> dict[str, An
         zero_bubble,
     )
 
-    names = {f.name for f in snapshot.frames
-             if f.filename.replace("\\", "/").endswith(_MEGATRON_SCHEDULES)}
+    names, deepspeed, torch_pp = set(), False, False  # one pass over the frames
+    for f in snapshot.frames:
+        fn = f.filename.replace("\\", "/")
+        if fn.endswith(_MEGATRON_SCHEDULES):
+            names.add(f.name)
+        deepspeed = deepspeed or fn.endswith(_DEEPSPEED_PIPE)
+        torch_pp = torch_pp or "distributed/pipelining/" in fn
     megatron = names & set(_MEGATRON_PIPELINED)
-    deepspeed = any(f.filename.replace("\\", "/").endswith(_DEEPSPEED_PIPE)
-                    for f in snapshot.frames)
-    if not megatron and not deepspeed and not any(
-            "distributed/pipelining/" in f.filename.replace("\\", "/")
-            for f in snapshot.frames):
+    if not (megatron or deepspeed or torch_pp):
         return None
     # the rank is the stage where no group names it only when the blocks show no other
     # dimension (TP's redistributions, FSDP's gathers)

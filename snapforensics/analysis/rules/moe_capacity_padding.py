@@ -53,7 +53,7 @@ from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.diagnosis import Finding, Replay
 from snapforensics.analysis.evidence import human, lowers_peak, top_stacks
 from snapforensics.analysis.rule import Family, Rule
-from snapforensics.analysis.stacks import is_native
+from snapforensics.analysis.stacks import python_frames
 from snapforensics.analysis.vocab import BACKWARD_PHASES, CAT_CODE, Category, Phase, Verdict
 
 FIX = """\
@@ -112,8 +112,7 @@ def _with_layer_blocks(d: DeviceAnalysis, fwd: np.ndarray, disp: np.ndarray,
     lt, snap = d.lt, d.snapshot
 
     def python(b: int) -> list:
-        s = int(lt.stack[b])
-        return [f for f in snap.stack_frames(s) if not is_native(f)] if s >= 0 else []
+        return python_frames(snap.stack_frames(int(lt.stack[b])))
 
     frames = python(int(disp[0]))
     layer = moe_layer_frame(frames)
@@ -127,7 +126,7 @@ def _with_layer_blocks(d: DeviceAnalysis, fwd: np.ndarray, disp: np.ndarray,
         s = int(lt.stack[b])
         if s not in mine:
             mine[s] = any((f.filename, f.name) == key for f in python(b))
-        return mine[s] and not np.isin(d.category[b], _MOE_CODES)
+        return mine[s] and int(d.category[b]) not in _MOE_CODES
 
     rows = lt.alloc_row[fwd]
     i = int(np.searchsorted(rows, lt.alloc_row[disp].min())) - 1
@@ -155,10 +154,12 @@ def _padding(d: DeviceAnalysis) -> tuple[list[tuple[int, int, int]], list[int], 
     extra, padded, ratios = [], [], []
     ratio_of: list[float] = []
     exchanged: dict[int, float] = {}  # each padded exchange's size: its call's r
-    fwd = np.flatnonzero((d.phase == Phase.FORWARD) & (lt.alloc_row >= 0))
-    fwd = fwd[np.argsort(lt.alloc_row[fwd], kind="stable")]
+    fwd = None  # the forward's blocks in trace order, for calls read with their layer's
     for disp, comb in _calls(d):
         if int((lt.size[disp] == lt.size[disp].max()).sum()) < 2:
+            if fwd is None:
+                fwd = np.flatnonzero((d.phase == Phase.FORWARD) & (lt.alloc_row >= 0))
+                fwd = fwd[np.argsort(lt.alloc_row[fwd], kind="stable")]
             disp, comb = _with_layer_blocks(d, fwd, disp, comb)
         sizes = lt.size[disp]
         big = int(sizes.max())
