@@ -129,3 +129,28 @@ def test_sequence_parallel_off_predicts_the_sp_twins_peak(args, nproc):
 def sf_peak(path) -> int:
     snap = load(path)
     return analyse(snap, snap.active_traces[0]).peak_bytes
+
+
+@slow
+def test_layernorm_and_gathered_head_predict_the_sp_twins_peak():
+    """tests/gpt_tp.py (LayerNorm, SDPA, a ColwiseParallel head whose logits are gathered): with
+    SP the column-wise projections and the head read their input all-gathered back to the full
+    sequence and keep that copy for backward, so the norms' full outputs they read do not
+    shrink. A LayerNorm makes its mean and rstd after its output (the norm's output is not the
+    last block its module makes) and the head is no attention/MLP parent of a RowwiseParallel:
+    read as shrinking, the forecast fell 7.0% under the twin."""
+    from pathlib import Path
+
+    from recordings import recorded_script
+
+    script = Path(__file__).parent.parent / "gpt_tp.py"
+    off, on = recorded_script(script, ()), recorded_script(script, ("--sp",))
+    for r in range(2):
+        f, _ = _finding(off / f"rank{r}.pickle")
+        twin = sf_peak(on / f"rank{r}.pickle")
+        assert f is not None and f.verdict == "anomalous"
+        assert twin < sf_peak(off / f"rank{r}.pickle")
+        print(f"rank {r}: predicted {f.predicted_peak_bytes:,} B, SP twin {twin:,} B "
+              f"({(f.predicted_peak_bytes - twin) / twin:+.1%})")
+        assert abs(f.predicted_peak_bytes - twin) / twin < 0.05, (f.predicted_peak_bytes, twin)
+        assert _finding(on / f"rank{r}.pickle")[0] is None

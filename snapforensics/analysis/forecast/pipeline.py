@@ -2057,6 +2057,13 @@ def pipeline_forecast(analyses: list[DeviceAnalysis], stages=(), microbatches=()
                      "another dimension beside it, or groups made without a name split it): "
                      "each is taken for every stage")
     by = {s.stage: s for s in srcs}
+    if first.stages is not None and len(by.keys() - {None}) < first.stages:
+        have = ", ".join(str(k) for k in sorted(k for k in by if k is not None))
+        notes.append(f"only stage(s) {have} of {first.stages} recorded here: the others are "
+                     "forecast from these files' blocks, so a first stage's embedding or a last "
+                     "stage's head and loss that are not in them are missing from their rows, "
+                     "and the worst stage is named among what these files show; give the "
+                     "folder of every rank's file to forecast each stage from its own")
     ranks = first.stages // first.virtual if first.stages else None
     recorded = {"stages": ranks, "virtual_stages": first.virtual,
                 "microbatches": first.microbatches,

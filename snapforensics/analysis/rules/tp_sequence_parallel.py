@@ -76,6 +76,10 @@ _SEQUENCE = [CAT_CODE[c] for c in (Category.ACTIVATION, Category.RECOMPUTE_ACTIV
                                    Category.OTHER, Category.TP_ALL_REDUCE)]
 
 
+# how many blocks past a norm's output its own module may still make (LayerNorm: mean, rstd)
+_SAME_MODULE_SPAN = 8
+
+
 def _modules(d: DeviceAnalysis, b: int) -> list[str]:
     sid = int(d.lt.stack[b])
     if sid < 0:
@@ -184,14 +188,27 @@ def check(d: DeviceAnalysis) -> list[Finding]:
     for b in np.flatnonzero(replicated).tolist():
         inside[b] = bool(set(_modules(d, b)) & tp_mods)
     shrink = replicated & ~inside
-    # a forward block made right before one inside a TP module: the TP module's input
+    # what reads its input whole under SP: the TP modules (their ColwiseParallel projections) and
+    # a module whose forward all-gathers its output (a ColwiseParallel head, output Replicate:
+    # with SP its input, the final norm's, arrives sequence-sharded and is all-gathered)
+    gathers = np.flatnonzero((d.category == CAT_CODE[Category.TP_ALL_GATHER]) & fwd)
+    readers = tp_mods | {m[0] for m in (_modules(d, b) for b in gathers.tolist()) if m}
+    # a forward block whose module makes no other full-size block before a reader makes its
+    # next: that reader's input (the norm's output; a LayerNorm makes its mean and rstd after
+    # it, smaller, in the same module; an RMSNorm written out makes its output last)
     order = np.argsort(lt.alloc_row, kind="stable")
-    nxt = np.full(len(lt), -1, np.int64)
-    nxt[order[:-1]] = order[1:]
+    pos = np.empty(len(lt), np.int64)
+    pos[order] = np.arange(len(lt))
     for b in np.flatnonzero(shrink & fwd).tolist():
-        n = int(nxt[b])
-        if n >= 0 and set(_modules(d, n)) & tp_mods:
-            shrink[b] = False
+        own = _modules(d, b)
+        for n in order[pos[b] + 1:pos[b] + 1 + _SAME_MODULE_SPAN].tolist():
+            mods = _modules(d, n)
+            if mods != own:
+                if set(mods) & readers:
+                    shrink[b] = False
+                break
+            if lt.size[n] == full:  # not the module's output: another full-size block follows
+                break
     held = alive & shrink
     held_bytes = int(lt.size[held].sum())
     evidence = {"full_activation_bytes": full, "all_reduces": len(ar), "tp_modules":
