@@ -598,6 +598,11 @@ def test_pipeline_forecast_command():
     # the terminal report names the worst stage of each scenario (the JSON's), not only a column
     text = run_cli(["forecast", str(gpipe), "--pp", "4", "--schedule", "1f1b"]).stdout
     assert f"4 stages, 8 micro-batches, 1f1b: worst stage {four['worst_stage']} at" in text
+    # from one stage's file the others are rebuilt from its blocks: said (the folder's are not)
+    assert not any("recorded here" in n for n in doc["notes"])
+    one = json.loads(run_cli(["forecast", str(gpipe / "rank0.pickle"), "--schedule", "1f1b",
+                              "--format", "json"]).stdout)
+    assert any("only stage(s) 0 of 2 recorded here" in n for n in one["notes"]), one["notes"]
     one_f = recorded_module("snapforensics.examples.pipeline",
                             ("--schedule", "1f1b", "--microbatches", "8", *PIPE_LAYOUT))
     p = run_cli(["forecast", str(one_f), "--schedule", "gpipe", "--format", "json"])
