@@ -5,6 +5,8 @@ over 2 stages, 8 micro-batches a step, for the tests of a pipeline no torch sche
     snapforensics record --nproc-per-node 2 --device cpu tests/ds_pipe.py
 
 On 4 ranks the 2 stages are each data parallel over 2 (DeepSpeed's grid: its groups unnamed).
+`--stages S` splits the 8 blocks over S stages, `--microbatches M` cuts the step's 32 rows into
+M micro-batches (the global batch kept, as the pipeline forecast keeps it).
 
 `--truth DIR` writes DIR/truth.rank{R}.json from the running engine, never from a snapshot: its
 stage, and the storages of the buffers it receives into (`pipe_recv_buf`, `grad_layer`) and of
@@ -37,6 +39,8 @@ class Block(nn.Module):
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--microbatches", type=int, default=8, help="the global batch kept (32 rows)")
     p.add_argument("--truth", type=Path)
     a = p.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -45,12 +49,14 @@ def main() -> None:
 
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
-    model = PipelineModule(layers=[LayerSpec(Block, a.dim) for _ in range(8)], num_stages=2,
+    model = PipelineModule(layers=[LayerSpec(Block, a.dim) for _ in range(8)],
+                           num_stages=a.stages,
                            loss_fn=lambda out, y: ((out - y) ** 2).mean(),
                            partition_method="uniform")
-    dp = torch.distributed.get_world_size() // 2  # the ranks beyond the 2 stages: data parallel
-    cfg = {"train_batch_size": 32 * dp, "train_micro_batch_size_per_gpu": 4,
-           "gradient_accumulation_steps": 8, "steps_per_print": 10 ** 6,
+    dp = torch.distributed.get_world_size() // a.stages  # the ranks beyond the stages: DP
+    rows = 32 // a.microbatches
+    cfg = {"train_batch_size": 32 * dp, "train_micro_batch_size_per_gpu": rows,
+           "gradient_accumulation_steps": a.microbatches, "steps_per_print": 10 ** 6,
            "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}}
     engine, _, _, _ = deepspeed.initialize(model=model, config=cfg,
                                            model_parameters=list(model.parameters()))
@@ -81,7 +87,8 @@ def main() -> None:
 
     def data():
         while True:
-            yield torch.randn(4, 64, a.dim, generator=g), torch.randn(4, 64, a.dim, generator=g)
+            yield (torch.randn(rows, 64, a.dim, generator=g),
+                   torch.randn(rows, 64, a.dim, generator=g))
 
     batches = data()
     for _ in range(2):

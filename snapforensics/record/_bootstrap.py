@@ -224,24 +224,50 @@ def mark_pipeline_chunks() -> bool:
 def note_deepspeed_stages() -> bool:
     """Wrap DeepSpeed's `PipelineEngine.train_batch` / `eval_batch` (when the script imported
     deepspeed's pipeline engine) to note the engine's stage and stage count (`stage_id`,
-    `num_stages`) for `pipeline_stages`: DeepSpeed names none of its groups. True once they are
-    wrapped."""
+    `num_stages`) for `pipeline_stages` (DeepSpeed names none of its groups), and mark each
+    micro-batch's forward and backward in `PP_RANGE`, as torch's stages are: its `ForwardPass`
+    and `BackwardPass` instructions, which the engine runs from the class's `_INSTRUCTION_MAP`
+    (`_exec_schedule`). An instruction's `buffer_id` is a slot of the engine's ring of pipe
+    buffers, not the micro-batch: the micro-batches are counted from each `train_batch` on (its
+    TrainSchedule runs the forwards in micro-batch order, and the backwards). True once they
+    are wrapped."""
     engine = getattr(sys.modules.get("deepspeed.runtime.pipe.engine"), "PipelineEngine", None)
+    schedule = sys.modules.get("deepspeed.runtime.pipe.schedule")
     if engine is None:
         return False
     if getattr(engine, "_snapforensics_noted", False):
         return True
+    from torch.profiler import record_function
 
     def wrap(method: Any) -> Any:
         def noted(self, *args: Any, **kwargs: Any) -> Any:
             _note_stage(getattr(self, "stage_id", None), getattr(self, "num_stages", None))
+            self._snapforensics_ran = {"forward": 0, "backward": 0}
             return method(self, *args, **kwargs)
         noted.__wrapped__ = method  # type: ignore[attr-defined]
         return noted
 
+    def mark(func: Any, kind: str) -> Any:
+        def marked(self, *args: Any, **kwargs: Any) -> Any:
+            ran = getattr(self, "_snapforensics_ran", None)
+            if not isinstance(ran, dict):
+                return func(self, *args, **kwargs)
+            k, ran[kind] = ran[kind], ran[kind] + 1
+            name = PP_RANGE.format(kind=kind, stage=getattr(self, "stage_id", -1), chunk=k)
+            with record_function(name):
+                return func(self, *args, **kwargs)
+        marked.__wrapped__ = func  # type: ignore[attr-defined]
+        marked.__name__ = getattr(func, "__name__", kind)
+        return marked
+
     try:
         engine.train_batch = wrap(engine.train_batch)
         engine.eval_batch = wrap(engine.eval_batch)
+        table = engine._INSTRUCTION_MAP
+        for cls, kind in ((getattr(schedule, "ForwardPass", None), "forward"),
+                          (getattr(schedule, "BackwardPass", None), "backward")):
+            if cls in table:
+                table[cls] = mark(table[cls], kind)
         engine._snapforensics_noted = True
     except (AttributeError, TypeError):  # another DeepSpeed's layout: nothing noted or broken
         return False

@@ -255,8 +255,9 @@ def _pipe_lines(f) -> list[str]:
         for why in sc["error_band"]["not_validated"]:
             if why not in seen:
                 seen.append(why)
-    from snapforensics.analysis.forecast.pipeline import SOURCE
-    out.append(f"error band: measured on recorded pairs ({SOURCE})")
+    from snapforensics.analysis.forecast.pipeline import DEEPSPEED_SOURCE, SOURCE
+    source = DEEPSPEED_SOURCE if r.get("runtime") == "deepspeed" else SOURCE
+    out.append(f"error band: measured on recorded pairs ({source})")
     out += [f"not validated: {w}" for w in seen]
     return out[:ROWS]
 

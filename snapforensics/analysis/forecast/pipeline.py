@@ -85,6 +85,7 @@ import numpy as np
 from snapforensics.analysis.context import DeviceAnalysis
 from snapforensics.analysis.forecast.documents import Scenario
 from snapforensics.analysis.forecast.scaling import scaled_sizes, scaling, tp_shares
+from snapforensics.analysis.frameworks.detect import DEEPSPEED_PIPE
 from snapforensics.analysis.fsdp import ranges as fsdp_ranges
 from snapforensics.analysis.fsdp.units import ROOT
 from snapforensics.analysis.identity import layer_of
@@ -203,6 +204,39 @@ class StageSource:
                                   if f.filename == "<nn.Module>" else f.name)
                                  for f in frames[:cut])
         return paths[stack]
+
+    @cached_property
+    def deepspeed(self) -> bool:
+        """DeepSpeed's PipelineEngine ran the stage: one receive buffer per kind, reused by
+        every micro-batch (`pipe_recv_buf`, `grad_layer`), not one per micro-batch as torch's
+        stages keep."""
+        return any(f.filename.endswith(DEEPSPEED_PIPE) for f in self.d.snapshot.frames)
+
+    @cached_property
+    def rings(self) -> tuple[np.ndarray, np.ndarray]:
+        """DeepSpeed's pipe buffers (`pipe_buffers`, made in the step), and which of them are
+        the last stage's outputs: a ring of slots per kind (`TrainSchedule.num_pipe_buffers`),
+        each micro-batch's entry kept until a later one takes its slot, past the step for the
+        last ones: what `_exec_recv_activations` and `_exec_load_micro_batch` put there
+        (received activations, loaded batches and labels), and on the last stage the outputs
+        (its `_exec_backward_pass` returns before clearing them)."""
+        lt = self.d.lt
+        ring, outputs = np.zeros(len(lt), bool), np.zeros(len(lt), bool)
+        if not self.deepspeed:
+            return ring, outputs
+        born, dies = self.born_dies
+        keys = list(self.ops)
+        fills = {int(x) for x in np.unique(lt.stack[born >= 0]).tolist() if x >= 0 and any(
+            f.name in _DEEPSPEED_FILLS for f in self.d.snapshot.stack_frames(int(x)))}
+        last = self.stage is not None and self.stage == (self.stages or 0) - 1
+        for b in np.flatnonzero(born >= 0).tolist():
+            kind, k = keys[born[b]]
+            if int(lt.stack[b]) in fills:
+                ring[b] = True
+            elif last and kind == "F" and (dies[b] < 0 or keys[dies[b]][1] != k) and \
+                    not self.param_grads[b] and lt.free_row[b] >= self.ops[(kind, k)][1]:
+                ring[b] = outputs[b] = True
+        return ring, outputs
 
     @cached_property
     def head(self) -> np.ndarray:
@@ -452,6 +486,9 @@ def _head_cuts(src: StageSource) -> tuple[np.ndarray, np.ndarray] | None:
     np.maximum.at(cut_b, dies_in[mine], f[mine])
     return cut_f, cut_b
 
+
+# DeepSpeed's PipelineEngine instructions that fill a slot of its pipe buffers
+_DEEPSPEED_FILLS = frozenset({"_exec_recv_activations", "_exec_load_micro_batch"})
 
 # ScheduleGPipe's own ranges around each micro-batch (torch/distributed/pipelining/schedules.py)
 RANGE = re.compile(r"^(Forward|Backward) (\d{1,9})$")
@@ -1046,7 +1083,7 @@ def rebuild(src: StageSource, sc: PipeScenario, stage: int, layer_ratio: float,
         if chunk is not None and not (src.layer_params[b] or p2p[b] or state[b] or whole):
             continue
         sz = size[b] * (layer_ratio if src.layer_params[b] else
-                        src.p2p_share if p2p[b] else 1.0)
+                        src.p2p_share * (scale_mb if src.deepspeed else 1.0) if p2p[b] else 1.0)
         if f[b] >= src.end:
             add(b, -1, after(b), sz)
             continue
@@ -1071,6 +1108,7 @@ def rebuild(src: StageSource, sc: PipeScenario, stage: int, layer_ratio: float,
     if g is not None:
         made[g.blocks] = False  # replayed below
     grads = src.param_grads
+    rings, ring_outputs = src.rings
     # a stage of L layers saves the outputs of L - 1 (the last one's is sent)
     outputs_ratio = (layer_ratio * src.layers - 1) / (src.layers - 1) \
         if src.layers and src.layers > 1 else layer_ratio
@@ -1094,10 +1132,12 @@ def rebuild(src: StageSource, sc: PipeScenario, stage: int, layer_ratio: float,
         # to the REDUCE_GRAD that reduce-scatters it after the last backward)
         # (the looped runtime's REDUCE_GRAD runs inside a stage's last backward)
         to_optimizer = kind == "B" and (freed is None or freed == last_b) and (
-            f[b] >= src.stop or freed_phase[b] == Phase.OPTIMIZER or bool(grads[b]))
+            f[b] >= src.stop or freed_phase[b] == Phase.OPTIMIZER or bool(grads[b])) and \
+            not rings[b]
         if to_optimizer and drop_state and state[b] and not src.layer_params[b]:
             continue  # a head's or an embedding's gradient: not on a middle stage
-        if from_last and (src.head[b] or (kind == "F" and freed is None and not to_optimizer)):
+        if from_last and (src.head[b] or (kind == "F" and freed is None and not to_optimizer)
+                          or ring_outputs[b]):
             continue  # the norm, head and loss, the outputs kept for the step's return
         # what ScheduleGPipe keeps referenced longer than 1F1B would: the forward sends it
         # waits on after the last forward (made in one forward, freed in the last), and the
@@ -1184,7 +1224,10 @@ def rebuild(src: StageSource, sc: PipeScenario, stage: int, layer_ratio: float,
     # outlives the step and is not the layers' (the next step's batch, made after `step()`)
     # does not
     # (the rank's: a stage of an interleaved recording takes its layers' share of the unnamed)
-    sharded = d.mask(Category.SHARDED_GRAD)
+    # FSDP's sharded gradients, and a gradient made after the last backward that is gone by the
+    # next step: made from the stage's gradients (DeepSpeed's flat all-reduce bucket of them,
+    # `allreduce_bucket`), it scales with the layers as they do
+    sharded = d.mask(Category.SHARDED_GRAD) | (d.mask(Category.GRADIENT) & (f < src.stop))
     share = (src.layers or 1) / src.rank_layers if src.rank_layers else 1.0
     for b in np.flatnonzero((a >= src.end) & (a < src.stop) & ~others).tolist():
         optimizer = d.tl.phase[a[b]] == Phase.OPTIMIZER
@@ -1196,8 +1239,28 @@ def rebuild(src: StageSource, sc: PipeScenario, stage: int, layer_ratio: float,
             r = (layer_ratio if src.layer_params[b] else layer_ratio * share) if per_layer \
                 else 1.0
             add(b, int(a[b]) + tail, after(b), size[b] * r)
+    if rings.any():  # each slot's entry freed as the micro-batch that many later takes it
+        slots = max(2, min(sc.stages * sc.virtual - stage, sc.microbatches))
+        _turn_rings(lt.stack, rings, slots, blocks, allocs, frees)
     return Rebuilt(rows, np.array(blocks, np.int64), np.array(allocs, np.int64),
                    np.array(frees, np.int64), np.array(sizes, np.float64))
+
+
+def _turn_rings(stack: np.ndarray, rings: np.ndarray, slots: int, blocks: list[int],
+                allocs: list[int], frees: list[int]) -> None:
+    """DeepSpeed's pipe buffers in the rebuilt step: the entries one instruction puts in its
+    ring (the instances of one stack, in the order they are made: one per micro-batch) each
+    freed as the entry `slots` later is made in its slot (`TrainSchedule.num_pipe_buffers`:
+    max(2, min(stages - stage, micro-batches))); the last `slots` keep what the rebuild gave
+    them (the step's end: the next step takes their slots)."""
+    by: dict[int, list[int]] = {}
+    for i, b in enumerate(blocks):
+        if rings[b] and allocs[i] >= 0:
+            by.setdefault(int(stack[b]), []).append(i)
+    for entries in by.values():
+        entries.sort(key=lambda i: allocs[i])
+        for i, j in zip(entries, entries[slots:]):
+            frees[i] = max(allocs[j] + 1, allocs[i] + 1)
 
 
 def _unit_copies(units: list[str], ratio: float) -> list[tuple[str, float, float, float]]:
@@ -1890,6 +1953,25 @@ FSDP_TP_PAIRS: tuple[tuple[str, str, float, float], ...] = (
 )
 FSDP_TP_RATIOS = (0.5, 0.5)  # the TP degree those pairs change (new / recorded)
 # what the pairs span: stage-count and micro-batch-count ratios (new / recorded)
+# DeepSpeed's PipelineEngine (its 1F1B TrainSchedule; tests/ds_pipe.py, 8 residual MLP blocks
+# of dim 256, 32 rows a step, deepspeed 0.19.8 on CPU): every layout forecast to the others,
+# every stage against the same stage of the run recorded in that layout; its receive buffers
+# one per kind (scaled with the micro-batch), its pipe buffers rings of slots. Held out (dim
+# 160, S=2 M=8 <-> S=4 M=4): -1.1%..+4.9%
+DEEPSPEED_PAIRS: tuple[tuple[str, str, float, float], ...] = (
+    ("S=2 M=8", "S=2 M=4", 0.0217, 0.0272),
+    ("S=2 M=8", "S=4 M=8", 0.0050, 0.0265),
+    ("S=2 M=8", "S=4 M=4", -0.0135, 0.0506),
+    ("S=2 M=4", "S=2 M=8", 0.0000, 0.0000),
+    ("S=2 M=4", "S=4 M=8", -0.0261, 0.0265),
+    ("S=2 M=4", "S=4 M=4", -0.0090, 0.0379),
+    ("S=4 M=8", "S=2 M=8", 0.0110, 0.0188),
+    ("S=4 M=8", "S=2 M=4", 0.0304, 0.0408),
+    ("S=4 M=8", "S=4 M=4", 0.0202, 0.0384),
+    ("S=4 M=4", "S=2 M=8", 0.0187, 0.0276),
+    ("S=4 M=4", "S=2 M=4", 0.0174, 0.0204),
+    ("S=4 M=4", "S=4 M=8", -0.0177, 0.0261),
+)
 STAGE_RATIOS = (0.5, 2.0)
 MICROBATCH_RATIOS = (0.5, 2.0)
 SOURCE = ("tests/test_forecast.py::test_pipeline_layout_forecast, "
@@ -1898,6 +1980,10 @@ SOURCE = ("tests/test_forecast.py::test_pipeline_layout_forecast, "
           "CPU (gloo) at 2 and 4 stages, 4 and 8 micro-batches, GPipe and 1F1B, without and "
           "with FSDP2 sharding each stage over 2 ranks (and over 4 at 2 stages), each layout "
           "forecast to the others and to ScheduleInterleaved1F1B's")
+
+DEEPSPEED_SOURCE = ("tests/test_deepspeed_pipe.py::test_deepspeed_pipeline_forecast: DeepSpeed's "
+                    "PipelineEngine (tests/ds_pipe.py) recorded on CPU (gloo) at 2 and 4 stages, "
+                    "4 and 8 micro-batches, each layout forecast to the others")
 
 
 def band(sc: PipeScenario, src: StageSource, srcs: list[StageSource] | None = None) -> dict:
@@ -1920,6 +2006,14 @@ def band(sc: PipeScenario, src: StageSource, srcs: list[StageSource] | None = No
              (True, True, True): FSDP_WORLD_INTERLEAVED_PAIRS,
              }.get((fsdp, sc.schedule == INTERLEAVED, world), ())
     why = []
+    if src.deepspeed:  # its engine's TrainSchedule: its own pairs, no FSDP, TP or other schedule
+        pairs = DEEPSPEED_PAIRS
+        if sc.schedule != ONE_F_ONE_B:
+            why.append("DeepSpeed's PipelineEngine runs its own 1F1B TrainSchedule: another "
+                       "schedule is torch.distributed.pipelining's (no recorded pair)")
+        if world or tp:
+            why.append("another data-parallel or TP degree under DeepSpeed's pipeline engine "
+                       "(no recorded pair)")
     if src.virtual > 1:  # an interleaved recording: each of its stages a source
         pairs = FSDP_FROM_INTERLEAVED_PAIRS if fsdp else FROM_INTERLEAVED_PAIRS
         if src.virtual > 2:
@@ -1943,7 +2037,7 @@ def band(sc: PipeScenario, src: StageSource, srcs: list[StageSource] | None = No
         if not WORLD_RATIOS[0] <= r <= WORLD_RATIOS[1]:
             why.append(f"FSDP world size {sc.world_size} is {r:g}x the recorded "
                        f"{src.world_size} (pairs: {WORLD_RATIOS[0]:g}x..{WORLD_RATIOS[1]:g}x)")
-    if tp:
+    if tp and not src.deepspeed:
         pairs, (lo, hi) = (FSDP_TP_PAIRS, FSDP_TP_RATIOS) if fsdp else (TP_PAIRS, TP_RATIOS)
         r = (sc.tp or 0) / (src.tp or 1)
         if not lo <= r <= hi:
@@ -2072,6 +2166,8 @@ def pipeline_forecast(analyses: list[DeviceAnalysis], stages=(), microbatches=()
                 "world_size": first.world_size, "tp": first.tp,
                 "stage_files": sorted(k for k in by if k is not None),
                 "peaks": {str(s.stage): s.d.peak_bytes for s in srcs}}  # a rank's, per stage
+    if first.deepspeed:  # its band is its own pairs' (DEEPSPEED_SOURCE)
+        recorded["runtime"] = "deepspeed"
     try:
         kinds = [parse_schedule(str(k)) for k in schedules] or [(first.schedule, first.virtual)]
     except ValueError as e:

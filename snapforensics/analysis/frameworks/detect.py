@@ -189,7 +189,7 @@ def pipeline(snapshot: Snapshot, analyses: list[DeviceAnalysis]) -> dict[str, An
         fn = f.filename.replace("\\", "/")
         if fn.endswith(_MEGATRON_SCHEDULES):
             names.add(f.name)
-        deepspeed = deepspeed or fn.endswith(_DEEPSPEED_PIPE)
+        deepspeed = deepspeed or fn.endswith(DEEPSPEED_PIPE)
         torch_pp = torch_pp or "distributed/pipelining/" in fn
     megatron = names & set(_MEGATRON_PIPELINED)
     if not (megatron or deepspeed or torch_pp):
@@ -216,7 +216,7 @@ def pipeline(snapshot: Snapshot, analyses: list[DeviceAnalysis]) -> dict[str, An
 
 
 _MEGATRON_SCHEDULES = "megatron/core/pipeline_parallel/schedules.py"
-_DEEPSPEED_PIPE = "deepspeed/runtime/pipe/engine.py"
+DEEPSPEED_PIPE = "deepspeed/runtime/pipe/engine.py"
 _MEGATRON_PIPELINED = {"forward_backward_pipelining_without_interleaving": "1f1b",
                        "forward_backward_pipelining_with_interleaving": "interleaved_1f1b"}
 
