@@ -19,6 +19,9 @@ A dispatch written inline in the MoE layer's `forward` names only its exchanges 
 function): the call is read with the layer's own forward blocks made right before its first
 exchange and right after its last (the same module instance), the zero-filled send buffer
 among them; without op frames that buffer reads as the routed rows and the call is not claimed.
+GShard's einsum dispatch (DeepSpeed's MOELayer before 0.19, fairscale) has no routed-rows tensor
+at all: its layer's output holds the tokens, and its gating function's name the routes each
+takes (`_einsum_call`).
 Their ratio r = routed / padded is 1/cf up to the capacity's rounding; r < 1 is padding (at
 cf = 1.0 with E dividing tokens * k the buffers are the permuted tokens' size: nothing beyond
 the routed rows). A dispatcher that pads
@@ -101,14 +104,12 @@ def _calls(d: DeviceAnalysis) -> list[tuple[np.ndarray, np.ndarray]]:
     return [c for c in calls if len(c[0]) and len(c[1])]
 
 
-def _with_layer_blocks(d: DeviceAnalysis, fwd: np.ndarray, disp: np.ndarray,
-                       comb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """A call whose exchanges alone are named (a dispatch written inline in the MoE layer's
-    forward: no dispatcher function, so no word in the stack) with the layer's own forward
-    blocks around them: those made under the same MoE layer frame (the recorder's module
-    frame names the instance) right before its first dispatch block and right after its last
-    combine block, up to the first block of another layer or another call (none larger than
-    the exchange)."""
+def _layer_run(d: DeviceAnalysis, fwd: np.ndarray, disp: np.ndarray,
+               comb: np.ndarray) -> tuple[list[int], list[int]]:
+    """The MoE layer's own forward blocks around a call, in trace order: those made under the
+    same MoE layer frame (the recorder's module frame names the instance) right before its
+    first dispatch block and right after its last combine block, up to the first block of
+    another layer or another call."""
     lt, snap = d.lt, d.snapshot
 
     def python(b: int) -> list:
@@ -117,7 +118,7 @@ def _with_layer_blocks(d: DeviceAnalysis, fwd: np.ndarray, disp: np.ndarray,
     frames = python(int(disp[0]))
     layer = moe_layer_frame(frames)
     if layer is None:
-        return disp, comb
+        return [], []
     if layer.filename != "<nn.Module>":  # an MoE file's frame: the module instance inside it
         layer = next((f for f in frames if f.filename == "<nn.Module>"), layer)
     key, mine = (layer.filename, layer.name), {}
@@ -139,13 +140,53 @@ def _with_layer_blocks(d: DeviceAnalysis, fwd: np.ndarray, disp: np.ndarray,
     while j < len(fwd) and ours(int(fwd[j])):
         after.append(int(fwd[j]))
         j += 1
+    return before[::-1], after
+
+
+def _with_layer_blocks(d: DeviceAnalysis, fwd: np.ndarray, disp: np.ndarray,
+                       comb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A call whose exchanges alone are named (a dispatch written inline in the MoE layer's
+    forward: no dispatcher function, so no word in the stack) with the layer's own forward
+    blocks around them (`_layer_run`), none larger than the exchange."""
+    before, after = _layer_run(d, fwd, disp, comb)
     # none larger than the exchange: the padded buffer is what it exchanges (an einsum
-    # dispatch's [tokens, experts, capacity] masks are larger, and no routed rows show there)
-    cap = int(lt.size[disp].max())
-    before = [b for b in before[::-1] if lt.size[b] <= cap]
-    after = [b for b in after if lt.size[b] <= cap]
+    # dispatch's [tokens, experts, capacity] masks are larger: `_einsum_call`)
+    cap = int(d.lt.size[disp].max())
+    before = [b for b in before if d.lt.size[b] <= cap]
+    after = [b for b in after if d.lt.size[b] <= cap]
     return (np.concatenate([np.array(before, np.int64), disp]),
             np.concatenate([comb, np.array(after, np.int64)]))
+
+
+# GShard's gating functions, as DeepSpeed (before 0.19) and fairscale name them: the routes a
+# token takes (k)
+_GATINGS = {"top1gating": 1, "top2gating": 2}
+
+
+def _einsum_call(d: DeviceAnalysis, fwd: np.ndarray, disp: np.ndarray, comb: np.ndarray,
+                 big: int) -> tuple[float, list[int]] | None:
+    """GShard's einsum dispatch (DeepSpeed's MOELayer before 0.19, fairscale's): the gating
+    (`top1gating` / `top2gating`, k routes a token) makes [tokens, experts, capacity] combine
+    weights and dispatch mask, `einsum("sec,sm->ecm")` the padded [experts, capacity, dim]
+    buffer the all-to-all sends, and `einsum("sec,ecm->sm")` after the exchange back the
+    layer's [tokens, dim] output, the last block its forward makes. No tensor holds the routed
+    rows, but the output holds the tokens: r = k x output / padded (tokens x k / (experts x
+    capacity)). With the r, the gating's and the combine's blocks larger than the exchange
+    (the [tokens, experts, capacity] tensors, capacity-sized too). None where the call is not
+    such a dispatch (no gating frame with its k, no einsum making the padded buffer)."""
+    lt, snap = d.lt, d.snapshot
+    before, after = _layer_run(d, fwd, disp, comb)
+    if not before or not after:
+        return None
+    k, einsum = None, False
+    for b in before:
+        names = {f.name for f in snap.stack_frames(int(lt.stack[b]))}
+        k = next((_GATINGS[n] for n in names & _GATINGS.keys()), k)
+        einsum = einsum or (int(lt.size[b]) == big and bool(names & {"einsum", "aten::einsum"}))
+    if k is None or not einsum:
+        return None
+    r = k * int(lt.size[after[-1]]) / big
+    return r, [b for b in before + after if lt.size[b] > big]
 
 
 def _padding(d: DeviceAnalysis) -> tuple[list[tuple[int, int, int]], list[int], list[float]]:
@@ -155,7 +196,8 @@ def _padding(d: DeviceAnalysis) -> tuple[list[tuple[int, int, int]], list[int], 
     ratio_of: list[float] = []
     exchanged: dict[int, float] = {}  # each padded exchange's size: its call's r
     fwd = None  # the forward's blocks in trace order, for calls read with their layer's
-    for disp, comb in _calls(d):
+    for exchanges in _calls(d):
+        disp, comb = exchanges
         if int((lt.size[disp] == lt.size[disp].max()).sum()) < 2:
             if fwd is None:
                 fwd = np.flatnonzero((d.phase == Phase.FORWARD) & (lt.alloc_row >= 0))
@@ -192,10 +234,16 @@ def _padding(d: DeviceAnalysis) -> tuple[list[tuple[int, int, int]], list[int], 
         first = next((int(sizes[i]) for i in wide.tolist()
                       if not _zero_filled(d, int(disp[i]))), big)
         routed = max([first, *rest])
-        r = routed / big
-        if r >= 1:
-            continue
-        shrink = call[big_like].tolist()
+        r, gating = routed / big, list[int]()
+        if r >= 1:  # no routed rows: an einsum dispatch's are its output's tokens x k
+            if fwd is None:
+                fwd = np.flatnonzero((d.phase == Phase.FORWARD) & (lt.alloc_row >= 0))
+                fwd = fwd[np.argsort(lt.alloc_row[fwd], kind="stable")]
+            einsum = _einsum_call(d, fwd, *exchanges, big)
+            if einsum is None or einsum[0] >= 1:
+                continue
+            r, gating = einsum
+        shrink = call[big_like].tolist() + gating
         first, last = int(lt.alloc_row[disp].max()), int(lt.alloc_row[comb].min())
         made = (lt.alloc_row > first) & (lt.alloc_row < last)
         made &= d.category == CAT_CODE[Category.ACTIVATION]
