@@ -169,10 +169,11 @@ def _einsum_call(d: DeviceAnalysis, fwd: np.ndarray, disp: np.ndarray, comb: np.
     (`top1gating` / `top2gating`, k routes a token) makes [tokens, experts, capacity] combine
     weights and dispatch mask, `einsum("sec,sm->ecm")` the padded [experts, capacity, dim]
     buffer the all-to-all sends, and `einsum("sec,ecm->sm")` after the exchange back the
-    layer's [tokens, dim] output, the last block its forward makes. No tensor holds the routed
-    rows, but the output holds the tokens: r = k x output / padded (tokens x k / (experts x
-    capacity)). With the r, the gating's and the combine's blocks larger than the exchange
-    (the [tokens, experts, capacity] tensors, capacity-sized too). None where the call is not
+    layer's [tokens, dim] output. No tensor holds the routed rows, but the output holds the
+    tokens: r = k x output / padded (tokens x k / (experts x capacity)), the output the last
+    block after the exchange back whose r lies in 1/4..1. With the r, the gating's and the
+    combine's blocks larger than the exchange (the [tokens, experts, capacity] tensors,
+    capacity-sized too). None where the call is not
     such a dispatch (no gating frame with its k, no einsum making the padded buffer)."""
     lt, snap = d.lt, d.snapshot
     before, after = _layer_run(d, fwd, disp, comb)
@@ -183,10 +184,14 @@ def _einsum_call(d: DeviceAnalysis, fwd: np.ndarray, disp: np.ndarray, comb: np.
         names = {f.name for f in snap.stack_frames(int(lt.stack[b]))}
         k = next((_GATINGS[n] for n in names & _GATINGS.keys()), k)
         einsum = einsum or (int(lt.size[b]) == big and bool(names & {"einsum", "aten::einsum"}))
+    # the output: the last block of a token-row size (cf up to 4, as the routed rows above; an
+    # auxiliary loss or a count made after it is not)
     if k is None or not einsum:
         return None
-    r = k * int(lt.size[after[-1]]) / big
-    return r, [b for b in before + after if lt.size[b] > big]
+    out = [int(lt.size[b]) for b in after if big / 4 <= k * int(lt.size[b]) <= big]
+    if not out:
+        return None
+    return k * out[-1] / big, [b for b in before + after if lt.size[b] > big]
 
 
 def _padding(d: DeviceAnalysis) -> tuple[list[tuple[int, int, int]], list[int], list[float]]:
