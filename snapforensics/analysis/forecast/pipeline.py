@@ -1224,10 +1224,12 @@ def rebuild(src: StageSource, sc: PipeScenario, stage: int, layer_ratio: float,
     # outlives the step and is not the layers' (the next step's batch, made after `step()`)
     # does not
     # (the rank's: a stage of an interleaved recording takes its layers' share of the unnamed)
-    # FSDP's sharded gradients, and a gradient made after the last backward that is gone by the
-    # next step: made from the stage's gradients (DeepSpeed's flat all-reduce bucket of them,
-    # `allreduce_bucket`), it scales with the layers as they do
-    sharded = d.mask(Category.SHARDED_GRAD) | (d.mask(Category.GRADIENT) & (f < src.stop))
+    # FSDP's sharded gradients, and under DeepSpeed's engine a gradient made after the last
+    # backward that is gone by the next step: its flat all-reduce bucket of the stage's gradients
+    # (`allreduce_bucket`), which scales with the layers as they do
+    sharded = d.mask(Category.SHARDED_GRAD)
+    if src.deepspeed:
+        sharded = sharded | (d.mask(Category.GRADIENT) & (f < src.stop))
     share = (src.layers or 1) / src.rank_layers if src.rank_layers else 1.0
     for b in np.flatnonzero((a >= src.end) & (a < src.stop) & ~others).tolist():
         optimizer = d.tl.phase[a[b]] == Phase.OPTIMIZER
