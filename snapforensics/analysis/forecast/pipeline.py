@@ -1954,7 +1954,6 @@ FSDP_TP_PAIRS: tuple[tuple[str, str, float, float], ...] = (
     ("S=2 M=4 1f1b dp=2 tp=2", "S=2x2 M=4 interleaved dp=4 tp=1", 0.0000, 0.0132),
 )
 FSDP_TP_RATIOS = (0.5, 0.5)  # the TP degree those pairs change (new / recorded)
-# what the pairs span: stage-count and micro-batch-count ratios (new / recorded)
 # DeepSpeed's PipelineEngine (its 1F1B TrainSchedule; tests/ds_pipe.py, 8 residual MLP blocks
 # of dim 256, 32 rows a step, deepspeed 0.19.8 on CPU): every layout forecast to the others,
 # every stage against the same stage of the run recorded in that layout; its receive buffers
@@ -1974,6 +1973,7 @@ DEEPSPEED_PAIRS: tuple[tuple[str, str, float, float], ...] = (
     ("S=4 M=4", "S=2 M=4", 0.0174, 0.0204),
     ("S=4 M=4", "S=4 M=8", -0.0177, 0.0261),
 )
+# what the pairs span: stage-count and micro-batch-count ratios (new / recorded)
 STAGE_RATIOS = (0.5, 2.0)
 MICROBATCH_RATIOS = (0.5, 2.0)
 SOURCE = ("tests/test_forecast.py::test_pipeline_layout_forecast, "
