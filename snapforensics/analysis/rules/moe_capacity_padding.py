@@ -143,12 +143,12 @@ def _layer_run(d: DeviceAnalysis, fwd: np.ndarray, disp: np.ndarray,
     return before[::-1], after
 
 
-def _with_layer_blocks(d: DeviceAnalysis, fwd: np.ndarray, disp: np.ndarray,
+def _with_layer_blocks(d: DeviceAnalysis, run: tuple[list[int], list[int]], disp: np.ndarray,
                        comb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """A call whose exchanges alone are named (a dispatch written inline in the MoE layer's
     forward: no dispatcher function, so no word in the stack) with the layer's own forward
-    blocks around them (`_layer_run`), none larger than the exchange."""
-    before, after = _layer_run(d, fwd, disp, comb)
+    blocks around them (`run`: `_layer_run`), none larger than the exchange."""
+    before, after = run
     # none larger than the exchange: the padded buffer is what it exchanges (an einsum
     # dispatch's [tokens, experts, capacity] masks are larger: `_einsum_call`)
     cap = int(d.lt.size[disp].max())
@@ -163,7 +163,7 @@ def _with_layer_blocks(d: DeviceAnalysis, fwd: np.ndarray, disp: np.ndarray,
 _GATINGS = {"top1gating": 1, "top2gating": 2}
 
 
-def _einsum_call(d: DeviceAnalysis, fwd: np.ndarray, disp: np.ndarray, comb: np.ndarray,
+def _einsum_call(d: DeviceAnalysis, run: tuple[list[int], list[int]],
                  big: int) -> tuple[float, list[int]] | None:
     """GShard's einsum dispatch (DeepSpeed's MOELayer before 0.19, fairscale's): the gating
     (`top1gating` / `top2gating`, k routes a token) makes [tokens, experts, capacity] combine
@@ -173,10 +173,11 @@ def _einsum_call(d: DeviceAnalysis, fwd: np.ndarray, disp: np.ndarray, comb: np.
     tokens: r = k x output / padded (tokens x k / (experts x capacity)), the output the last
     block after the exchange back whose r lies in 1/4..1. With the r, the gating's and the
     combine's blocks larger than the exchange (the [tokens, experts, capacity] tensors,
-    capacity-sized too). None where the call is not
-    such a dispatch (no gating frame with its k, no einsum making the padded buffer)."""
+    capacity-sized too). None where the call is not such a dispatch (no gating frame with its
+    k, no einsum making the padded buffer). `run`: the layer's blocks around the call
+    (`_layer_run`)."""
     lt, snap = d.lt, d.snapshot
-    before, after = _layer_run(d, fwd, disp, comb)
+    before, after = run
     if not before or not after:
         return None
     k, einsum = None, False
@@ -200,14 +201,19 @@ def _padding(d: DeviceAnalysis) -> tuple[list[tuple[int, int, int]], list[int], 
     extra, padded, ratios = [], [], []
     ratio_of: list[float] = []
     exchanged: dict[int, float] = {}  # each padded exchange's size: its call's r
-    fwd = None  # the forward's blocks in trace order, for calls read with their layer's
-    for exchanges in _calls(d):
-        disp, comb = exchanges
+    order: list[np.ndarray] = []  # the forward's blocks in trace order, once a call needs them
+
+    def layer_run(disp: np.ndarray, comb: np.ndarray) -> tuple[list[int], list[int]]:
+        if not order:
+            rows = np.flatnonzero((d.phase == Phase.FORWARD) & (lt.alloc_row >= 0))
+            order.append(rows[np.argsort(lt.alloc_row[rows], kind="stable")])
+        return _layer_run(d, order[0], disp, comb)
+
+    for disp, comb in _calls(d):
+        run = None  # the layer's own blocks around the call, read once if it needs them
         if int((lt.size[disp] == lt.size[disp].max()).sum()) < 2:
-            if fwd is None:
-                fwd = np.flatnonzero((d.phase == Phase.FORWARD) & (lt.alloc_row >= 0))
-                fwd = fwd[np.argsort(lt.alloc_row[fwd], kind="stable")]
-            disp, comb = _with_layer_blocks(d, fwd, disp, comb)
+            run = layer_run(disp, comb)
+            disp, comb = _with_layer_blocks(d, run, disp, comb)
         sizes = lt.size[disp]
         big = int(sizes.max())
         # the exchange: two blocks or more at the largest size (a send buffer and the received
@@ -241,10 +247,7 @@ def _padding(d: DeviceAnalysis) -> tuple[list[tuple[int, int, int]], list[int], 
         routed = max([first, *rest])
         r, gating = routed / big, list[int]()
         if r >= 1:  # no routed rows: an einsum dispatch's are its output's tokens x k
-            if fwd is None:
-                fwd = np.flatnonzero((d.phase == Phase.FORWARD) & (lt.alloc_row >= 0))
-                fwd = fwd[np.argsort(lt.alloc_row[fwd], kind="stable")]
-            einsum = _einsum_call(d, fwd, *exchanges, big)
+            einsum = _einsum_call(d, run or layer_run(disp, comb), big)
             if einsum is None or einsum[0] >= 1:
                 continue
             r, gating = einsum
