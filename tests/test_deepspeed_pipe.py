@@ -154,8 +154,9 @@ def test_deepspeed_pipeline_forecast():
     assert checked == len(DEEPSPEED_PAIRS)
 
 
-@pytest.mark.full
+@pytest.mark.slow
 def test_deepspeed_pipeline_forecast_held_out():
-    """The same at a width the pairs did not run (dim 160): within 5%."""
+    """The same at a width the pairs were not measured on (dim 160, 2 stages x 8 micro-batches
+    <-> 4 x 4): within 5% (measured -1.1%..+4.9%)."""
     for a, b, errs, _ in _ds_pairs([(2, 8), (4, 4)], "--dim", "160"):
         assert all(abs(e) <= 0.05 for e in errs), (a, b, errs)
