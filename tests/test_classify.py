@@ -179,3 +179,22 @@ def test_deepspeed_activation_checkpointing_recomputes():
     # its forward is the forward's
     fwd = classify([*layer, _f("forward", ck), _f("apply", "torch/autograd/function.py")])
     assert fwd.phase != Phase.RECOMPUTE
+
+
+def test_a_backend_threads_gather_copy_is_the_collectives_buffer():
+    """gloo copies a gather's output through a buffer of its own, made on its worker thread (a
+    row of `aten::empty` under `gloo:all_gather` alone, as a CPU recording of FSDP2 carries it)
+    while the main thread has FSDP's copy-out range open: the collective's buffer, not the
+    unsharded parameter the copy-out makes (which it outlives or not by the thread's timing)."""
+    row = [Frame("<op>", 0, "aten::empty"), Frame("<record_function>", 0, "gloo:all_gather")]
+    for ranges in (("FSDP::all_gather_copy_out (layers.1)",), ("FSDP::all_gather (layers.1)",)):
+        got = classify(row, ranges)
+        assert (got.category, got.backend) == (Category.ALL_GATHER, True), ranges
+    rs = classify([Frame("<op>", 0, "aten::empty"),
+                   Frame("<record_function>", 0, "gloo:reduce_scatter")],
+                  ("FSDP::post_backward_reduce (layers.1)",))
+    assert rs.category == Category.REDUCE_SCATTER and rs.backend
+    # FSDP's own copy-out, on the main thread, is the unsharded parameter
+    own = classify([_f("alloc_storage", "torch/distributed/fsdp/_fully_shard/_fsdp_param.py")],
+                   ("FSDP::all_gather_copy_out (layers.1)",))
+    assert own.category == Category.UNSHARDED_PARAM and not own.backend

@@ -35,6 +35,19 @@ _REDUCE_FUNCS = {"foreach_reduce", "foreach_reduce_scatter_copy_in", "_reduce_gr
 # c10d's operators (the CPU recorder's `<op>` frames) are FSDP's only under FSDP's code or ranges:
 # Megatron's TP, an `all_gather_object` or the user's own collective make the same ones.
 _C10D_GATHER = {"c10d::_allgather_base_", "c10d::allgather_", "c10d::all_gather_into_tensor"}
+def _worker_collective(names) -> Category | None:
+    """The FSDP buffer a collective backend's worker row serves, by its collective's range
+    (`gloo:all_gather`, `nccl:reduce_scatter`): None for another collective."""
+    for n in names:
+        if n.startswith(("gloo:", "nccl:", "hccl:")):
+            op = n.split(":", 1)[1].replace("allgather", "all_gather")
+            if "all_gather" in op:
+                return Category.ALL_GATHER
+            if "reduce_scatter" in op:
+                return Category.REDUCE_SCATTER
+    return None
+
+
 _C10D_SCATTER = {"c10d::_reduce_scatter_base_", "c10d::reduce_scatter_",
                  "c10d::reduce_scatter_tensor_coalesced_"}
 # FSDP1's post-backward hook casts the unsharded grad to reduce_dtype before `_reduce_grad`.
@@ -344,6 +357,7 @@ class StackInfo:
     has_frames: bool  # has a Python frame (a `stacks="all"` stack may have only C++ ones)
     autograd: bool = False  # made inside the autograd engine (C++ frames, `stacks="all"` only)
     exchange: bool = False  # an MoE all-to-all's output under no dispatch- or combine-named call
+    backend: bool = False  # made on a collective backend's own thread (gloo's copy of a gather)
 
 
 def _is_fsdp_file(f: Frame) -> bool:
@@ -438,6 +452,10 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
         category = parallel
     elif nameset & _DDP_INIT_COLLECTIVES and not any(_is_fsdp_file(f) for f in frames):
         category = Category.PARAMETER
+    elif worker_row and fsdp_here and (kind := _worker_collective(names)) is not None:
+        # the backend's own buffer (gloo copies a gather's output through one on its thread):
+        # the collective's, whichever FSDP range the main thread has open (a copy-out's too)
+        category = kind
     elif nameset & _UNSHARDED_FUNCS or "all_gather_copy_out" in rfkinds:
         category = Category.UNSHARDED_PARAM
     elif nameset & _ALL_GATHER_FUNCS or "all_gather" in rfkinds or \
@@ -470,7 +488,7 @@ def classify(frames: list[Frame], ranges: tuple[str, ...] = ()) -> StackInfo:
         category = Category.OTHER
     if category in (Category.UNSHARDED_PARAM, Category.ALL_GATHER):
         path = _unshard_path(frames, ranges, in_recompute)
-    return StackInfo(category, path, phase, module, bool(frames), autograd, exchange)
+    return StackInfo(category, path, phase, module, bool(frames), autograd, exchange, worker_row)
 
 
 def _unshard_path(frames: list[Frame], ranges: tuple[str, ...], in_recompute: bool) -> str:

@@ -916,8 +916,11 @@ def gathers(src: StageSource) -> Gathers | None:
         in_ops[r0:r1] = True
     inside = (a >= src.start) & (a < src.end) & (
         in_ops[np.clip(a, 0, lt.rows)] | (src.layer_params if src.virtual > 1 else False))
-    if src.virtual > 1:  # the looped runtime's UNSHARD, before the rank's first mark
-        gathered = d.mask(Category.UNSHARDED_PARAM, Category.ALL_GATHER)
+    if src.virtual > 1:  # the looped runtime's UNSHARD, before the rank's first mark: FSDP's
+        # own blocks (a backend thread's copy, gloo's, lives through the mark or not by timing)
+        backend = np.array([i.backend for i in d.infos], bool)[d.info] if d.infos else \
+            np.zeros(len(lt), bool)
+        gathered = d.mask(Category.UNSHARDED_PARAM, Category.ALL_GATHER) & ~backend
         inside |= (a < src.start) & (f > src.start) & gathered
         if src.stage not in (0, (src.stages or 0) - 1):  # a unit outside the numbered layers
             for b in np.flatnonzero(inside & gathered).tolist():  # (an embedding, a head) is
