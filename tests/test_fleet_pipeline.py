@@ -73,7 +73,13 @@ def test_without_stages_the_statement_names_the_rank_only():
     assert st["stage"] is None and st["schedule"] is None
     assert st["peak_bytes"] == max(r["peaks"]["overall_bytes"] for r in f.ranks)
     assert st["verdict"] == ("anomalous" if f.spread["flagged"] else "info")
-    assert "do not say its pipeline stage" in report.statement(f)
+    assert "no pipeline: the recorder saw no pipeline stage or group" in report.statement(f)
+    assert "do not say" not in report.statement(f)
+    # the same files without the recorder's note (torch's own dumps): nothing says there is no
+    # pipeline
+    bare = fleet([{**d, "provenance": {}} for d in docs])
+    assert bare.statement["verdict"] == st["verdict"]
+    assert "do not say its pipeline stage" in report.statement(bare)
 
 
 @pytest.mark.slow

@@ -184,9 +184,22 @@ def _statement(inputs: list[dict], diags: list[Diagnosis],
                 f"1F1B holds fewer micro-batches on later stages, so its schedule does not "
                 f"explain stage {p['stage']} peaking highest by {cause}")}
     else:
-        out |= {"verdict": Verdict.ANOMALOUS if spread.get("flagged") else Verdict.INFO,
-                "why": "the files do not say its pipeline stage" + (
-                    "" if out.get("tp_rank") is not None else " or tensor-parallel rank")}
+        flagged = bool(spread.get("flagged"))
+        prov = diags[w].provenance if isinstance(diags[w].provenance, dict) else {}
+        if type(prov.get("process_groups")) is list and not layout.uses("pp") and \
+                "pp" not in layout.shown and not any(pipes):
+            # the recorder notes a pipeline's stages and groups: none here, so every rank runs
+            # the same layers and only the spread speaks
+            why = ("no pipeline: the recorder saw no pipeline stage or group, so every rank "
+                   "runs the same layers; " + (
+                       f"{spread['worst']['label']} is {spread['worst']['deviation_pct']:+.1f}% "
+                       f"off the median peak, beyond the {spread['threshold_pct']}% a balanced "
+                       "job's ranks stay within" if flagged else "the ranks' peaks are within "
+                       f"{spread['threshold_pct']}% of their median, as a balanced job's are"))
+        else:
+            why = "the files do not say its pipeline stage" + (
+                "" if out.get("tp_rank") is not None else " or tensor-parallel rank")
+        out |= {"verdict": Verdict.ANOMALOUS if flagged else Verdict.INFO, "why": why}
     return out
 
 
