@@ -133,7 +133,7 @@ def test_looped_bfs_is_anomalous_and_the_replay_predicts_the_interleaved_twin(ki
         assert f.evidence["stages_per_rank"] == 2
         assert f.evidence["held_at_peak"] == 2 * max(truth["held_per_step"]) == \
             2 * truth["microbatches"]
-        assert f.evidence["one_f_one_b_holds"] == max(twin_truth["held_per_step"])
+        assert f.evidence["interleaved_holds"] == max(twin_truth["held_per_step"])
         assert "ScheduleInterleaved1F1B" in f.fix
         compile(f.fix, RULE.id, "exec")
         measured = twin.peaks["overall_bytes"]

@@ -211,7 +211,8 @@ def check(d: DeviceAnalysis) -> list[Finding]:
                               extra=replay.extra).max())
     predicted = max(predicted, lt.baseline)
     saving = d.peak_bytes - predicted
-    evidence["one_f_one_b_holds"] = w
+    # what the fix's schedule holds on this stage: 1F1B's, Interleaved1F1B's for the looped
+    evidence["interleaved_holds" if looped else "one_f_one_b_holds"] = w
     anomalous = w < m and saving > 0
     return [Finding.replayed(
         anomalous, rule=RULE.id, title=title,
