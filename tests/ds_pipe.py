@@ -6,7 +6,8 @@ over 2 stages, 8 micro-batches a step, for the tests of a pipeline no torch sche
 
 On 4 ranks the 2 stages are each data parallel over 2 (DeepSpeed's grid: its groups unnamed).
 `--stages S` splits the 8 blocks over S stages, `--microbatches M` cuts the step's 32 rows into
-M micro-batches (the global batch kept, as the pipeline forecast keeps it).
+M micro-batches (the global batch kept, as the pipeline forecast keeps it); `--zero 1` runs it
+under ZeRO stage 1 (the optimizer's states partitioned over each stage's data-parallel ranks).
 
 `--truth DIR` writes DIR/truth.rank{R}.json from the running engine, never from a snapshot: its
 stage, and the storages of the buffers it receives into (`pipe_recv_buf`, `grad_layer`) and of
@@ -41,6 +42,8 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=8, help="the global batch kept (32 rows)")
+    p.add_argument("--zero", type=int, default=0,
+                   help="ZeRO stage (0 or 1: the pipeline engine takes no higher)")
     p.add_argument("--truth", type=Path)
     a = p.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -58,6 +61,8 @@ def main() -> None:
     cfg = {"train_batch_size": 32 * dp, "train_micro_batch_size_per_gpu": rows,
            "gradient_accumulation_steps": a.microbatches, "steps_per_print": 10 ** 6,
            "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}}
+    if a.zero:  # the optimizer's states and the fp32 step partitioned over each stage's DP ranks
+        cfg["zero_optimization"] = {"stage": a.zero}
     engine, _, _, _ = deepspeed.initialize(model=model, config=cfg,
                                            model_parameters=list(model.parameters()))
     received: list[dict] = []

@@ -328,7 +328,9 @@ def _layer_params(d: DeviceAnalysis) -> tuple[int | None, np.ndarray]:
         layer = layer_of(ident.module)
         if any(s.isdigit() for s in layer.split(".")):
             mask[b] = True
-            if ident.kind == "parameter":
+            # (an optimizer's parameter the model does not name, the recorder's
+            # `param_groups.G.params.J`: ZeRO's flat partition of every layer, not one layer)
+            if ident.kind == "parameter" and not layer.startswith("param_groups."):
                 layers.add(layer)
     return (len(layers) or None), mask
 
@@ -1112,6 +1114,9 @@ def rebuild(src: StageSource, sc: PipeScenario, stage: int, layer_ratio: float,
         made[g.blocks] = False  # replayed below
     grads = src.param_grads
     rings, ring_outputs = src.rings
+    # DeepSpeed ZeRO's gradient bucket: `reduce_bucket_size` elements, whatever the micro-batch
+    # and the layers (its first backward's hook makes it, the step's reduction frees it)
+    fixed = d.mask(Category.DEEPSPEED_REDUCE_BUCKET)
     # a stage of L layers saves the outputs of L - 1 (the last one's is sent)
     outputs_ratio = (layer_ratio * src.layers - 1) / (src.layers - 1) \
         if src.layers and src.layers > 1 else layer_ratio
@@ -1134,7 +1139,8 @@ def rebuild(src: StageSource, sc: PipeScenario, stage: int, layer_ratio: float,
         # a parameter's gradient: made in a backward, kept into the optimizer (or, unsharded,
         # to the REDUCE_GRAD that reduce-scatters it after the last backward)
         # (the looped runtime's REDUCE_GRAD runs inside a stage's last backward)
-        to_optimizer = kind == "B" and (freed is None or freed == last_b) and (
+        bucket = kind == "B" and bool(fixed[b])  # made once, as a gradient is
+        to_optimizer = bucket or kind == "B" and (freed is None or freed == last_b) and (
             f[b] >= src.stop or freed_phase[b] == Phase.OPTIMIZER or bool(grads[b])) and \
             not rings[b]
         if to_optimizer and drop_state and state[b] and not src.layer_params[b]:
@@ -1168,7 +1174,7 @@ def rebuild(src: StageSource, sc: PipeScenario, stage: int, layer_ratio: float,
         per_layer = to_optimizer or (kind == "F" and freed == ("B", k) and not src.sends[b]
                                      and not src.head[b])
         sz = size[b] * (outputs_ratio if src.layer_outputs[b] else layer_ratio if per_layer
-                        else 1.0) * (1.0 if to_optimizer else scale_mb)
+                        else 1.0) * (1.0 if to_optimizer else scale_mb) if not bucket else size[b]
         # (a parameter's gradient is made once, by the backward that runs in the new order
         # where the one that made it ran among the stage's backwards, at its offset there:
         # the first ran B 0 in order, B M-1 under ScheduleLoopedBFS, whose backwards run in
@@ -1242,7 +1248,7 @@ def rebuild(src: StageSource, sc: PipeScenario, stage: int, layer_ratio: float,
             bool(src.layer_params[b]) or f[b] < src.stop)
         if whole or per_layer:
             r = (layer_ratio if src.layer_params[b] else layer_ratio * share) if per_layer \
-                else 1.0
+                and not fixed[b] else 1.0
             add(b, int(a[b]) + tail, after(b), size[b] * r)
     if rings.any():  # each slot's entry freed as the micro-batch that many later takes it
         slots = max(2, min(sc.stages * sc.virtual - stage, sc.microbatches))
@@ -1350,6 +1356,15 @@ def _replay_gathers(g: Gathers, seq, tmpl, offsets, after_step, ratio: float, si
             add(b, ar, after_step(ends[min(i, len(ends) - 1)]), size[b] * scale)
 
 
+def _no_layers(src: StageSource, what: str) -> str:
+    """Why `what` is refused on a stage whose layers are not counted."""
+    if src.d.names is None:
+        return (f"the recording names no layers (record with `snapforensics record` for tensor "
+                f"names): {what} is refused")
+    return (f"the recorder's names show no numbered layer's parameters (an optimizer's flat "
+            f"buffer holds them, as ZeRO's does): {what} is refused")
+
+
 def predict(srcs: list[StageSource], sc: PipeScenario) -> list[StagePrediction]:
     """Each stage of `sc` forecast from the recorded stage in its position."""
     by_stage = {s.stage: s for s in srcs if s.stage is not None}
@@ -1385,8 +1400,7 @@ def predict(srcs: list[StageSource], sc: PipeScenario) -> list[StagePrediction]:
             total = sum(s.layers or 0 for s in by_stage.values()) if whole else \
                 (src.layers or 0) * (src.stages or 0)
             if not src.layers:
-                p.refused = ("the recording names no layers (record with `snapforensics "
-                             "record` for tensor names): another pipeline degree is refused")
+                p.refused = _no_layers(src, "another pipeline degree")
             elif total % (sc.stages * sc.virtual):
                 p.refused = (f"{total} layers do not split evenly over "
                              f"{sc.stages * sc.virtual} stages")
@@ -1399,8 +1413,7 @@ def predict(srcs: list[StageSource], sc: PipeScenario) -> list[StagePrediction]:
                 p.refused = (f"{src.layers} layers do not split evenly over "
                              f"{sc.virtual} stages per rank")
             elif sc.virtual > 1 and not src.layers:
-                p.refused = ("the recording names no layers (record with `snapforensics "
-                             "record` for tensor names): an interleaved schedule is refused")
+                p.refused = _no_layers(src, "an interleaved schedule")
         if sc.schedule == INTERLEAVED and p.refused is None:
             p.refused = interleaved_refusal(sc.stages, sc.microbatches)
         if p.refused is None:
@@ -1988,7 +2001,8 @@ SOURCE = ("tests/test_forecast.py::test_pipeline_layout_forecast, "
 
 DEEPSPEED_SOURCE = ("tests/test_deepspeed_pipe.py::test_deepspeed_pipeline_forecast: DeepSpeed's "
                     "PipelineEngine (tests/ds_pipe.py) recorded on CPU (gloo) at 2 and 4 stages, "
-                    "4 and 8 micro-batches, each layout forecast to the others")
+                    "4 and 8 micro-batches, each layout forecast to the others (and with each "
+                    "stage data parallel over 2 ranks, without ZeRO and under ZeRO-1)")
 
 
 def band(sc: PipeScenario, src: StageSource, srcs: list[StageSource] | None = None) -> dict:
