@@ -187,27 +187,20 @@ def test_deepspeed_pipeline_forecast_data_parallel_stages():
 
 @pytest.mark.slow
 def test_deepspeed_pipeline_forecast_under_zero_1():
-    """ZeRO stage 1 under the pipeline engine (`--zero 1`, 2 stages x 2 data-parallel ranks):
-    its gradient bucket is `reduce_bucket_size` elements (2 GB at DeepSpeed's default, half of
-    these peaks), made once by the first backward's hook whatever the micro-batch, so 8 <-> 4
-    micro-batches hold within the band (measured +0.18%/+0.12% and +0.00%/+0.01%; the bucket
-    taken as a backward's block scaled with the micro-batch before: +49.8%). The stage's
-    parameters are one flat partition the optimizer names (`param_groups.0.params.0`), no layer:
-    another stage count is refused, saying why (it read as one layer per stage before)."""
-    from recordings import run_cli
-
+    """ZeRO stage 1 under the pipeline engine (`--zero 1`; 2 stages x 2 data-parallel ranks, and
+    4 stages of one rank each): its gradient bucket is `reduce_bucket_size` elements (2 GB at
+    DeepSpeed's default, half of these peaks), made once by the first backward's hook whatever
+    the micro-batch and the layers, on every stage; the stage's parameters are one flat partition
+    the optimizer names (`param_groups.0.params.0`), no layer, so the layers are counted by the
+    numbered modules that saved activations. Every layout to the others within the band
+    (measured +0.00%..+0.27% over 6 pairs; before: the bucket scaled with the micro-batch,
+    +49.8% from 8 to 4, and the partition read as one layer per stage)."""
     from snapforensics.analysis.forecast.pipeline import DEEPSPEED_PAIRS
 
     lo = min(p[2] for p in DEEPSPEED_PAIRS)
     hi = max(p[3] for p in DEEPSPEED_PAIRS)
-    pairs = _ds_pairs([(2, 8, 2), (2, 4, 2)], "--zero", "1")
-    assert len(pairs) == 2
+    pairs = _ds_pairs([(2, 8, 2), (2, 4, 2), (4, 4)], "--zero", "1")
+    assert len(pairs) == 6
     for a, b, errs, _ in pairs:
         for e in errs:
             assert lo - 0.01 <= e <= hi + 0.01 and abs(e) <= 0.05 + 0.01, (a, b, e)
-    folder, _ = _ds_layout(2, 8, "--zero", "1", dp=2)
-    p = run_cli(["forecast", str(folder), "--pp", "4", "--format", "json"])
-    assert p.returncode == 0, p.stderr
-    sc, = json.loads(p.stdout)["scenarios"]
-    for s in sc["per_stage"]:
-        assert s["predicted_peak_bytes"] is None and "flat buffer" in s["refused"], s

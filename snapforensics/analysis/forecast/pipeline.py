@@ -315,24 +315,34 @@ class StagePrediction:
 
 def _layer_params(d: DeviceAnalysis) -> tuple[int | None, np.ndarray]:
     """Numbered layers among the stage's parameters (tensor names), and which blocks are
-    parameters of one (or their gradients and optimizer state: they scale with the layers)."""
+    parameters of one (or their gradients and optimizer state: they scale with the layers).
+
+    An optimizer's parameter the model does not name (the recorder's `param_groups.G.params.J`:
+    ZeRO's flat partition, every layer's parameters in one buffer) is no layer; where it holds
+    them all, the layers are counted by the numbered modules that saved activations."""
     mask = np.zeros(len(d.lt), bool)
     names = d.names
     if names is None:
         return None, mask
-    layers = set()
+    layers, saved = set(), set()
+    flat = False
     for b in np.flatnonzero(names.ident >= 0).tolist():
         ident = names.identity(b)
-        if ident is None or ident.kind not in ("parameter", "gradient", "optimizer_state"):
+        if ident is None:
             continue
         layer = layer_of(ident.module)
-        if any(s.isdigit() for s in layer.split(".")):
+        if not any(s.isdigit() for s in layer.split(".")):
+            continue
+        if ident.kind == "saved_for_backward":
+            saved.add(layer)
+        elif ident.kind in ("parameter", "gradient", "optimizer_state"):
             mask[b] = True
-            # (an optimizer's parameter the model does not name, the recorder's
-            # `param_groups.G.params.J`: ZeRO's flat partition of every layer, not one layer)
-            if ident.kind == "parameter" and not layer.startswith("param_groups."):
-                layers.add(layer)
-    return (len(layers) or None), mask
+            if ident.kind == "parameter":
+                if layer.startswith("param_groups."):
+                    flat = True
+                else:
+                    layers.add(layer)
+    return (len(layers or (saved if flat else ())) or None), mask
 
 
 def _named(d: DeviceAnalysis, kinds: tuple[str, ...]) -> np.ndarray:
@@ -1242,7 +1252,8 @@ def rebuild(src: StageSource, sc: PipeScenario, stage: int, layer_ratio: float,
     share = (src.layers or 1) / src.rank_layers if src.rank_layers else 1.0
     for b in np.flatnonzero((a >= src.end) & (a < src.stop) & ~others).tolist():
         optimizer = d.tl.phase[a[b]] == Phase.OPTIMIZER
-        if foreign and (chunk is None or from_last) and not optimizer and not sharded[b]:
+        if foreign and (chunk is None or from_last) and not optimizer and not sharded[b] \
+                and not fixed[b]:  # (ZeRO's bucket: every stage's)
             continue  # the last stage's step return (its outputs merged, the losses)
         per_layer = bool(sharded[b]) or optimizer and (
             bool(src.layer_params[b]) or f[b] < src.stop)
