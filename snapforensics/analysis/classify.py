@@ -103,11 +103,13 @@ _DDP_BUCKET_FUNCS = {"_ddp_init_helper", "_pre_forward"}
 _DDP_INIT_COLLECTIVES = {"_verify_param_shape_across_processes"}
 
 # Mixture of experts (expert parallelism): a token dispatcher's functions, by the words their
-# names are made of, in a file of an MoE implementation or under an MoE module's frame (this
-# recorder's `<nn.Module>` frames name the class): torchtitan's `AllToAllTokenDispatcher.dispatch`
-# / `_dispatch_token_exchange` / `_permute` and `combine` / `_combine_token_exchange` /
-# `_unpermute` (`torchtitan/models/common/token_dispatcher.py`; `ExpertParallel._token_dispatch`
-# / `_token_combine` in `torchtitan/distributed/expert_parallel.py` before), Megatron's
+# names are made of, under an MoE module's frame (this recorder's `<nn.Module>` frames name the
+# class) or a file of an MoE implementation (one whose name says so, or the file that holds the
+# MoE module's own `forward`: a script's `SwitchMoE` and the `_AllToAll` beside it):
+# torchtitan's `AllToAllTokenDispatcher.dispatch` / `_dispatch_token_exchange` / `_permute` and
+# `combine` / `_combine_token_exchange` / `_unpermute` (`torchtitan/models/common/
+# token_dispatcher.py`; `ExpertParallel._token_dispatch` / `_token_combine` in
+# `torchtitan/distributed/expert_parallel.py` before), Megatron's
 # `MoEAlltoAllTokenDispatcher.dispatch_preprocess` / `token_dispatch` / `token_combine` /
 # `combine_postprocess` (`megatron/core/transformer/moe/token_dispatcher.py`, `permute` /
 # `unpermute` in `moe/moe_utils.py`), DeepSpeed's `_sparse_encode` / `_sparse_decode`
@@ -124,6 +126,7 @@ _MOE_MODULE = re.compile(r"moe|expert", re.IGNORECASE)
 _MOE_DISPATCH_WORDS = {"dispatch", "permute", "permutation", "encode"}
 _MOE_COMBINE_WORDS = {"combine", "unpermute", "unpermutation", "decode"}
 _ALL_TO_ALL_FUNCS = {"all_to_all_single", "all_to_all", "all_to_all_single_autograd"}
+_MODULE_CALL = "torch/nn/modules/module.py"  # `_call_impl` / `inner`: a module's call, not forward
 
 
 def moe_layer_frame(frames: list[Frame]) -> Frame | None:
@@ -135,11 +138,25 @@ def moe_layer_frame(frames: list[Frame]) -> Frame | None:
         next((f for f in frames if _MOE_FILE.search(f.filename)), None)
 
 
+def _layer_file(frames: list[Frame], layer: Frame) -> str | None:
+    """The file of an MoE module frame's own `forward` (the first Python frame inside the
+    recorder's `<nn.Module>` frame past `Module.__call__`'s), None for a file-matched layer."""
+    if layer.filename != "<nn.Module>":
+        return None
+    i = next(i for i, f in enumerate(frames) if f is layer)
+    return next((f.filename for f in reversed(frames[:i]) if not f.filename.startswith("<") and
+                 not f.filename.replace("\\", "/").endswith(_MODULE_CALL)), None)
+
+
 def _moe_category(frames: list[Frame]) -> tuple[Category, bool] | None:
     """(moe.dispatch_buffer / moe.combine_buffer, whether only an exchange says so) for a stack
-    under an MoE layer, else None."""
-    if moe_layer_frame(frames) is None:
+    under an MoE layer, else None. An MoE implementation's file is one whose name says so or the
+    file of the MoE module's own `forward` (a script's `SwitchMoE` and the all-to-all Function
+    written beside it: the file's name need not say MoE)."""
+    layer = moe_layer_frame(frames)
+    if layer is None:
         return None
+    own = _layer_file(frames, layer)
     a2a = False
     py = [f for f in frames if not f.filename.startswith("<")]  # innermost first
     for i, f in enumerate(py):
@@ -148,7 +165,7 @@ def _moe_category(frames: list[Frame]) -> tuple[Category, bool] | None:
                 ("distributed/distributed_c10d.py", "distributed/_functional_collectives.py")):
             a2a = True
             continue
-        if not _MOE_FILE.search(fn):
+        if not (f.filename == own or _MOE_FILE.search(fn)):
             continue
         if f.name == "forward" and i + 1 < len(py) and py[i + 1].name == "apply" and \
                 py[i + 1].filename.replace("\\", "/").endswith("torch/autograd/function.py"):
