@@ -3,7 +3,9 @@ parallel over every rank, gloo): the exchange is a hand-written autograd Functio
 the fairscale / DeepSpeed pattern) over c10d's `all_to_all_single` into an output it allocates,
 defined in the same file as the layer, and this file's name says nothing of MoE (only the
 layer's class does), for the tests of an MoE that neither a dispatcher function nor its file
-names.
+names. `--exchange nn` exchanges through torch's autograd-aware
+`torch.distributed.nn.functional.all_to_all_single` into an output the layer's own `forward`
+allocates (`torch.empty_like`): no frame of the output's stack says exchange.
 
     snapforensics record --nproc-per-node 2 --device cpu tests/switch_a2a.py \
         -- --capacity-factor 1.25
@@ -22,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.nn.functional import all_to_all_single
 
 from snapforensics.examples.common import write_truth
 
@@ -50,10 +53,10 @@ class Experts(nn.Module):
 
 
 class SwitchMoE(nn.Module):
-    def __init__(self, dim: int, experts: int, cf: float):
+    def __init__(self, dim: int, experts: int, cf: float, exchange: str):
         super().__init__()
         self.router = nn.Linear(dim, experts, bias=False)
-        self.E, self.cf = experts, cf
+        self.E, self.cf, self.exchange = experts, cf, exchange
         self.world = dist.get_world_size()
         self.experts = Experts(experts // self.world, dim, 4 * dim)
         self.calls: list[dict] = []
@@ -68,12 +71,19 @@ class SwitchMoE(nn.Module):
         keep = pos < C
         send = x.new_zeros(self.E, C, D)
         send[e[keep], pos[keep]] = x[keep]
-        recv = _AllToAll.apply(send.view(self.E * C, D))
+        if self.exchange == "nn":  # the output allocated here, in the layer's own forward
+            recv = all_to_all_single(torch.empty_like(send.view(self.E * C, D)),
+                                     send.view(self.E * C, D))
+        else:
+            recv = _AllToAll.apply(send.view(self.E * C, D))
         L = self.E // self.world
         h = recv.view(self.world, L, C, D).transpose(0, 1).reshape(L, self.world * C, D)
         h = self.experts(h)
         h = h.view(L, self.world, C, D).transpose(0, 1).reshape(self.E * C, D)
-        back = _AllToAll.apply(h).view(self.E, C, D)
+        if self.exchange == "nn":
+            back = all_to_all_single(torch.empty_like(h), h).view(self.E, C, D)
+        else:
+            back = _AllToAll.apply(h).view(self.E, C, D)
         out = x.new_zeros(N, D)
         out[keep] = back[e[keep], pos[keep]] * w[keep, None]
         counts = torch.bincount(e, minlength=self.E)
@@ -84,10 +94,10 @@ class SwitchMoE(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, experts: int, cf: float):
+    def __init__(self, dim: int, experts: int, cf: float, exchange: str):
         super().__init__()
         self.ln1, self.attn = nn.LayerNorm(dim), nn.Linear(dim, dim)
-        self.ln2, self.moe = nn.LayerNorm(dim), SwitchMoE(dim, experts, cf)
+        self.ln2, self.moe = nn.LayerNorm(dim), SwitchMoE(dim, experts, cf, exchange)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -101,12 +111,14 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--exchange", choices=("function", "nn"), default="function")
     p.add_argument("--truth", type=Path)
     a = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = nn.Sequential(*[Block(a.dim, a.experts, a.capacity_factor) for _ in range(a.layers)])
+    model = nn.Sequential(*[Block(a.dim, a.experts, a.capacity_factor, a.exchange)
+                            for _ in range(a.layers)])
     opt = torch.optim.Adam(model.parameters())
     layers = [m for m in model.modules() if isinstance(m, SwitchMoE)]
     g = torch.Generator().manual_seed(rank)

@@ -127,6 +127,7 @@ _MOE_DISPATCH_WORDS = {"dispatch", "permute", "permutation", "encode"}
 _MOE_COMBINE_WORDS = {"combine", "unpermute", "unpermutation", "decode"}
 _ALL_TO_ALL_FUNCS = {"all_to_all_single", "all_to_all", "all_to_all_single_autograd"}
 _MODULE_CALL = "torch/nn/modules/module.py"  # `_call_impl` / `inner`: a module's call, not forward
+_EMPTY_OPS = {"aten::empty", "aten::empty_like", "aten::new_empty", "aten::empty_strided"}
 
 
 def moe_layer_frame(frames: list[Frame]) -> Frame | None:
@@ -138,26 +139,35 @@ def moe_layer_frame(frames: list[Frame]) -> Frame | None:
         next((f for f in frames if _MOE_FILE.search(f.filename)), None)
 
 
-def _layer_file(frames: list[Frame], layer: Frame) -> str | None:
-    """The file of an MoE module frame's own `forward` (the first Python frame inside the
-    recorder's `<nn.Module>` frame past `Module.__call__`'s), None for a file-matched layer."""
-    if layer.filename != "<nn.Module>":
+def _forward_of(frames: list[Frame], module: Frame) -> int | None:
+    """The index of a recorder's `<nn.Module>` frame's own `forward` in `frames` (the first
+    Python frame inside it past `Module.__call__`'s), None for any other frame."""
+    if module.filename != "<nn.Module>":
         return None
-    i = next(i for i, f in enumerate(frames) if f is layer)
-    return next((f.filename for f in reversed(frames[:i]) if not f.filename.startswith("<") and
-                 not f.filename.replace("\\", "/").endswith(_MODULE_CALL)), None)
+    i = next(i for i, f in enumerate(frames) if f is module)
+    return next((j for j in range(i - 1, -1, -1) if not frames[j].filename.startswith("<") and
+                 not frames[j].filename.replace("\\", "/").endswith(_MODULE_CALL)), None)
 
 
 def _moe_category(frames: list[Frame]) -> tuple[Category, bool] | None:
     """(moe.dispatch_buffer / moe.combine_buffer, whether only an exchange says so) for a stack
     under an MoE layer, else None. An MoE implementation's file is one whose name says so or the
     file of the MoE module's own `forward` (a script's `SwitchMoE` and the all-to-all Function
-    written beside it: the file's name need not say MoE)."""
+    written beside it: the file's name need not say MoE). An uninitialized buffer (`empty`,
+    `empty_like`, `new_empty`: an op frame of a CPU recording or of `stacks="all"`) the outermost
+    MoE module's own `forward` makes is an exchange's output: the layer allocates what an
+    all-to-all then fills (`torch.distributed.nn.functional.all_to_all_single(out, x)`); a
+    buffer the layer fills itself starts zeroed (its padding must hold zeros)."""
     layer = moe_layer_frame(frames)
     if layer is None:
         return None
-    own = _layer_file(frames, layer)
-    a2a = False
+    own = _forward_of(frames, layer)
+    own_file = frames[own].filename if own is not None else None
+    outer = next((f for f in reversed(frames) if f.filename == "<nn.Module>" and
+                  _MOE_MODULE.search(f.name)), None)
+    top = _forward_of(frames, outer) if outer is not None else None
+    inner = next((j for j, f in enumerate(frames) if not f.filename.startswith("<")), None)
+    a2a = top is not None and top == inner and top > 0 and frames[top - 1].name in _EMPTY_OPS
     py = [f for f in frames if not f.filename.startswith("<")]  # innermost first
     for i, f in enumerate(py):
         fn = f.filename.replace("\\", "/")
@@ -165,7 +175,7 @@ def _moe_category(frames: list[Frame]) -> tuple[Category, bool] | None:
                 ("distributed/distributed_c10d.py", "distributed/_functional_collectives.py")):
             a2a = True
             continue
-        if not (f.filename == own or _MOE_FILE.search(fn)):
+        if not (f.filename == own_file or _MOE_FILE.search(fn)):
             continue
         if f.name == "forward" and i + 1 < len(py) and py[i + 1].name == "apply" and \
                 py[i + 1].filename.replace("\\", "/").endswith("torch/autograd/function.py"):

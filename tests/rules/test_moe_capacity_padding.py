@@ -265,15 +265,19 @@ def test_einsum_dispatch_is_read_from_its_output_tokens(cf, extra):
         assert f.evidence["capacity_factor_seen"] == pytest.approx(shown, abs=1e-3)
 
 
-# A Switch MoE written by hand (tests/switch_a2a.py: top-1 over 8 experts at cf 1.25, the exchange
-# a hand-written `_AllToAll` autograd Function over c10d's `all_to_all_single` into an output it
-# allocates, beside the layer in a file whose name says nothing of MoE): the layer's own file is
-# the MoE's. Before: nothing named, no verdict (the twin's peak 9% lower); measured +0.21% and
-# +0.20% against the cf 1.0 twin.
+# A Switch MoE written by hand (tests/switch_a2a.py: top-1 over 8 experts at cf 1.25, in a file
+# whose name says nothing of MoE), its exchange a hand-written `_AllToAll` autograd Function over
+# c10d's `all_to_all_single` into an output it allocates, beside the layer (the layer's own file
+# is the MoE's), or torch's autograd-aware `torch.distributed.nn.functional.all_to_all_single`
+# into an output the layer's forward allocates (`empty_like`: an exchange's output). Before:
+# nothing named, no verdict (the twin's peak 9% lower); measured +0.21% and +0.20% against the
+# cf 1.0 twin, both ways.
 @slow
-def test_a_hand_written_exchange_beside_the_layer_is_the_moes():
-    for (path, truth), (twin_path, twin_truth) in zip(
-            _script_run("switch_a2a.py", "1.25", ()), _script_run("switch_a2a.py", "1.0", ())):
+@pytest.mark.parametrize("exchange", ("function", "nn"))
+def test_a_hand_written_exchange_beside_the_layer_is_the_moes(exchange):
+    extra = ("--exchange", exchange)
+    for (path, truth), (twin_path, twin_truth) in zip(_script_run("switch_a2a.py", "1.25", extra),
+                                                      _script_run("switch_a2a.py", "1.0", extra)):
         calls = truth["calls"]  # the last step's; the run takes three
         c, t = calls[0], twin_truth["calls"][0]
         assert c["experts"] * c["capacity"] > c["tokens"]  # the run pads
