@@ -13,6 +13,8 @@ Drop-and-pad at `capacity = ceil(cf * tokens * k / experts)`. Two ways of writin
 - `--order gather-first`: the routed rows gathered first (`x[token]`, route by route), then the
   zero-filled buffer filled in place (`index_copy_`); the combine assigns into the routed rows
   in place.
+- `--order gather-kept`: only the rows the capacity keeps gathered (`x[kept // k]`, a size that
+  moves with the routing), then put into the zero-filled buffer as gather-first does.
 `--combine index-add` adds the kept rows, weighted, straight into their tokens (no block of the
 routed rows on the way back). `--names plain` names the layer `RoutedFFN` and its experts
 `FFNBank` (no MoE word in a class: only this file's name says MoE), `hf` names them
@@ -75,10 +77,14 @@ class Routed(nn.Module):
             buf = x.new_zeros(self.E * C, D)
             routed = x.repeat_interleave(self.k, 0)
             buf = buf.index_put((slot,), routed[keep])
-        else:
+        elif self.order == "gather-first":
             routed = x[torch.arange(N * self.k) // self.k]
             buf = routed.new_zeros(self.E * C, D)
             buf.index_copy_(0, slot, routed[kept])
+        else:  # gather-kept: only the rows the capacity kept (a block that moves with routing)
+            routed = x[kept // self.k]
+            buf = routed.new_zeros(self.E * C, D)
+            buf.index_copy_(0, slot, routed)
         splits = [self.local * C] * self.world
         recv = all_to_all_single_autograd(buf, splits, splits, self.group)
         h = recv.view(self.world, self.local, C, D).transpose(0, 1).reshape(self.local, -1, D)
@@ -121,7 +127,8 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--order", choices=("zeros-first", "gather-first"), default="zeros-first")
+    p.add_argument("--order", choices=("zeros-first", "gather-first", "gather-kept"),
+                   default="zeros-first")
     p.add_argument("--combine", choices=("rows", "index-add"), default="rows")
     p.add_argument("--names", choices=("hf", "plain"), default="hf")
     p.add_argument("--fsdp", action="store_true")

@@ -240,6 +240,23 @@ def test_inline_dispatch_is_read_from_the_layers_own_blocks(cf, extra):
         assert f.evidence["capacity_factor_seen"] == pytest.approx(shown, abs=1e-3)
 
 
+# A dispatch that gathers only the rows the capacity keeps and a combine that adds them straight
+# into the tokens (tests/inline_moe.py --order gather-kept --combine index-add; top-2 over 32
+# experts, so a cf 1.0 capacity drops routes): no block holds the routed rows, and the kept rows
+# read as the routed ones made the cf 1.0 run (nothing padded: experts x capacity = tokens x k)
+# a padded one (cf seen 1.45, anomalous). The routed rows have a static shape; the kept rows move
+# with the routing, between the calls: such calls are left unsaid.
+@slow
+def test_kept_rows_that_move_with_the_routing_are_not_read_as_the_routed_ones():
+    extra = ("--order", "gather-kept", "--combine", "index-add", "--experts", "32")
+    for path, truth in _script_run("inline_moe.py", "1.0", extra):
+        calls = truth["calls"]
+        assert all(c["experts"] * c["capacity"] == c["tokens"] * c["k"] for c in calls)
+        kept = {sum(c["kept"]) for c in calls}
+        assert len(kept) > 1 and max(kept) < calls[0]["tokens"] * calls[0]["k"]  # drops, moving
+        assert _finding(sf.diagnose(path)) is None
+
+
 # GShard's einsum MoE (tests/einsum_moe.py: DeepSpeed's MOELayer before 0.19, fairscale): no
 # tensor holds the routed rows; the padding lives in the [tokens, experts, capacity] combine
 # weights and dispatch mask as much as in the exchanged buffer. Top-2 over 8 experts at cf 1.5,

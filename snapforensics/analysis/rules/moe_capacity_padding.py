@@ -22,6 +22,9 @@ among them; without op frames that buffer reads as the routed rows and the call 
 GShard's einsum dispatch (DeepSpeed's MOELayer before 0.19, fairscale) has no routed-rows tensor
 at all: its layer's output holds the tokens, and its gating function's name the routes each
 takes (`_einsum_call`).
+The routed rows have a static shape (tokens x k): where the size read for them moves between the
+calls of one padded size, it is the rows some routing kept (a dispatch that gathers the kept
+rows only), r is not seen and those calls are left unsaid.
 Their ratio r = routed / padded is 1/cf up to the capacity's rounding; r < 1 is padding (at
 cf = 1.0 with E dividing tokens * k the buffers are the permuted tokens' size: nothing beyond
 the routed rows). A dispatcher that pads
@@ -209,6 +212,7 @@ def _padding(d: DeviceAnalysis) -> tuple[list[tuple[int, int, int]], list[int], 
             order.append(rows[np.argsort(lt.alloc_row[rows], kind="stable")])
         return _layer_run(d, order[0], disp, comb)
 
+    reads = []  # per call: (dispatch, combine, layer run, padded size, its blocks, routed)
     for disp, comb in _calls(d):
         run = None  # the layer's own blocks around the call, read once if it needs them
         if int((lt.size[disp] == lt.size[disp].max()).sum()) < 2:
@@ -244,7 +248,18 @@ def _padding(d: DeviceAnalysis) -> tuple[list[tuple[int, int, int]], list[int], 
         wide = np.flatnonzero(sizes >= big / 4)
         first = next((int(sizes[i]) for i in wide.tolist()
                       if not _zero_filled(d, int(disp[i]))), big)
-        routed = max([first, *rest])
+        reads.append((disp, comb, run, big, call, big_like, max([first, *rest])))
+    # the routed rows have a static shape (tokens x k): a size that moves between the calls of
+    # one padded size is the rows some routing kept (a dispatch that gathers the kept rows
+    # only, and a combine that adds them back: at cf 1.0 with dropped tokens they read as
+    # padding); r is not seen there, and those calls are left unsaid
+    seen: dict[int, set[int]] = {}
+    for *_, big, _, _, routed in reads:
+        if routed < big:
+            seen.setdefault(big, set()).add(routed)
+    for disp, comb, run, big, call, big_like, routed in reads:
+        if routed < big and len(seen[big]) > 1:
+            continue
         r, gating = routed / big, list[int]()
         if r >= 1:  # no routed rows: an einsum dispatch's are its output's tokens x k
             einsum = _einsum_call(d, run or layer_run(disp, comb), big)
