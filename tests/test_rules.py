@@ -105,8 +105,11 @@ def test_every_rule_has_its_test_module():
 
 def test_every_rule_has_its_docs_line():
     """One row of docs/rules.md's table per rule, whose verdict column names its verdicts."""
-    rows = {m.group(1): m.group(2) for m in
-            re.finditer(r"^\| `([a-z_]+\.[a-z_]+)` \| ([^|]+) \|", DOCS.read_text(), re.M)}
+    found = [(m.group(1), m.group(2)) for m in
+             re.finditer(r"^\| `([a-z_]+\.[a-z_]+)` \| ([^|]+) \|", DOCS.read_text(), re.M)]
+    rows = dict(found)
+    names = [r for r, _ in found]
+    assert len(rows) == len(found), sorted({r for r in names if names.count(r) > 1})
     assert set(rows) == set(BY_ID), set(rows) ^ set(BY_ID)
     for rid, cell in rows.items():
         said = {v for v in Verdict if re.search(rf"\b{v.value}\b", cell)}
